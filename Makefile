@@ -1,0 +1,31 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# PyPI's Linux torch wheel is the CUDA build; on a machine with a local CPU wheel pip takes that one.
+TORCH  ?= torch==2.13.0
+export TRITON_DEFAULT_FP_FUSION ?= 1
+
+.PHONY: demo test bench bench-quick test-integrations clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,train]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m bench --quick
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) -m bench
+
+bench-quick: $(VENV)/.installed
+	$(PY) -m bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

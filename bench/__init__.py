@@ -1,0 +1,1 @@
+"""Microbenchmarks: rlkernels against eager PyTorch, torch.compile and peers. Run ``python -m bench``."""

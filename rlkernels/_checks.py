@@ -1,0 +1,68 @@
+"""Input validation shared by the public functions: clear errors that name the argument.
+
+Every check here is a host-side look at shapes, dtypes and devices: none syncs the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def floating(x, name: str) -> torch.Tensor:
+    tensor(x, name)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    return x
+
+
+def integer(x, name: str) -> torch.Tensor:
+    tensor(x, name)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+    return x
+
+
+def mask(x, name: str = "mask") -> torch.Tensor:
+    tensor(x, name)
+    if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int32, torch.int64):
+        raise TypeError(f"{name} must be bool or 0/1 numeric, got {x.dtype}")
+    return x
+
+
+def same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+
+
+def same_device(*named: tuple[torch.Tensor | None, str]) -> torch.device:
+    present = [(t, n) for t, n in named if t is not None]
+    first, first_name = present[0]
+    for t, n in present[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{n} is on {t.device} but {first_name} is on {first.device}: all tensors must share one device")
+    return first.device
+
+
+def positive(value: float, name: str) -> float:
+    if not value > 0:  # also rejects NaN
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def choice(value: str, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+def rank(x: torch.Tensor, name: str, dims: int) -> torch.Tensor:
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
+    return x

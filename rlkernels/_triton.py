@@ -1,0 +1,74 @@
+"""Triton kernels that run compiled on CUDA tensors and interpreted on CPU tensors.
+
+Triton picks interpreter or compiler once, when ``@triton.jit`` runs
+(``TRITON_INTERPRET`` at import time). rlkernels needs both in one process:
+compiled kernels for CUDA tensors and for the ahead-of-time compile tests,
+the interpreter for ``RLKERNELS_BACKEND=triton`` on CPU tensors. ``jit``
+returns a ``JITFunction`` (so the compiler and ``triton.compile`` accept it)
+that also knows how to run under the interpreter.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional at import time: the package works without it on CPU
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    HAS_TRITON = True
+except Exception as _error:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAS_TRITON = False
+    TRITON_IMPORT_ERROR = _error
+
+
+if HAS_TRITON:
+
+    class DualJITFunction(JITFunction):
+        """A ``@triton.jit`` function that can also be interpreted on CPU tensors."""
+
+        def __init__(self, fn, **kwargs):
+            super().__init__(fn, **kwargs)
+            self._interpreted = None
+
+        @property
+        def interpreted(self) -> "InterpretedFunction":
+            if self._interpreted is None:
+                self._interpreted = InterpretedFunction(self.fn)
+            return self._interpreted
+
+        def __call__(self, *args, **kwargs):
+            # Reached only when an interpreted kernel calls this as a device
+            # function; compiled kernels inline it without calling Python.
+            return self.interpreted(*args, **kwargs)
+
+        def launch(self, grid, *args, **kwargs):
+            """Launch on ``grid``: compiled when the first tensor argument is on
+            CUDA, interpreted when it is on the CPU."""
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            if device is None:
+                device = next(a.device for a in kwargs.values() if isinstance(a, torch.Tensor))
+            if device.type == "cpu":
+                return self.interpreted[grid](*args, **kwargs)
+            return self[grid](*args, **kwargs)
+
+    def jit(fn=None, **kwargs):
+        """Drop-in for ``triton.jit`` returning a :class:`DualJITFunction`."""
+        if fn is None:
+            return lambda f: DualJITFunction(f, **kwargs)
+        return DualJITFunction(fn, **kwargs)
+
+else:  # pragma: no cover
+
+    def jit(fn=None, **kwargs):
+        def wrap(f):
+            def missing(*a, **k):
+                raise RuntimeError(f"triton is not installed ({TRITON_IMPORT_ERROR}); use RLKERNELS_BACKEND=torch")
+
+            missing.launch = missing
+            return missing
+
+        return wrap if fn is None else wrap(fn)

@@ -1,0 +1,298 @@
+"""The eager PyTorch formulas that define what every rlkernels op means.
+
+Written the way a user would write them, materializing whatever they need.
+Every function is dtype-generic: float64 inputs compute in float64 (that is
+how the tests get the truth); any other float dtype computes in float32, as
+the fused ops do. Shapes: ``B`` sequences, ``T`` tokens, ``V`` vocabulary,
+``H`` hidden size, ``N`` sequences or tokens, ``...`` any leading shape.
+"""
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+GROUP_MODES = ("grpo", "dr_grpo", "rloo")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (for the truth); everything else computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    return x.to(compute_dtype(x))
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+def logprobs(
+    logits: torch.Tensor,  # [..., V]
+    labels: torch.Tensor,  # [...] int
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    """``log_softmax(logits / T)[labels]`` (and the entropy of that softmax); 0 where ``labels == ignore_index``."""
+    z = _up(logits) / temperature  # [..., V]
+    logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
+    valid = labels != ignore_index  # [...]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [...]
+    logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [...]
+    logp = torch.where(valid, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+    return logp, entropy
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [V, H]
+    labels: torch.Tensor,  # [...]
+    *,
+    bias: torch.Tensor | None = None,  # [V]
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    """:func:`logprobs` of ``hidden @ weight.T + bias``, with the product accumulated in the compute dtype."""
+    dtype = compute_dtype(hidden)
+    logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return logprobs(logits, labels, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3, or |logp - ref|)."""
+    logp, ref_logp = _up(logp), _up(ref_logp)
+    diff = logp - ref_logp  # [...]
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        return torch.exp(-diff) + diff - 1.0  # exp(ref - logp) - (ref - logp) - 1
+    if estimator == "abs":
+        return diff.abs()
+    raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``Σ x·m / Σ m``; 0 when the mask is empty."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_length: int | None = None) -> torch.Tensor:
+    """Reduce per-token ``x`` [B, T] to a scalar; see README's table of ``agg`` modes.
+
+    Empty masks give 0, never NaN: ``token-mean`` divides by ``max(Σ m, 1)`` and
+    ``seq-mean-token-mean`` averages only the sequences that have a token.
+    """
+    m = mask.to(x.dtype)  # [B, T]
+    B, T = x.shape
+    if agg == "token-mean":
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+    if agg == "seq-mean-token-mean":
+        tokens = m.sum(-1)  # [B]
+        per_seq = (x * m).sum(-1) / tokens.clamp(min=1.0)  # [B]
+        has_tokens = (tokens > 0).to(x.dtype)  # [B]
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    if agg == "seq-mean-token-sum":
+        return (x * m).sum(-1).mean()
+    if agg == "seq-mean-token-sum-norm":
+        length = T if norm_length is None else norm_length
+        return (x * m).sum() / (B * length)
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, T] or [B]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio: str = "token",
+    ref_logp: torch.Tensor | None = None,  # [B, T]
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: torch.Tensor | None = None,  # [B, T]
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    norm_length: int | None = None,
+):
+    """PPO/GRPO clipped surrogate with optional dual clip, GSPO sequence ratio, KL and entropy terms.
+
+    Returns ``(loss, metrics)``; metrics are detached 0-d tensors.
+    """
+    logp, old_logp = _up(logp), _up(old_logp)
+    m = mask.to(logp.dtype)  # [B, T]
+    adv = _up(advantages)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)  # [B, 1]
+    adv = adv.expand_as(logp)  # [B, T]
+    log_ratio = logp - old_logp  # [B, T]
+    if ratio == "token":
+        r = torch.exp(log_ratio)  # [B, T]
+    elif ratio == "sequence":
+        seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
+        r = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(logp)  # [B, T]
+    else:
+        raise ValueError(f"ratio must be 'token' or 'sequence', got {ratio!r}")
+    high = clip_low if clip_high is None else clip_high
+    pg_unclipped = -adv * r  # [B, T]
+    pg_clipped = -adv * torch.clamp(r, 1.0 - clip_low, 1.0 + high)  # [B, T]
+    pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+    x = pg
+    metrics = {}
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_estimator)  # [B, T]
+        x = x + kl_coef * kl
+        metrics["kl"] = masked_mean(kl, m)
+    if entropy is not None:
+        ent = _up(entropy)
+        x = x - entropy_coef * ent
+        metrics["entropy"] = masked_mean(ent, m)
+    loss = aggregate(x, m, agg, norm_length)
+    metrics["clipfrac"] = masked_mean((pg_clipped > pg_unclipped).to(x.dtype), m)
+    metrics["approx_kl"] = masked_mean(old_logp - logp, m)
+    metrics["ratio_mean"] = masked_mean(r, m)
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def value_loss(
+    values: torch.Tensor,  # [B, T]
+    old_values: torch.Tensor,  # [B, T]
+    returns: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    clip: float | None = None,
+    agg: str = "token-mean",
+):
+    """Clipped (or plain) squared-error value loss. Returns ``(loss, metrics)``."""
+    v, old, ret = _up(values), _up(old_values), _up(returns)
+    m = mask.to(v.dtype)
+    unclipped = (v - ret).square()  # [B, T]
+    metrics = {}
+    if clip is None:
+        per_token = 0.5 * unclipped
+        metrics["clipfrac"] = torch.zeros((), dtype=v.dtype, device=v.device)
+    else:
+        v_clipped = old + torch.clamp(v - old, -clip, clip)  # [B, T]
+        clipped = (v_clipped - ret).square()  # [B, T]
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        metrics["clipfrac"] = masked_mean((clipped > unclipped).to(v.dtype), m)
+    loss = aggregate(per_token, m, agg)
+    metrics["values_mean"] = masked_mean(v, m)
+    return loss, {k: t.detach() for k, t in metrics.items()}
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def gae(
+    rewards: torch.Tensor,  # [B, T]
+    values: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+):
+    """Generalized advantage estimation by the reverse recursion, one Python step per token.
+
+    Masked positions are transparent: the chain skips them. Past the last valid
+    token the next value is 0. Returns ``(advantages, returns)``; only positions
+    with ``mask = 1`` are specified (the reference writes 0 advantage elsewhere).
+    """
+    r, v = _up(rewards), _up(values)
+    valid = mask.bool()  # [B, T]
+    B, T = r.shape
+    next_value = torch.zeros(B, dtype=r.dtype, device=r.device)  # [B]
+    next_adv = torch.zeros(B, dtype=r.dtype, device=r.device)  # [B]
+    advantages = torch.zeros_like(r)  # [B, T]
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]
+        adv_t = delta + gamma * lam * next_adv  # [B]
+        m = valid[:, t]
+        advantages[:, t] = torch.where(m, adv_t, torch.zeros_like(adv_t))
+        next_value = torch.where(m, v[:, t], next_value)
+        next_adv = torch.where(m, adv_t, next_adv)
+    return advantages, advantages + v
+
+
+def group_advantages(
+    scores: torch.Tensor,  # [N]
+    group_size: int | None = None,
+    *,
+    index: torch.Tensor | None = None,  # [N] int group ids
+    mode: str = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-relative advantages of sequence scores: one group at a time.
+
+    ``grpo``: ``(s - mean) / (std + eps)`` (unbiased std); ``dr_grpo``: ``s - mean``;
+    ``rloo``: ``s - mean of the other members``. A group of one sample, and every
+    member of a group whose scores are all equal, gets exactly 0.
+    """
+    s = _up(scores)
+    N = s.shape[0]
+    if (group_size is None) == (index is None):
+        raise ValueError("give exactly one of group_size or index")
+    if index is None:
+        ids = torch.arange(N, device=s.device) // group_size  # [N]
+    else:
+        ids = index
+    out = torch.zeros_like(s)  # [N]
+    for gid in torch.unique(ids).tolist():
+        members = (ids == gid).nonzero().squeeze(-1)  # [n]
+        g = s[members]  # [n]
+        n = g.numel()
+        if n == 1 or bool((g == g[0]).all()):
+            continue  # exactly 0
+        mean = g.mean()
+        if mode == "grpo":
+            out[members] = (g - mean) / (g.std(unbiased=True) + eps)
+        elif mode == "dr_grpo":
+            out[members] = g - mean
+        elif mode == "rloo":
+            out[members] = g - (g.sum() - g) / (n - 1)
+        else:
+            raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
+    return out
+
+
+def masked_whiten(
+    x: torch.Tensor,  # [...]
+    mask: torch.Tensor,  # [...]
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """``(x - μ) · rsqrt(var + eps)`` with the masked mean and unbiased masked variance.
+
+    All positions are transformed; only the masked ones enter the statistics.
+    With fewer than two masked entries the variance is taken as 0. With
+    ``shift_mean=False`` the mean is added back.
+    """
+    xf = _up(x)
+    m = mask.to(xf.dtype)
+    count = m.sum()
+    mean = (xf * m).sum() / count.clamp(min=1.0)
+    var = ((xf - mean).square() * m).sum() / (count - 1.0).clamp(min=1.0)
+    out = (xf - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out

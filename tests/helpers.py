@@ -1,0 +1,85 @@
+"""Shared test helpers: tolerances (stated once, per dtype), truth comparisons, backends."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Relative error ‖out − truth‖ / ‖truth‖ allowed against the float64 reference,
+# by the dtype of the inputs. Outputs are float32 whatever the input dtype, so
+# the bound is set by how the inputs were rounded, not by the kernel.
+REL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# A kernel must be at least as close to the truth as eager PyTorch in the same
+# dtype: its error may exceed eager's only by this factor (plus a float32 floor).
+EAGER_SLACK = 1.5
+FLOOR = 1e-6
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def backends(device: str) -> list[str]:
+    """Every backend the machine can run for ``device`` (triton on CPU = interpreter)."""
+    out = ["reference", "torch"]
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+
+        out.append("triton")
+    return out
+
+
+@contextlib.contextmanager
+def forced_backend(name: str | None):
+    """Force ``RLKERNELS_BACKEND`` for the duration of a block."""
+    old = os.environ.get("RLKERNELS_BACKEND")
+    if name is None:
+        os.environ.pop("RLKERNELS_BACKEND", None)
+    else:
+        os.environ["RLKERNELS_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RLKERNELS_BACKEND", None)
+        else:
+            os.environ["RLKERNELS_BACKEND"] = old
+
+
+def rel_error(out: torch.Tensor, truth: torch.Tensor) -> float:
+    out, truth = out.detach().double().cpu(), truth.detach().double().cpu()
+    if torch.isnan(out).any() or torch.isnan(truth).any():
+        return float("inf") if not torch.equal(torch.isnan(out), torch.isnan(truth)) else rel_error(
+            torch.nan_to_num(out), torch.nan_to_num(truth)
+        )
+    denom = truth.norm().item()
+    num = (out - truth).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_close_to_truth(out, truth, dtype, *, eager=None, name="output", tol=None):
+    """``out`` is within the dtype's tolerance of the float64 ``truth`` and, when
+    ``eager`` (PyTorch in the same input dtype) is given, not meaningfully worse than it."""
+    assert out.shape == truth.shape, f"{name}: shape {tuple(out.shape)} != {tuple(truth.shape)}"
+    err = rel_error(out, truth)
+    bound = REL_TOL[dtype] if tol is None else tol
+    assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.1e} ({dtype})"
+    if eager is not None:
+        eager_err = rel_error(eager, truth)
+        assert err <= EAGER_SLACK * eager_err + FLOOR, (
+            f"{name}: relative error {err:.3e} is worse than eager PyTorch's {eager_err:.3e} ({dtype})"
+        )
+    return err
+
+
+def noncontiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same values as ``x``, as a non-contiguous slice of a wider tensor."""
+    wide = torch.empty(*x.shape[:-1], x.shape[-1] * 2 + 3, dtype=x.dtype, device=x.device)
+    wide.normal_()
+    view = wide[..., 1 : 1 + 2 * x.shape[-1] : 2]
+    view.copy_(x)
+    assert not view.is_contiguous()
+    return view
