@@ -1,0 +1,59 @@
+"""Package-level behaviour: cheap import, backend selection, the CPU memory meter."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlkernels import _backend, _memory
+
+
+def test_import_is_cheap():
+    code = "import sys, rlkernels; bad = [m for m in ('transformers', 'triton') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"import rlkernels imported {result.stdout.strip()}"
+
+
+def test_public_names_resolve():
+    import rlkernels
+
+    for name in rlkernels.__all__:
+        assert callable(getattr(rlkernels, name)), name
+    with pytest.raises(AttributeError):
+        rlkernels.not_an_op  # noqa: B018
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("RLKERNELS_BACKEND", raising=False)
+    assert _backend.select(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("RLKERNELS_BACKEND", "reference")
+    assert _backend.select(torch.device("cpu")) == "reference"
+    monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
+    assert _backend.select(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("RLKERNELS_BACKEND", "csrc")  # an op without a csrc kernel keeps its default
+    assert _backend.select(torch.device("cpu"), supported=("reference", "torch", "triton")) == "torch"
+    monkeypatch.setenv("RLKERNELS_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="RLKERNELS_BACKEND"):
+        _backend.select(torch.device("cpu"))
+
+
+def test_cpu_memory_meter_counts_what_is_allocated():
+    x = torch.randn(256, 1000)
+    one_copy = 256 * 1000 * 4
+    report = _memory.measure_cpu(lambda: x * 2)
+    assert report.largest_bytes == one_copy
+    assert one_copy <= report.peak_bytes < 2 * one_copy
+
+    def two_live():
+        a = x * 2
+        b = x * 3
+        return a + b
+
+    assert _memory.measure_cpu(two_live).peak_bytes >= 3 * one_copy
+
+    def chained():
+        for _ in range(4):
+            y = x * 2  # each freed before the next is made
+            del y
+
+    assert _memory.measure_cpu(chained).peak_bytes < 2 * one_copy
