@@ -191,7 +191,9 @@ def value_loss(
         per_token = 0.5 * unclipped
         metrics["clipfrac"] = torch.zeros((), dtype=v.dtype, device=v.device)
     else:
-        v_clipped = old + torch.clamp(v - old, -clip, clip)  # [B, T]
+        # clamp(v, old ± clip) is v exactly inside the range; old + clamp(v - old) is not (rounding),
+        # which made clipfrac count unclipped tokens
+        v_clipped = torch.clamp(v, old - clip, old + clip)  # [B, T]
         clipped = (v_clipped - ret).square()  # [B, T]
         per_token = 0.5 * torch.maximum(unclipped, clipped)
         metrics["clipfrac"] = masked_mean((clipped > unclipped).to(v.dtype), m)
