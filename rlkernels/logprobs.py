@@ -1,0 +1,507 @@
+"""Log-probabilities (and entropy) of chosen tokens from logits, without an ``[N, V]`` float32 copy.
+
+``logprobs(logits, labels)`` is ``log_softmax(logits.float() / T).gather(-1, labels)``
+(see :func:`rlkernels.reference.logprobs`). Eager PyTorch materializes the
+float32 log-softmax (and, for the entropy, the probabilities) of every row;
+here each row is reduced in vocabulary blocks:
+
+- forward: one read of the row, an online log-sum-exp and an online
+  ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``), giving
+  ``lse = m + log s`` and ``H = log s - w / s``. Only ``lse`` and ``H`` (O(N))
+  are kept for the backward.
+- backward: one more read of the row, one write of ``dlogits`` in the logits
+  dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T``, with
+  ``1 - p_y`` formed as ``-expm1(log p_y)``.
+
+Backends: ``triton`` (CUDA; Triton's interpreter on CPU tensors), ``torch``
+(chunked over rows so a chunk's float32 workspace stays small), ``reference``
+(the eager formulas, through autograd).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernels import _backend, _checks, reference
+from rlkernels._aot import KernelConfig
+from rlkernels._triton import HAS_TRITON, jit, tl
+
+# ---------------------------------------------------------------- Triton kernels
+
+if HAS_TRITON:
+
+    # Reductions through tl.reduce with the standard library's combine functions:
+    # tl.max/tl.sum are plain triton.jit functions, which the interpreter cannot
+    # call from a kernel, while tl.reduce with these combiners runs compiled and,
+    # interpreted, takes numpy's fast path.
+    @jit
+    def _block_max(x):
+        return tl.reduce(x, 0, tl.standard._elementwise_max)
+
+    @jit
+    def _block_sum(x):
+        return tl.reduce(x, 0, tl.standard._sum_combine)
+
+    @jit
+    def _expm1(x):
+        """``exp(x) - 1`` without cancellation near 0: a degree-9 Taylor polynomial for |x| < 0.5
+        (truncation error below 1e-9 relative), ``exp(x) - 1`` elsewhere (no cancellation there)."""
+        small = tl.abs(x) < 0.5
+        xs = tl.where(small, x, 0.0)
+        poly = 1.0 + xs / 9.0
+        poly = 1.0 + xs / 8.0 * poly
+        poly = 1.0 + xs / 7.0 * poly
+        poly = 1.0 + xs / 6.0 * poly
+        poly = 1.0 + xs / 5.0 * poly
+        poly = 1.0 + xs / 4.0 * poly
+        poly = 1.0 + xs / 3.0 * poly
+        poly = 1.0 + xs / 2.0 * poly
+        return tl.where(small, xs * poly, tl.exp(x) - 1.0)
+
+    @jit
+    def _logprobs_fwd_kernel(
+        logits_ptr,  # [O, I, V] rows at outer/inner strides, last stride 1; fp32/bf16/fp16
+        labels_ptr,  # [N] int64, N = O * I
+        logp_ptr,  # [N] fp32
+        entropy_ptr,  # [N] fp32
+        lse_ptr,  # [N] fp32, saved for the backward
+        stride_outer,
+        stride_inner,
+        inner,  # I: rows per outer index
+        V,
+        inv_temp,  # 1 / temperature
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+        label = tl.load(labels_ptr + row)
+        valid = label != ignore_index
+        in_range = (label >= 0) & (label < V)
+        # ignored rows run zero iterations: their logits are never read
+        v_end = tl.where(valid, V, 0)
+        cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        m = tl.full([], float("-inf"), tl.float32)  # running max of z
+        s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m)
+        w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
+        for start in range(0, v_end, BLOCK_V):
+            offs = start + cols  # [BLOCK_V]
+            z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp  # [BLOCK_V]
+            m_new = tl.maximum(m, _block_max(z))
+            # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            d = z - m_safe  # [BLOCK_V]
+            e = tl.exp(d)  # [BLOCK_V]
+            # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
+            shift = tl.where(alpha > 0, m - m_safe, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
+            w = alpha * (w + shift * s)
+            w += _block_sum(tl.where(e > 0, e * d, 0.0))
+            s = alpha * s + _block_sum(e)
+            m = m_new
+        s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
+        m = tl.where(valid, m, 0.0)
+        log_s = tl.log(s)
+        lse = m + log_s
+        entropy = log_s - w / s
+        # the chosen logit, read in float32 from the row itself; never read out of bounds
+        safe_label = tl.where(valid & in_range, label, 0)
+        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
+        logp = z_y - lse
+        bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
+        logp = tl.where(bad, float("nan"), logp)
+        entropy = tl.where(bad, float("nan"), entropy)
+        lse = tl.where(bad, float("nan"), lse)
+        tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
+        tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+
+    @jit
+    def _logprobs_bwd_kernel(
+        logits_ptr,  # [O, I, V] as in the forward
+        labels_ptr,  # [N] int64
+        lse_ptr,  # [N] fp32
+        entropy_ptr,  # [N] fp32
+        g_logp_ptr,  # [N] fp32
+        g_entropy_ptr,  # [N] fp32
+        dlogits_ptr,  # [N, V] contiguous, the logits dtype
+        stride_outer,
+        stride_inner,
+        inner,
+        V,
+        inv_temp,
+        ignore_index,
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+        out_ptr = dlogits_ptr + row * V
+        label = tl.load(labels_ptr + row)
+        valid = label != ignore_index
+        in_range = (label >= 0) & (label < V)
+        lse = tl.load(lse_ptr + row)
+        ent = tl.load(entropy_ptr + row)
+        g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
+        g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
+        safe_label = tl.where(valid & in_range, label, 0)
+        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
+        one_minus_p_y = -_expm1(z_y - lse)  # 1 - p_y without cancellation when p_y ≈ 1
+        v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
+        cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols  # [BLOCK_V]
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=offs < v_read, other=0.0).to(tl.float32)  # [BLOCK_V]
+            logp = x * inv_temp - lse  # [BLOCK_V]
+            p = tl.exp(logp)  # [BLOCK_V]
+            # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf)
+            d_ent = -g_ent * tl.where(p > 0, p * (logp + ent), 0.0)  # [BLOCK_V]
+            d = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent
+            d = tl.where(valid, d * inv_temp, 0.0)
+            if dlogits_ptr.dtype.element_ty == tl.bfloat16:
+                # round to nearest even in the bits, so the cast below is exact: the GPU
+                # rounds that way anyway, Triton's interpreter would truncate (2x the error)
+                bits = d.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                d = bits.to(tl.float32, bitcast=True)
+            tl.store(out_ptr + offs, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class LogprobsOptions:
+    """The non-tensor options of one call."""
+
+    temperature: float = 1.0
+    ignore_index: int = -100
+    return_entropy: bool = False
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_v: int
+    num_warps: int
+    num_stages: int
+
+
+# The launcher picks from this fixed set only (by V); aot_configs() compiles each one.
+_SMALL_V = _LaunchConfig(block_v=1024, num_warps=4, num_stages=2)  # V <= 1024: one block per row
+_LARGE_V = _LaunchConfig(block_v=4096, num_warps=8, num_stages=2)  # 16 elements per thread per block
+_LAUNCH_CONFIGS = (_SMALL_V, _LARGE_V)
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# Float32 workspace per chunk of rows in the torch backend: a few [rows, V] buffers of this size.
+_CHUNK_BYTES = 8 << 20
+
+
+def _launch_config(V: int) -> _LaunchConfig:
+    return _SMALL_V if V <= _SMALL_V.block_v else _LARGE_V
+
+
+def _fwd_signature(dtype: str) -> dict:
+    return {
+        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
+        "lse_ptr": "*fp32", "stride_outer": "i64", "stride_inner": "i64", "inner": "i32", "V": "i32",
+        "inv_temp": "fp32", "ignore_index": "i64", "BLOCK_V": "constexpr",
+    }  # fmt: skip
+
+
+def _bwd_signature(dtype: str) -> dict:
+    return {
+        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
+        "g_logp_ptr": "*fp32", "g_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "stride_outer": "i64",
+        "stride_inner": "i64", "inner": "i32", "V": "i32", "inv_temp": "fp32", "ignore_index": "i64",
+        "BLOCK_V": "constexpr",
+    }  # fmt: skip
+
+
+def aot_configs() -> list[KernelConfig]:
+    """Every (kernel, dtype, BLOCK_V, warps, stages) the launcher can pick."""
+    out = []
+    for dtype in _TRITON_DTYPES.values():
+        for cfg in _LAUNCH_CONFIGS:
+            for kernel, signature in ((_logprobs_fwd_kernel, _fwd_signature(dtype)), (_logprobs_bwd_kernel, _bwd_signature(dtype))):
+                out.append(KernelConfig(kernel, signature, {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
+    return out
+
+
+def _as_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., V] as a [O, I, V] view with last stride 1, copying only when the
+    leading dims do not collapse into two strided dims (e.g. ``logits[:, :-1]`` needs no copy)."""
+    V = logits.shape[-1]
+    if logits.stride(-1) != 1 and V > 1:
+        logits = logits.contiguous()
+    merged: list[list[int]] = []  # [size, stride], outermost first
+    for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > 2:
+        return _as_rows(logits.contiguous())
+    while len(merged) < 2:
+        merged.insert(0, [1, 0])
+    (outer, s_outer), (inner, s_inner) = merged
+    return torch.as_strided(logits, (outer, inner, V), (s_outer, s_inner, 1))  # [O, I, V]
+
+
+def _row_chunks(rows: torch.Tensor, chunk: int):
+    """Yield ``(first_row, x)`` with ``x`` a [c, V] view of ``rows`` [O, I, V], c <= chunk."""
+    O, I, _ = rows.shape
+    for o in range(O):
+        for i in range(0, I, chunk):
+            yield o * I + i, rows[o, i : i + chunk]  # [c, V]
+
+
+def _check_labels_cpu(labels: torch.Tensor, V: int, ignore_index: int) -> None:
+    """On the CPU a label out of [0, V) raises (no device sync to pay); on a GPU it gives NaN."""
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))  # [...]
+    if bool(bad.any()):
+        first = labels[bad][0].item()
+        raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}; found {first}")
+
+
+def _out_dtype(logits: torch.Tensor) -> torch.dtype:
+    return reference.compute_dtype(logits)
+
+
+def _torch_forward(logits, labels, temperature: float, ignore_index: int):
+    """Chunked over rows: a chunk's float32 workspace is a few [c, V] buffers of <= _CHUNK_BYTES."""
+    rows = _as_rows(logits)  # [O, I, V]
+    O, I, V = rows.shape
+    cdt = _out_dtype(logits)
+    lab = labels.reshape(-1)  # [N]
+    valid = lab != ignore_index  # [N]
+    in_range = (lab >= 0) & (lab < V)  # [N]
+    safe = torch.where(valid & in_range, lab, torch.zeros_like(lab))  # [N]
+    logp = torch.empty(O * I, dtype=cdt, device=logits.device)  # [N]
+    entropy = torch.empty_like(logp)  # [N]
+    lse = torch.empty_like(logp)  # [N]
+    chunk = max(1, _CHUNK_BYTES // (V * cdt.itemsize))
+    for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
+        r1 = r0 + x.shape[0]
+        z = x.to(cdt) / temperature  # [c, V]
+        lse_c = torch.logsumexp(z, dim=-1)  # [c]
+        z.sub_(lse_c.unsqueeze(-1))  # [c, V] log p
+        logp[r0:r1] = z.gather(-1, safe[r0:r1].unsqueeze(-1)).squeeze(-1)
+        entropy[r0:r1] = -(torch.exp(z).mul_(z)).sum(-1)
+        lse[r0:r1] = lse_c
+        del z
+    bad = valid & ~in_range  # [N]
+    nan = torch.full_like(logp, float("nan"))  # [N]
+    lse = torch.where(bad, nan, lse)
+    logp = torch.where(valid, torch.where(bad, nan, logp), torch.zeros_like(logp))
+    entropy = torch.where(valid, torch.where(bad, nan, entropy), torch.zeros_like(entropy))
+    shape = labels.shape
+    return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+
+def _torch_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+    rows = _as_rows(logits)  # [O, I, V]
+    O, I, V = rows.shape
+    cdt = lse.dtype
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
+    d_rows = dlogits.view(-1, V)  # [N, V]
+    lab = labels.reshape(-1)  # [N]
+    valid = lab != ignore_index  # [N]
+    safe = torch.where(valid & (lab >= 0) & (lab < V), lab, torch.zeros_like(lab))  # [N]
+    zero = torch.zeros((), dtype=cdt, device=logits.device)
+    g_l = torch.where(valid, g_logp.reshape(-1).to(cdt), zero)  # [N]
+    g_h = torch.where(valid, g_entropy.reshape(-1).to(cdt), zero)  # [N]
+    lse, ent = lse.reshape(-1), entropy.reshape(-1)  # [N]
+    chunk = max(1, _CHUNK_BYTES // (V * cdt.itemsize))
+    for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
+        r1 = r0 + x.shape[0]
+        gl, gh, h = g_l[r0:r1, None], g_h[r0:r1, None], ent[r0:r1, None]  # [c, 1]
+        y = safe[r0:r1, None]  # [c, 1]
+        z = x.to(cdt) / temperature  # [c, V]
+        z.sub_(lse[r0:r1, None])  # [c, V] log p
+        p = torch.exp(z)  # [c, V]
+        logp_y, p_y = z.gather(-1, y), p.gather(-1, y)  # [c, 1]
+        z.add_(h).mul_(p).mul_(-gh)  # [c, V] entropy part: -g_H p (log p + H)
+        z.sub_(p.mul_(gl))  # [c, V] minus g_logp p
+        d_y = gl * -torch.expm1(logp_y) - gh * p_y * (logp_y + h)  # [c, 1]: 1 - p_y without cancellation
+        z.scatter_(-1, y, d_y)
+        z.div_(temperature)
+        z.masked_fill_(~valid[r0:r1, None], 0.0)  # ignored rows: exactly 0, even if their logits are NaN
+        d_rows[r0:r1].copy_(z)
+        del z, p
+    return dlogits
+
+
+def _triton_forward(logits, labels, temperature: float, ignore_index: int):
+    rows = _as_rows(logits)  # [O, I, V]
+    O, I, V = rows.shape
+    N = O * I
+    lab = labels.reshape(-1).to(torch.int64).contiguous()  # [N]
+    logp = torch.empty(N, dtype=torch.float32, device=logits.device)  # [N]
+    entropy = torch.empty_like(logp)  # [N]
+    lse = torch.empty_like(logp)  # [N]
+    if N:
+        cfg = _launch_config(V)
+        _logprobs_fwd_kernel.launch(
+            (N,), rows, lab, logp, entropy, lse, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    shape = labels.shape
+    return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+
+def _triton_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+    rows = _as_rows(logits)  # [O, I, V]
+    O, I, V = rows.shape
+    N = O * I
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
+    if N:
+        lab = labels.reshape(-1).to(torch.int64).contiguous()  # [N]
+        flat = lambda t: t.reshape(-1).to(torch.float32).contiguous()  # noqa: E731  [N]
+        cfg = _launch_config(V)
+        _logprobs_bwd_kernel.launch(
+            (N,), rows, lab, flat(lse), flat(entropy), flat(g_logp), flat(g_entropy), dlogits,
+            rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return dlogits
+
+
+# ---------------------------------------------------------------- torch.library registration
+
+
+@torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=())
+def _logprobs_fwd_op(
+    logits: torch.Tensor,  # [..., V]
+    labels: torch.Tensor,  # [...]
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(logp, entropy, lse)``, each [...]; ``lse`` is what the backward needs."""
+    _check_labels_cpu(labels, logits.shape[-1], ignore_index)
+    if backend == "triton":
+        return _triton_forward(logits, labels, temperature, ignore_index)
+    return _torch_forward(logits, labels, temperature, ignore_index)
+
+
+@_logprobs_fwd_op.register_fake
+def _(logits, labels, temperature, ignore_index, backend):
+    dtype = _out_dtype(logits)
+    return tuple(logits.new_empty(labels.shape, dtype=dtype) for _ in range(3))
+
+
+@torch.library.custom_op("rlkernels::logprobs_bwd", mutates_args=())
+def _logprobs_bwd_op(
+    logits: torch.Tensor,  # [..., V]
+    labels: torch.Tensor,  # [...]
+    lse: torch.Tensor,  # [...]
+    entropy: torch.Tensor,  # [...]
+    g_logp: torch.Tensor,  # [...]
+    g_entropy: torch.Tensor,  # [...]
+    temperature: float,
+    ignore_index: int,
+    backend: str,
+) -> torch.Tensor:
+    """Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
+    if backend == "triton":
+        return _triton_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index)
+    return _torch_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index)
+
+
+@_logprobs_bwd_op.register_fake
+def _(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index, backend):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, ignore_index, backend = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.options = (temperature, ignore_index, backend)
+
+
+def _backward(ctx, g_logp, g_entropy, _g_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
+    g_entropy = torch.zeros_like(lse) if g_entropy is None else g_entropy
+    dlogits = _logprobs_bwd_op(logits, labels, lse, entropy, g_logp, g_entropy, *ctx.options)
+    return dlogits, None, None, None, None
+
+
+_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _validate(logits, labels, options: LogprobsOptions) -> None:
+    _checks.floating(logits, "logits")
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension [..., V], got a 0-d tensor")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension, got V = 0")
+    _checks.integer(labels, "labels")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    _checks.same_device((logits, "logits"), (labels, "labels"))
+    _checks.positive(options.temperature, "temperature")
+
+
+def logprobs(
+    logits: torch.Tensor,  # [..., V]
+    labels: torch.Tensor,  # [...]
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    """Log-probability of each label under ``softmax(logits / temperature)``, and optionally its entropy.
+
+    Computes ``log_softmax(logits.float() / temperature).gather(-1, labels)`` without
+    materializing the log-softmax: on CUDA a Triton kernel reads each row once
+    forward and once backward; on the CPU a chunked PyTorch path keeps its float32
+    workspace to a few MiB. Only O(N) values are saved for the backward.
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16 or float16 (float64 computes in
+            float64). Any leading shape; rows may be strided (``logits[:, :-1]``
+            costs no copy); a last dim with stride != 1 is copied first.
+        labels: ``[...]`` integer token ids in ``[0, V)``, or ``ignore_index``.
+        temperature: divides the logits before the softmax; must be > 0.
+        return_entropy: also return ``H = -Σ_j p_j log p_j`` of the same softmax.
+        ignore_index: label value whose positions give 0 in both outputs and no gradient.
+
+    Returns:
+        ``logp`` ``[...]`` float32 (float64 for float64 logits), or ``(logp, entropy)``
+        with ``return_entropy=True``. Both are differentiable in ``logits``; the
+        gradient has the dtype of ``logits``.
+
+    Raises:
+        TypeError: ``logits`` is not a floating tensor, ``labels`` not an integer tensor.
+        ValueError: ``logits`` is 0-d or has V = 0, ``labels`` does not have shape
+            ``logits.shape[:-1]``, the tensors are on different devices,
+            ``temperature <= 0``, or (CPU only) a label is out of ``[0, V)``.
+            On a GPU an out-of-range label gives NaN for that token instead (no
+            device sync, never an out-of-bounds read).
+
+    Backend: ``RLKERNELS_BACKEND=triton|torch|reference`` forces one; by default
+    Triton on CUDA, chunked PyTorch on the CPU. NaN in ``logits`` propagates.
+    """
+    options = LogprobsOptions(temperature=temperature, ignore_index=int(ignore_index), return_entropy=bool(return_entropy))
+    _validate(logits, labels, options)
+    backend = _backend.select(logits.device, supported=("reference", "torch", "triton"))
+    if backend == "reference":
+        if not torch.compiler.is_compiling():
+            _check_labels_cpu(labels, logits.shape[-1], options.ignore_index)
+        return reference.logprobs(
+            logits, labels, temperature=options.temperature, return_entropy=options.return_entropy, ignore_index=options.ignore_index
+        )
+    if backend == "triton" and logits.dtype not in _TRITON_DTYPES:
+        backend = "torch"  # float64 means float64 compute: the chunked PyTorch path does that
+    logp, entropy, _ = torch.ops.rlkernels.logprobs_fwd(logits, labels, float(options.temperature), options.ignore_index, backend)
+    return (logp, entropy) if options.return_entropy else logp
