@@ -1,0 +1,628 @@
+"""Log-probabilities (and entropy) of labels under ``softmax((hidden @ weight.T + bias) / T)``
+without ever holding an ``[N, V]`` tensor, forward or backward.
+
+Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
+
+- Forward, 1 GEMM: ``_fwd_kernel`` tiles tokens x vocab. Each program owns
+  ``BLOCK_N`` tokens and one *vocab split* (a run of ``SPLIT_TILES`` tiles of
+  ``BLOCK_V``), accumulates each ``[BLOCK_N, BLOCK_V]`` logits tile in float32
+  with ``tl.dot`` over a masked ``BLOCK_K`` loop on ``H`` (tensor cores for
+  bf16/fp16), and folds it into online accumulators per token: running max
+  ``m``, ``s = Σ exp(z - m)``, ``u = Σ exp(z - m)(z - m)`` and the chosen
+  token's logit ``z_y``, read from the float32 accumulator. Splitting the
+  vocabulary gives ``N/BLOCK_N × V/(SPLIT_TILES·BLOCK_V)`` programs, enough to
+  fill the GPU at RL batch sizes; the splits' partials (``[S, N]`` float32, O(N))
+  are merged by a log-sum-exp in PyTorch. ``lse = m + log s`` and
+  ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
+- Backward, 3 GEMMs, over chunks of tokens: ``_dz_kernel`` recomputes each logits
+  tile (GEMM 2) and writes ``dz = dL/dz`` for the chunk, formed in float32 as
+  ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
+  into a ``[chunk, V]`` workspace in the input dtype (so the next two GEMMs run
+  on tensor cores). Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
+  ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
+  float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
+  likewise. The workspace is bounded by ``chunk × V`` (the chunk is sized to a
+  fixed byte budget), never by ``N × V``. A single fused backward kernel would
+  need atomics on ``d_weight`` (nondeterministic) or recompute the logits once
+  per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
+- ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
+  tokens and, when one row block of the vocabulary would still be large, over
+  vocabulary chunks with the same online log-sum-exp; all math in float32
+  (float64 for float64 inputs), recomputing logits in backward.
+- ``reference``: :func:`rlkernels.reference.linear_logprobs`.
+
+The op is registered with ``torch.library`` (``rlkernels::linear_logprobs`` and
+its backward), so it runs under ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlkernels import _checks, reference
+from rlkernels._backend import select
+from rlkernels._triton import HAS_TRITON, jit, tl
+
+# ---------------------------------------------------------------- Triton kernels
+
+# Reductions go through tl.reduce with the standard combine functions: tl.sum /
+# tl.max / tl.zeros are plain @triton.jit library functions that Triton's
+# interpreter can call only when TRITON_INTERPRET was set at import, whereas
+# tl.reduce with these combine functions is recognized by the interpreter (and
+# is exactly what tl.sum / tl.max expand to when compiled).
+if HAS_TRITON:
+
+    @jit
+    def _logits_tile(
+        h_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V]
+        rows, cols, row_ok, col_ok,  # [BLOCK_N], [BLOCK_V]
+        H, stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """``(hidden[rows] @ weight[cols].T + bias[cols]) / T`` accumulated in float32."""
+        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + ks  # [BLOCK_K]
+            k_ok = k < H  # H need not be a multiple of BLOCK_K
+            a = tl.load(h_ptr + rows[:, None] * stride_hn + k[None, :] * stride_hk,
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            w = tl.load(w_ptr + cols[:, None] * stride_wv + k[None, :] * stride_wk,
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            if DOT_F32:  # exact upcast; Triton's interpreter multiplies bf16 as raw uint16 bits
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            elif IEEE:  # float32 inputs: no silent TF32 rounding
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        if HAS_BIAS:
+            b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_V]
+            acc = acc + b[None, :]
+        return acc / temperature
+
+    @jit
+    def _fwd_kernel(
+        h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
+        m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
+        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        row_ok = rows < N
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
+        # finite start: keeps the first rescale free of 0 * inf
+        m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max of z
+        s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
+        u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
+        zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # z of the label, from the float32 accumulator
+        v_start = split * SPLIT_TILES * BLOCK_V
+        for t in range(0, SPLIT_TILES):
+            v0 = v_start + t * BLOCK_V
+            if v0 < V:
+                cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+                col_ok = cols < V
+                z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
+                                 stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+                                 HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+                z = tl.where(col_ok[None, :], z, float("-inf"))
+                m_new = tl.maximum(m, tl.reduce(z, 1, tl.standard._elementwise_max))  # [BLOCK_N]
+                alpha = tl.exp(m - m_new)
+                d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+                e = tl.exp(d)
+                ed = tl.where(col_ok[None, :], e * d, 0.0)
+                u = alpha * (u + s * (m - m_new)) + tl.reduce(ed, 1, tl.standard._sum_combine)
+                s = alpha * s + tl.reduce(e, 1, tl.standard._sum_combine)
+                zy += tl.reduce(tl.where(cols[None, :] == label[:, None], z, 0.0), 1, tl.standard._sum_combine)
+                m = m_new
+        out = split * N + rows
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(s_ptr + out, s, mask=row_ok)
+        tl.store(u_ptr + out, u, mask=row_ok)
+        tl.store(zy_ptr + out, zy, mask=row_ok)
+
+    @jit
+    def _dz_kernel(
+        h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
+        lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each
+        dz_ptr,  # [n, V] input dtype, contiguous
+        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, temperature, ignore_index,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        row_ok = rows < N
+        col_ok = cols < V
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
+                         stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+                         HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        g_lp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)
+        g_h = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+        valid = label != ignore_index
+        g_lp = tl.where(valid, g_lp, 0.0)
+        g_h = tl.where(valid, g_h, 0.0)
+        logp = z - lse[:, None]  # [BLOCK_N, BLOCK_V]
+        p = tl.exp(logp)
+        ent_term = g_h[:, None] * p * (logp + ent[:, None])
+        is_y = cols[None, :] == label[:, None]
+        # 1 - p_y without cancellation (-expm1(logp_y)): a Taylor series near 0, where
+        # exp(logp) ~ 1 would cancel, and 1 - p elsewhere (p <= 0.78, no cancellation)
+        x = logp
+        one_minus_p = tl.where(
+            x > -0.25,
+            -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0)))))),
+            1.0 - p,
+        )
+        dz = tl.where(is_y, g_lp[:, None] * one_minus_p, -g_lp[:, None] * p) - ent_term
+        dz = tl.where(valid[:, None], dz / temperature, 0.0)
+        offs = rows[:, None].to(tl.int64) * V + cols[None, :]
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class _Options:
+    temperature: float
+    ignore_index: int
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_n: int
+    block_v: int
+    block_k: int
+    split_tiles: int
+    num_warps: int
+    num_stages: int
+
+
+# Two tile shapes: tensor-core friendly for 16-bit inputs, smaller K for float32 (ieee dot).
+_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=64, split_tiles=32, num_warps=8, num_stages=3)
+_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=32, split_tiles=64, num_warps=4, num_stages=2)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
+_TORCH_BUDGET_ELEMS = 1 << 22  # elements per float32 temporary in the torch backend (16 MiB)
+
+
+def _tiles(dtype: torch.dtype) -> _Tiles:
+    return _TILES_32 if dtype == torch.float32 else _TILES_16
+
+
+def _dot_f32(hidden: torch.Tensor) -> bool:
+    """Upcast dot operands in the kernel: only under the interpreter (CPU tensors) for bf16."""
+    return hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16
+
+
+def _triton_dtype(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+def aot_configs():
+    """Every (kernel, constexprs, warps, stages) the launcher can pick, for the AOT compile test."""
+    from rlkernels._aot import KernelConfig
+
+    configs = []
+    for dtype in _TRITON_DTYPES:
+        t = _tiles(dtype)
+        ty = _triton_dtype(dtype)
+        for has_bias in (False, True):
+            common = {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": False,
+                      "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
+            scalars = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_hk": "i32",
+                       "stride_wv": "i32", "stride_wk": "i32", "temperature": "fp32"}
+            fwd_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
+                       "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32", **scalars}
+            fwd_consts = {**common, "SPLIT_TILES": t.split_tiles}
+            fwd_sig.update({k: "constexpr" for k in fwd_consts})
+            configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
+            dz_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
+                      "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
+                      "dz_ptr": f"*{ty}", **scalars, "ignore_index": "i64"}
+            dz_sig.update({k: "constexpr" for k in common})
+            configs.append(KernelConfig(_dz_kernel, dz_sig, dict(common), t.num_warps, t.num_stages))
+    return configs
+
+
+def _check_label_range(labels: torch.Tensor, V: int, ignore_index: int) -> None:
+    """On the CPU a bad label raises (no device sync to pay); on a GPU it yields NaN instead."""
+    if labels.device.type != "cpu" or labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))  # [N]
+    if bool(bad.any()):
+        value = int(labels[bad][0])
+        raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {value}")
+
+
+def _forward_triton(hidden, weight, labels, bias, opt: _Options):
+    # hidden [N, H], weight [V, H], labels [N], bias [V] or None
+    N, H = hidden.shape
+    V = weight.shape[0]
+    t = _tiles(hidden.dtype)
+    split_cols = t.split_tiles * t.block_v
+    S = triton_cdiv(V, split_cols)
+    part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split
+    if N > 0:
+        grid = (triton_cdiv(N, t.block_n), S)
+        _fwd_kernel.launch(
+            grid, hidden, weight, bias if bias is not None else weight, labels,
+            part[0], part[1], part[2], part[3],
+            N, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opt.temperature),
+            HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
+            BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+    m, s, u, zy = part.unbind(0)  # each [S, N]
+    m_all = m.max(0).values  # [N]
+    scale = torch.exp(m - m_all)  # [S, N]
+    s_all = (s * scale).sum(0)  # [N]
+    u_all = (scale * (u + s * (m - m_all))).sum(0)  # [N]
+    log_s = torch.log(s_all)
+    lse = m_all + log_s  # [N]
+    entropy = log_s - u_all / s_all  # [N]
+    logp = zy.sum(0) - lse  # [N]
+    return _finish(logp, entropy, lse, labels, V, opt)
+
+
+def _finish(logp, entropy, lse, labels, V, opt: _Options):
+    # logp, entropy, lse, labels: [N]
+    valid = labels != opt.ignore_index
+    in_range = (labels >= 0) & (labels < V)
+    logp = torch.where(in_range, logp, torch.full_like(logp, float("nan")))  # GPU: a bad label is NaN
+    zero = torch.zeros_like(logp)
+    return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), lse
+
+
+def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
+    # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]
+    N, H = hidden.shape
+    V = weight.shape[0]
+    t = _tiles(hidden.dtype)
+    elt = hidden.element_size()
+    chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * elt)) // t.block_n * t.block_n)
+    chunk = min(chunk, max(N, 1))
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
+    one_chunk = chunk >= N
+    d_weight32 = None if one_chunk else torch.zeros(V, H, dtype=torch.float32, device=hidden.device)  # [V, H]
+    d_weight = None
+    d_bias32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None  # [V]
+    dz = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # [chunk, V] workspace
+    g_logp = g_logp.float().contiguous()
+    g_ent = g_ent.float().contiguous()
+    for c0 in range(0, N, chunk):
+        c1 = min(N, c0 + chunk)
+        n = c1 - c0
+        h_c = hidden[c0:c1]  # [n, H]
+        dz_c = dz[:n]  # [n, V]
+        grid = (triton_cdiv(n, t.block_n), triton_cdiv(V, t.block_v))
+        _dz_kernel.launch(
+            grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
+            lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c,
+            n, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            float(opt.temperature), int(opt.ignore_index),
+            HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
+            BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+        torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one GEMM: one rounding
+        if one_chunk:
+            d_weight = dz_c.T @ h_c  # [V, H], float32 accumulation inside the GEMM, one cast
+        else:
+            _addmm_f32(d_weight32, dz_c.T, h_c)
+        if d_bias32 is not None:
+            d_bias32 += dz_c.sum(0, dtype=torch.float32)
+    if d_weight is None:
+        d_weight = d_weight32.to(weight.dtype) if N > 0 else torch.zeros_like(weight)
+    d_bias = d_bias32.to(bias.dtype) if bias is not None else None
+    return d_hidden, d_weight, d_bias
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` possibly 16-bit, accumulating in float32."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if acc.device.type == "cuda":
+        try:  # cuBLAS writes the float32 product of 16-bit inputs directly
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            pass
+        acc += torch.mm(a, b, out_dtype=torch.float32)
+        return
+    acc.addmm_(a.float(), b.float())  # CPU: bounded by the chunk
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# ---- chunked PyTorch
+
+
+def _torch_chunks(N: int, V: int) -> tuple[int, int]:
+    rows = max(16, _TORCH_BUDGET_ELEMS // max(V, 1))
+    rows = min(rows, max(N, 1))
+    vchunk = min(V, max(1024, _TORCH_BUDGET_ELEMS // rows))
+    return rows, vchunk
+
+
+def _torch_logits(h_c, w, b, v0, v1, temperature):
+    # h_c [n, H] compute dtype; w [V, H] compute dtype -> z [n, v1 - v0]
+    z = h_c @ w[v0:v1].T
+    if b is not None:
+        z += b[v0:v1]
+    return z.div_(temperature)
+
+
+def _forward_torch(hidden, weight, labels, bias, opt: _Options):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cdt = reference.compute_dtype(hidden)
+    w = weight.to(cdt)  # [V, H]; no copy for float32 (weight-sized otherwise)
+    b = bias.to(cdt) if bias is not None else None  # [V]
+    rows, vchunk = _torch_chunks(N, V)
+    lse = torch.empty(N, dtype=cdt, device=hidden.device)  # [N]
+    entropy = torch.empty(N, dtype=cdt, device=hidden.device)  # [N]
+    zy = torch.zeros(N, dtype=cdt, device=hidden.device)  # [N]
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        h_c = hidden[r0:r1].to(cdt)  # [n, H]
+        y = labels[r0:r1]  # [n]
+        m = s = u = None  # [n] each: running max, Σ exp(z - m), Σ exp(z - m)(z - m)
+        for v0 in range(0, V, vchunk):
+            v1 = min(V, v0 + vchunk)
+            z = _torch_logits(h_c, w, b, v0, v1, opt.temperature)  # [n, vc]
+            inside = (y >= v0) & (y < v1)  # [n]
+            idx = torch.where(inside, y - v0, torch.zeros_like(y))
+            zy[r0:r1] += torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), torch.zeros((), dtype=cdt))
+            m_tile = z.max(1).values  # [n]
+            m_new = m_tile if m is None else torch.maximum(m, m_tile)
+            z.sub_(m_new[:, None])  # d = z - m_new
+            e = torch.exp(z)  # [n, vc]
+            s_tile = e.sum(1)
+            u_tile = (e.mul_(z)).sum(1)
+            if m is None:
+                s, u = s_tile, u_tile
+            else:
+                alpha = torch.exp(m - m_new)
+                u = alpha * (u + s * (m - m_new)) + u_tile
+                s = alpha * s + s_tile
+            m = m_new
+            del z, e
+        log_s = torch.log(s)
+        lse[r0:r1] = m + log_s
+        entropy[r0:r1] = log_s - u / s
+    logp = zy - lse
+    out = _finish(logp, entropy, lse, labels, V, opt)
+    return tuple(x.float() if x.dtype != torch.float64 else x for x in out[:2]) + (out[2],)
+
+
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    cdt = reference.compute_dtype(hidden)
+    w = weight.to(cdt)  # [V, H]
+    b = bias.to(cdt) if bias is not None else None
+    rows, vchunk = _torch_chunks(N, V)
+    valid = labels != opt.ignore_index  # [N]
+    g_lp = torch.where(valid, g_logp.to(cdt), torch.zeros((), dtype=cdt))  # [N]
+    g_h = torch.where(valid, g_ent.to(cdt), torch.zeros((), dtype=cdt))  # [N]
+    lse = lse.to(cdt)
+    ent = entropy.to(cdt)
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
+    # float32 (or float64) accumulators, weight-sized; cast once at the end
+    d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device)  # [V, H]
+    d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if bias is not None else None  # [V]
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        h_c = hidden[r0:r1].to(cdt)  # [n, H]
+        y = labels[r0:r1]
+        dh_c = torch.zeros(r1 - r0, H, dtype=cdt, device=hidden.device)  # [n, H]
+        for v0 in range(0, V, vchunk):
+            v1 = min(V, v0 + vchunk)
+            z = _torch_logits(h_c, w, b, v0, v1, opt.temperature)  # [n, vc]
+            logp = z.sub_(lse[r0:r1, None])  # [n, vc], in place
+            inside = valid[r0:r1] & (y >= v0) & (y < v1)
+            idx = torch.where(inside, y - v0, torch.zeros_like(y))[:, None]  # [n, 1]
+            lp_y = logp.gather(1, idx).squeeze(1)  # [n]
+            p = torch.exp(logp)  # [n, vc]
+            coef = logp.add_(ent[r0:r1, None]).mul_(g_h[r0:r1, None]).add_(g_lp[r0:r1, None])  # g_lp + g_H (log p + H)
+            dz = p.mul_(coef).neg_()  # [n, vc]: -p (g_lp + g_H (log p + H))
+            del coef, logp, z
+            at_y = g_lp[r0:r1] * -torch.expm1(lp_y) - g_h[r0:r1] * torch.exp(lp_y) * (lp_y + ent[r0:r1])
+            fixed = torch.where(inside, at_y, dz.gather(1, idx).squeeze(1))
+            dz.scatter_(1, idx, fixed[:, None])
+            dz.div_(opt.temperature)
+            dh_c.addmm_(dz, w[v0:v1])
+            d_weight[v0:v1].addmm_(dz.T, h_c)
+            if d_bias is not None:
+                d_bias[v0:v1] += dz.sum(0)
+            del dz, p
+        d_hidden[r0:r1] = dh_c
+    return (
+        d_hidden,
+        d_weight if d_weight.dtype == weight.dtype else d_weight.to(weight.dtype),
+        None if d_bias is None else d_bias.to(bias.dtype),
+    )
+
+
+def _use_triton(hidden: torch.Tensor) -> bool:
+    return select(hidden.device, ("reference", "torch", "triton")) == "triton" and hidden.dtype in _TRITON_DTYPES
+
+
+# ---------------------------------------------------------------- custom op and autograd
+
+
+@torch.library.custom_op("rlkernels::linear_logprobs", mutates_args=())
+def _linear_logprobs_op(
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    labels: torch.Tensor,  # [N]
+    bias: torch.Tensor | None,  # [V]
+    temperature: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(logp [N], entropy [N], lse [N])``; ``lse`` is saved for backward."""
+    opt = _Options(temperature, ignore_index)
+    _check_label_range(labels, weight.shape[0], ignore_index)
+    if _use_triton(hidden):
+        logp, ent, lse = _forward_triton(hidden, weight, labels.contiguous(), bias, opt)
+    else:
+        logp, ent, lse = _forward_torch(hidden, weight, labels, bias, opt)
+    return logp, ent, lse.float() if hidden.dtype != torch.float64 else lse
+
+
+@_linear_logprobs_op.register_fake
+def _(hidden, weight, labels, bias, temperature, ignore_index):
+    N = hidden.shape[0]
+    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return (hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt))
+
+
+@torch.library.custom_op("rlkernels::linear_logprobs_backward", mutates_args=())
+def _linear_logprobs_backward_op(
+    g_logp: torch.Tensor,  # [N]
+    g_entropy: torch.Tensor,  # [N]
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    labels: torch.Tensor,  # [N]
+    bias: torch.Tensor | None,  # [V]
+    lse: torch.Tensor,  # [N]
+    entropy: torch.Tensor,  # [N]
+    temperature: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
+    opt = _Options(temperature, ignore_index)
+    if _use_triton(hidden):
+        dh, dw, db = _backward_triton(g_logp, g_entropy, hidden, weight, labels.contiguous(), bias, lse, entropy, opt)
+    else:
+        dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, opt)
+    if db is None:
+        db = hidden.new_empty(0)
+    return dh, dw, db
+
+
+@_linear_logprobs_backward_op.register_fake
+def _(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, temperature, ignore_index):
+    db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format), torch.empty_like(weight, memory_format=torch.contiguous_format), db
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, temperature, ignore_index = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, g_logp, g_entropy, g_lse):
+    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    if g_entropy is None:
+        g_entropy = torch.zeros_like(lse)
+    dh, dw, db = _linear_logprobs_backward_op(
+        g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, ctx.temperature, ctx.ignore_index
+    )
+    return dh, dw, None, (db if ctx.has_bias else None), None, None
+
+
+_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- public function
+
+
+def _validate(hidden, weight, labels, bias, temperature):
+    _checks.floating(hidden, "hidden")
+    _checks.floating(weight, "weight")
+    _checks.integer(labels, "labels")
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must have at least one dimension [..., H], got shape {tuple(hidden.shape)}")
+    _checks.rank(weight, "weight", 2)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight of shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        _checks.floating(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    _checks.same_device((hidden, "hidden"), (weight, "weight"), (labels, "labels"), (bias, "bias"))
+    _checks.positive(temperature, "temperature")
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [V, H]
+    labels: torch.Tensor,  # [...] int
+    *,
+    bias: torch.Tensor | None = None,  # [V]
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+):
+    """Log-probability of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    The fused language-model head: equal to
+    ``rlkernels.logprobs(hidden @ weight.T + bias, labels, ...)`` but never holds the
+    ``[N, V]`` logits (nor their gradient): the product is tiled over tokens and
+    vocabulary, reduced on the fly with an online log-sum-exp, and recomputed in
+    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (plus a
+    float32 ``[V, H]`` accumulator for ``weight``'s gradient when the tokens take
+    more than one chunk).
+
+    Args:
+        hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.
+        weight: ``[V, H]`` output embedding (``lm_head.weight``), same dtype and device.
+        labels: ``[...]`` integer token ids in ``[0, V)`` or ``ignore_index``.
+        bias: optional ``[V]`` output bias, same dtype.
+        temperature: divides the logits (> 0).
+        return_entropy: also return the entropy of the same softmax.
+        ignore_index: label value whose position gives 0 in both outputs and no gradient.
+
+    Returns:
+        ``logp`` ``[...]`` float32 (float64 for float64 inputs), and with
+        ``return_entropy`` also ``entropy`` of the same shape. Differentiable in
+        ``hidden``, ``weight`` and ``bias``; their gradients keep their dtypes.
+
+    A label outside ``[0, V)`` raises on the CPU; on a GPU that token's ``logp`` is NaN.
+    """
+    _validate(hidden, weight, labels, bias, temperature)
+    backend = select(hidden.device, ("reference", "torch", "triton"))
+    if backend == "reference":
+        return reference.linear_logprobs(
+            hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index
+        )
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    y = labels.reshape(-1)  # [N]
+    logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, float(temperature), int(ignore_index))
+    logp = logp.reshape(lead)
+    if return_entropy:
+        return logp, entropy.reshape(lead)
+    return logp
