@@ -1,0 +1,78 @@
+"""Atomic checkpoints: safetensors weights, optimizer state, RNG states, step.
+
+A checkpoint is a directory ``checkpoints/step_000123``. It is written under a
+temporary name in the same directory and renamed into place only once every
+file is on disk, so a crash leaves either the whole checkpoint or none of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+_PREFIX = "step_"
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # clone: safetensors refuses tensors that share storage (tied embeddings)
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in module.state_dict().items()}
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: str | os.PathLike, step: int, modules: dict[str, torch.nn.Module], optimizer, extra: dict) -> Path:
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:06d}"
+    tmp = root / f".tmp-{_PREFIX}{step:06d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for name, module in modules.items():
+        save_file(_weights(module), str(tmp / f"{name}.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2))
+    for f in tmp.iterdir():  # flush file contents before the rename makes them visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").exists())
+    return done[-1] if done else None
+
+
+def load(path: Path, modules: dict[str, torch.nn.Module], optimizer) -> dict:
+    from safetensors.torch import load_file
+
+    for name, module in modules.items():
+        module.load_state_dict(load_file(str(path / f"{name}.safetensors")))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())

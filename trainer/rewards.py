@@ -1,0 +1,101 @@
+"""Rewards: rule-based registry, user callables ('module:function'), reward models.
+
+Every reward is called as ``fn(prompts, completions, answers) -> list[float]``
+with one float per completion.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Callable
+
+_INT = re.compile(r"-?\d+")
+
+
+def _norm(text: str) -> str:
+    return text.strip()
+
+
+def exact(prompts, completions, answers):
+    """1 when the last integer in the completion equals the answer."""
+    out = []
+    for c, a in zip(completions, answers):
+        nums = _INT.findall(c.replace(" ", "")) if _is_spaced_digits(c) else _INT.findall(c)
+        out.append(1.0 if nums and nums[-1] == a.strip() else 0.0)
+    return out
+
+
+def _is_spaced_digits(text: str) -> bool:
+    return bool(re.fullmatch(r"[\d\s+=-]*", text))
+
+
+def format_(prompts, completions, answers):
+    """1 when the completion is just one integer (and nothing else)."""
+    return [1.0 if _INT.fullmatch(_norm(c)) else 0.0 for c in completions]
+
+
+def exact_format(prompts, completions, answers):
+    """1 for exactly the answer and nothing else; 0.5 for the answer among other text; 0.1 for a lone wrong integer."""
+    out = []
+    for c, a in zip(completions, answers):
+        text = _norm(c)
+        if text == a.strip():
+            out.append(1.0)
+        elif _INT.fullmatch(text):
+            out.append(0.1)
+        elif a.strip() in _INT.findall(text):
+            out.append(0.5)
+        else:
+            out.append(0.0)
+    return out
+
+
+REWARDS: dict[str, Callable] = {"exact": exact, "format": format_, "exact_format": exact_format}
+
+
+def check_reward_spec(spec: str) -> str:
+    """Why ``spec`` cannot be a reward, or '' if it can (no model is loaded here)."""
+    if spec in REWARDS:
+        return ""
+    if os.path.isdir(spec):
+        return ""
+    if ":" in spec:
+        module, _, name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as error:
+            return f"cannot import callable {spec!r}: {error}"
+        return "" if callable(fn) else f"{spec!r} is not callable"
+    return f"must be one of {sorted(REWARDS)}, 'module:function' or a reward-model directory"
+
+
+class RewardModel:
+    """A sequence-classification model scoring prompt + completion; the score is logit 0."""
+
+    def __init__(self, path: str, device):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path)
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        self.device = device
+        self._torch = torch
+
+    def __call__(self, prompts, completions, answers):
+        texts = [p + c for p, c in zip(prompts, completions)]
+        enc = self.tok(texts, return_tensors="pt", padding=True).to(self.device)
+        with self._torch.no_grad():
+            logits = self.model(**enc).logits  # [N, labels]
+        return logits[:, 0].float().tolist()
+
+
+def load_reward(spec: str, device="cpu") -> Callable:
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if os.path.isdir(spec):
+        return RewardModel(spec, device)
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
