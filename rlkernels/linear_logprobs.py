@@ -18,7 +18,11 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   tile (GEMM 2) and writes ``dz = dL/dz`` for the chunk, formed in float32 as
   ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
   into a ``[chunk, V]`` workspace in the input dtype (so the next two GEMMs run
-  on tensor cores). Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
+  on tensor cores). A row of dz is dominated by the label's entry
+  ``g_logp (1 - p_y)``; what rounding that entry to 16 bits loses is written in
+  float32 (``[chunk]``) and added back after the GEMMs as ``r · W[y]`` and
+  ``r · hidden`` (O(N·H)), which keeps the gradients as close to the float64
+  truth as an all-float32 eager computation. Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
   ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
   float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
   likewise. The workspace is bounded by ``chunk × V`` (the chunk is sized to a
@@ -130,6 +134,7 @@ if HAS_TRITON:
         h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
         lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each
         dz_ptr,  # [n, V] input dtype, contiguous
+        resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
         N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, temperature, ignore_index,
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -166,7 +171,13 @@ if HAS_TRITON:
         dz = tl.where(is_y, g_lp[:, None] * one_minus_p, -g_lp[:, None] * p) - ent_term
         dz = tl.where(valid[:, None], dz / temperature, 0.0)
         offs = rows[:, None].to(tl.int64) * V + cols[None, :]
-        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        dz_low = dz.to(dz_ptr.dtype.element_ty)
+        tl.store(dz_ptr + offs, dz_low, mask=row_ok[:, None] & col_ok[None, :])
+        # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
+        # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
+        lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
+        has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+        tl.store(resid_ptr + rows, tl.reduce(lost, 1, tl.standard._sum_combine), mask=has_y)
 
 
 # ---------------------------------------------------------------- launcher
@@ -229,7 +240,7 @@ def aot_configs():
             configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
             dz_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
                       "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
-                      "dz_ptr": f"*{ty}", **scalars, "ignore_index": "i64"}
+                      "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **scalars, "ignore_index": "i64"}
             dz_sig.update({k: "constexpr" for k in common})
             configs.append(KernelConfig(_dz_kernel, dz_sig, dict(common), t.num_warps, t.num_stages))
     return configs
@@ -285,63 +296,87 @@ def _finish(logp, entropy, lse, labels, V, opt: _Options):
 
 
 def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
-    # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]
+    # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
     t = _tiles(hidden.dtype)
-    elt = hidden.element_size()
-    chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * elt)) // t.block_n * t.block_n)
+    low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
+    chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
-    one_chunk = chunk >= N
-    d_weight32 = None if one_chunk else torch.zeros(V, H, dtype=torch.float32, device=hidden.device)  # [V, H]
-    d_weight = None
+    d_weight32 = None  # [V, H] float32 accumulator (weight-sized), cast once at the end
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None  # [V]
     dz = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # [chunk, V] workspace
+    resid = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)  # [chunk]
     g_logp = g_logp.float().contiguous()
     g_ent = g_ent.float().contiguous()
+    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     for c0 in range(0, N, chunk):
         c1 = min(N, c0 + chunk)
         n = c1 - c0
         h_c = hidden[c0:c1]  # [n, H]
         dz_c = dz[:n]  # [n, V]
+        r_c = resid[:n]  # [n]
+        r_c.zero_()
         grid = (triton_cdiv(n, t.block_n), triton_cdiv(V, t.block_v))
         _dz_kernel.launch(
             grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
-            lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c,
+            lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
             n, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             float(opt.temperature), int(opt.ignore_index),
             HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
             BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
-        torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one GEMM: one rounding
-        if one_chunk:
-            d_weight = dz_c.T @ h_c  # [V, H], float32 accumulation inside the GEMM, one cast
+        y_c = safe[c0:c1]  # [n]
+        if not low:
+            torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
+            if d_weight32 is None:
+                d_weight32 = dz_c.T @ h_c  # [V, H]; float32 inputs: this is the accumulator
+            else:
+                d_weight32.addmm_(dz_c.T, h_c)
         else:
-            _addmm_f32(d_weight32, dz_c.T, h_c)
+            r_c = torch.where(valid[c0:c1], r_c, torch.zeros_like(r_c))
+            dh = _mm_f32(dz_c, weight)  # [n, H] float32
+            dh += r_c[:, None] * weight[y_c].float()
+            d_hidden[c0:c1] = dh
+            del dh
+            if d_weight32 is None:
+                d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
+            else:
+                _addmm_f32(d_weight32, dz_c.T, h_c)
+            d_weight32.index_add_(0, y_c, r_c[:, None] * h_c.float())
         if d_bias32 is not None:
             d_bias32 += dz_c.sum(0, dtype=torch.float32)
-    if d_weight is None:
-        d_weight = d_weight32.to(weight.dtype) if N > 0 else torch.zeros_like(weight)
+            if low:
+                d_bias32.index_add_(0, y_c, r_c)
+    if d_weight32 is None:  # N == 0
+        d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
+    d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
     d_bias = d_bias32.to(bias.dtype) if bias is not None else None
     return d_hidden, d_weight, d_bias
 
 
-def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` possibly 16-bit, accumulating in float32."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-        return
-    if acc.device.type == "cuda":
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit inputs as a float32 result (float32 accumulation, no 16-bit rounding)."""
+    if a.device.type == "cuda":
         try:  # cuBLAS writes the float32 product of 16-bit inputs directly
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())  # CPU (interpreter runs): exact products, float32 sums
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` 16-bit, accumulating in float32."""
+    if acc.device.type == "cuda":
+        try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (TypeError, RuntimeError):
             pass
-        acc += torch.mm(a, b, out_dtype=torch.float32)
-        return
-    acc.addmm_(a.float(), b.float())  # CPU: bounded by the chunk
+    acc += _mm_f32(a, b)
 
 
 def triton_cdiv(a: int, b: int) -> int:
