@@ -41,7 +41,8 @@ POLICY_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "kl", "entropy")  # ord
 
 BLOCK_T = 1024  # tokens per block (one block per program in token mode; the row loops in blocks in sequence mode)
 BLOCK_KL = 1024  # elements per program of the elementwise KL kernel
-NUM_WARPS = 4
+NUM_WARPS = 4  # KL and value kernels: 8 fp32 elements per thread, ~40-50 registers
+POLICY_WARPS = 8  # the policy kernel keeps 8 block accumulators live: 4 warps would need ~150-195 registers
 
 # ================================================================ Triton kernels
 
@@ -110,7 +111,7 @@ if HAS_TRITON:
         clipped = pg_clipped > pg_unclipped
         pg = tl.where(clipped, pg_clipped, pg_unclipped)
         dpg = tl.where(clipped, 0.0, -adv)
-        dual_bound = -adv * dual_clip
+        dual_bound = tl.where(adv < 0, -adv, 1.0) * dual_clip  # never 0·inf
         dual = (adv < 0) & (dual_bound < pg)
         pg = tl.where(dual, dual_bound, pg)
         dpg = tl.where(dual, 0.0, dpg)
@@ -330,7 +331,7 @@ def aot_configs() -> list[KernelConfig]:
                         _policy_kernel,
                         policy_sig,
                         {"HAS_REF": has_ref, "KL_EST": est, "HAS_ENT": has_ent, "SEQ_RATIO": seq, "BLOCK": BLOCK_T},
-                        num_warps=NUM_WARPS,
+                        num_warps=POLICY_WARPS,
                     )
                 )
     value_sig = {"v_ptr": "*bf16", "old_ptr": "*bf16", "ret_ptr": "*bf16", "mask_ptr": "*u8", "g_v_ptr": "*fp32",
@@ -507,7 +508,7 @@ def _policy_triton(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Pol
         ref.stride(0), ent.stride(0),
         1.0 - opt.clip_low, 1.0 + opt.clip_high, opt.dual_clip, opt.kl_coef, opt.entropy_coef,
         HAS_REF=has_ref, KL_EST=opt.kl_est if has_ref else 0, HAS_ENT=has_ent, SEQ_RATIO=opt.seq_ratio,
-        BLOCK=BLOCK_T, num_warps=NUM_WARPS,
+        BLOCK=BLOCK_T, num_warps=POLICY_WARPS,
     )
     return partials, g_logp, g_ref, g_ent
 
@@ -544,7 +545,7 @@ def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Poli
     clipped = pg_clipped > pg_unclipped  # [B, T]
     pg = torch.where(clipped, pg_clipped, pg_unclipped)
     dpg = torch.where(clipped, torch.zeros_like(adv), -adv)  # d pg / d r
-    dual_bound = -adv * opt.dual_clip
+    dual_bound = torch.where(adv < 0, -adv, 1.0) * opt.dual_clip  # [B, T]; never 0·inf
     dual = (adv < 0) & (dual_bound < pg)
     pg = torch.where(dual, dual_bound, pg)
     dpg = torch.where(dual, torch.zeros_like(dpg), dpg)
@@ -554,7 +555,7 @@ def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Poli
         g_logp = (s * (dpg * m).sum(-1) * inv_n).unsqueeze(-1) * m  # [B, T]
     else:
         g_logp = dpg * r * m
-    g_ref = g_ent = _empty_like_rows(lp, False)
+    g_ref, g_ent = _empty_like_rows(lp, False), _empty_like_rows(lp, False)  # [0] each (outputs may not alias)
     kl_rows = ent_rows = zeros_b
     if ref_logp is not None:
         kl, dkl = _kl_torch(lp - ref_logp.float(), opt.kl_est)  # [B, T]

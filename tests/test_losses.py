@@ -1,0 +1,403 @@
+"""kl_penalty, policy_loss and value_loss against the float64 reference, forward and backward, every backend."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import losses
+from rlkernels import reference as ref
+from tests.helpers import DTYPES, REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
+
+BACKENDS = backends("cpu")
+SHAPES = [(5, 37), (3, 1100)]  # odd sizes; T = 1100 spans two blocks of the Triton kernels
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _mask(B: int, T: int, g: torch.Generator, kind: str = "bool") -> torch.Tensor:
+    """Random mask [B, T] with one empty row (when B > 1) and one full row."""
+    m = torch.rand(B, T, generator=g) > 0.25  # [B, T]
+    if B > 1:
+        m[1] = False
+    m[0] = True
+    return m if kind == "bool" else m.float()
+
+
+def _policy_inputs(B, T, dtype, *, seed=0, adv_per_seq=False, with_ref=True, with_ent=True, mask_kind="bool"):
+    """Fresh random policy-loss inputs; log-ratios ~ N(0, 0.3) per token plus a per-row shift so that both
+    token and sequence ratios get clipped."""
+    g = _gen(seed)
+    logp = -torch.rand(B, T, generator=g) * 3 - 0.05  # [B, T]
+    shift = 0.5 * torch.randn(B, 1, generator=g)  # [B, 1]
+    old = logp + 0.3 * torch.randn(B, T, generator=g) + shift  # [B, T]
+    adv = torch.randn(B, generator=g) if adv_per_seq else torch.randn(B, T, generator=g)  # [B] or [B, T]
+    inputs = {
+        "logp": logp.to(dtype),
+        "old_logp": old.to(dtype),
+        "advantages": adv.to(dtype),
+        "mask": _mask(B, T, g, mask_kind),
+        "ref_logp": (logp + 0.2 * torch.randn(B, T, generator=g)).to(dtype) if with_ref else None,
+        "entropy": (torch.rand(B, T, generator=g) * 2).to(dtype) if with_ent else None,
+    }
+    return inputs
+
+
+GRAD_NAMES = ("logp", "ref_logp", "entropy")
+
+# Scalars (loss, metrics) are float32 sums over the exact input values whatever the input dtype, so
+# they are held to float32-level accuracy; their relative error against eager's is rounding noise
+# amplified by cancellation, so the eager comparison is made on the per-token gradients only.
+SCALAR_RTOL, SCALAR_ATOL = 1e-4, 1e-6
+
+
+def assert_scalar_close(out, truth, name):
+    torch.testing.assert_close(out.double(), truth.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def _run_policy(fn, inputs, cast, upstream, **options):
+    """Loss, metrics and gradients (w.r.t. logp/ref_logp/entropy) of ``fn`` on ``inputs`` cast by ``cast``."""
+    leaves = {k: (None if v is None else cast(v)) for k, v in inputs.items()}
+    for k in GRAD_NAMES:
+        if leaves[k] is not None:
+            leaves[k] = leaves[k].detach().requires_grad_()
+    loss, metrics = fn(leaves["logp"], leaves["old_logp"], leaves["advantages"], leaves["mask"],
+                       ref_logp=leaves["ref_logp"], entropy=leaves["entropy"], **options)
+    wrt = [leaves[k] for k in GRAD_NAMES if leaves[k] is not None]
+    grads = torch.autograd.grad(loss * upstream, wrt)
+    return loss, metrics, dict(zip([k for k in GRAD_NAMES if leaves[k] is not None], grads))
+
+
+def check_policy(backend, dtype, inputs, *, check_clipping=True, **options):
+    upstream = torch.randn((), generator=_gen(123)).item() + 2.0  # random upstream gradient of the loss
+    truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), upstream, **options)
+    eager_loss, eager_metrics, eager_grads = _run_policy(ref.policy_loss, inputs, lambda t: t, upstream, **options)
+    with forced_backend(backend):
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: t, upstream, **options)
+    if check_clipping:
+        assert truth_metrics["clipfrac"] > 0, "test inputs must make clipping happen"
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_scalar_close(loss, truth_loss, "loss")
+    assert set(metrics) == set(truth_metrics)
+    for k, v in metrics.items():
+        assert v.dim() == 0 and not v.requires_grad and v.dtype == torch.float32, k
+        assert_scalar_close(v, truth_metrics[k], f"metric {k}")
+    assert set(grads) == set(truth_grads)
+    for k, gr in grads.items():
+        assert gr.dtype == dtype, f"grad {k} dtype {gr.dtype}"
+        assert_close_to_truth(gr, truth_grads[k], dtype, eager=eager_grads[k], name=f"grad {k}")
+    return truth_loss
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("adv_per_seq", [False, True], ids=["adv[B,T]", "adv[B]"])
+def test_policy_dtypes_shapes_advantages(backend, dtype, shape, adv_per_seq):
+    inputs = _policy_inputs(*shape, dtype, seed=1, adv_per_seq=adv_per_seq)
+    check_policy(backend, dtype, inputs, kl_coef=0.1, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize(
+    "agg,norm_length",
+    [("token-mean", None), ("seq-mean-token-mean", None), ("seq-mean-token-sum", None),
+     ("seq-mean-token-sum-norm", None), ("seq-mean-token-sum-norm", 512)],
+)
+def test_policy_agg_modes(backend, ratio, agg, norm_length):
+    inputs = _policy_inputs(7, 37, torch.float32, seed=2, mask_kind="float")
+    check_policy(backend, torch.float32, inputs, ratio=ratio, agg=agg, norm_length=norm_length, kl_coef=0.05,
+                 entropy_coef=0.02)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_policy_kl_estimators(backend, estimator, ratio):
+    inputs = _policy_inputs(5, 37, torch.float32, seed=3, with_ent=False)
+    check_policy(backend, torch.float32, inputs, ratio=ratio, kl_coef=0.3, kl_estimator=estimator)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_policy_asymmetric_and_dual_clip(backend, ratio):
+    inputs = _policy_inputs(9, 37, torch.float32, seed=4, with_ref=False, with_ent=False)
+    options = dict(ratio=ratio, clip_low=0.2, clip_high=0.28, dual_clip=1.3)
+    with_dual = check_policy(backend, torch.float32, inputs, **options)
+    # the dual clip and the asymmetric range must both change the loss on these inputs
+    no_dual, _ = ref.policy_loss(*(inputs[k].double() for k in ("logp", "old_logp", "advantages")), inputs["mask"],
+                                 ratio=ratio, clip_low=0.2, clip_high=0.28)
+    symmetric, _ = ref.policy_loss(*(inputs[k].double() for k in ("logp", "old_logp", "advantages")), inputs["mask"],
+                                   ratio=ratio, clip_low=0.2, dual_clip=1.3)
+    assert not torch.isclose(with_dual, no_dual) and not torch.isclose(with_dual, symmetric)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_entropy_only_noncontiguous(backend):
+    inputs = _policy_inputs(5, 37, torch.bfloat16, seed=5, with_ref=False)
+    for k in ("logp", "old_logp", "advantages", "entropy"):
+        inputs[k] = noncontiguous(inputs[k])
+    check_policy(backend, torch.bfloat16, inputs, entropy_coef=0.05, agg="seq-mean-token-mean")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+def test_policy_fully_empty_mask(backend, ratio, agg):
+    inputs = _policy_inputs(4, 37, torch.float32, seed=6)
+    inputs["mask"] = torch.zeros(4, 37, dtype=torch.bool)
+    with forced_backend(backend):
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: t, 1.0, ratio=ratio, agg=agg,
+                                           kl_coef=0.1, entropy_coef=0.01)
+    assert loss.item() == 0.0
+    assert all(v.item() == 0.0 for v in metrics.values()), metrics
+    for k, g in grads.items():
+        assert torch.count_nonzero(g) == 0, k
+
+
+# ---------------------------------------------------------------- value_loss
+
+
+def _value_inputs(B, T, dtype, seed):
+    g = _gen(seed)
+    values = torch.randn(B, T, generator=g)  # [B, T]
+    old = values + 0.3 * torch.randn(B, T, generator=g)  # [B, T]
+    returns = values + torch.randn(B, T, generator=g)  # [B, T]
+    return values.to(dtype), old.to(dtype), returns.to(dtype), _mask(B, T, g)
+
+
+def _run_value(fn, inputs, cast, upstream, **options):
+    v, old, ret, m = inputs
+    leaf = cast(v).detach().requires_grad_()
+    loss, metrics = fn(leaf, cast(old), cast(ret), m, **options)
+    (grad,) = torch.autograd.grad(loss * upstream, [leaf])
+    return loss, metrics, grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_value_loss(backend, dtype, shape, clip, agg):
+    inputs = _value_inputs(*shape, dtype, seed=7)
+    upstream = 0.7
+    truth = _run_value(ref.value_loss, inputs, lambda t: t.double(), upstream, clip=clip, agg=agg)
+    eager = _run_value(ref.value_loss, inputs, lambda t: t, upstream, clip=clip, agg=agg)
+    with forced_backend(backend):
+        loss, metrics, grad = _run_value(rlkernels.value_loss, inputs, lambda t: t, upstream, clip=clip, agg=agg)
+    if clip is not None:
+        assert truth[1]["clipfrac"] > 0
+    assert loss.dtype == torch.float32
+    assert_scalar_close(loss, truth[0], "loss")
+    assert set(metrics) == {"clipfrac", "values_mean"}
+    for k in metrics:
+        assert not metrics[k].requires_grad
+        assert_scalar_close(metrics[k], truth[1][k], k)
+    assert grad.dtype == dtype
+    assert_close_to_truth(grad, truth[2], dtype, eager=eager[2], name="grad values")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_value_loss_sum_aggs_and_empty(backend, agg):
+    inputs = _value_inputs(6, 37, torch.float32, seed=8)
+    truth = _run_value(ref.value_loss, inputs, lambda t: t.double(), 1.0, clip=0.1, agg=agg)
+    with forced_backend(backend):
+        out = _run_value(rlkernels.value_loss, inputs, lambda t: t, 1.0, clip=0.1, agg=agg)
+        empty = _run_value(rlkernels.value_loss, inputs[:3] + (torch.zeros(6, 37),), lambda t: t, 1.0, clip=0.1, agg=agg)
+    assert_scalar_close(out[0], truth[0], "loss")
+    assert_close_to_truth(out[2], truth[2], torch.float32, name="grad values")
+    assert empty[0].item() == 0.0 and torch.count_nonzero(empty[2]) == 0
+    assert all(v.item() == 0.0 for v in empty[1].values())
+
+
+def test_reference_value_clipfrac_counts_only_clipped_tokens():
+    """The reference's clipfrac is 0 when the clip range is wider than any change (no rounding noise)."""
+    v, old, ret, m = _value_inputs(8, 100, torch.float64, seed=9)
+    _, metrics = ref.value_loss(v, old, ret, m, clip=100.0)
+    assert metrics["clipfrac"].item() == 0.0
+
+
+# ---------------------------------------------------------------- kl_penalty
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
+def test_kl_penalty(backend, dtype, estimator):
+    g = _gen(10)
+    logp = (-torch.rand(3, 5, 171, generator=g) * 3).to(dtype)  # [3, 5, 171]: 2565 elements, 3 blocks
+    ref_lp = (logp.float() + 0.5 * torch.randn(3, 5, 171, generator=g)).to(dtype)  # [3, 5, 171]
+    upstream = torch.randn(3, 5, 171, generator=g)  # [3, 5, 171]
+
+    def run(fn, cast):
+        a, b = cast(logp).detach().requires_grad_(), cast(ref_lp).detach().requires_grad_()
+        out = fn(a, b, estimator)
+        return (out, *torch.autograd.grad(out, [a, b], upstream.to(out.dtype)))
+
+    truth = run(ref.kl_penalty, lambda t: t.double())
+    eager = run(ref.kl_penalty, lambda t: t)
+    with forced_backend(backend):
+        out = run(rlkernels.kl_penalty, lambda t: t)
+        no_grad_out = rlkernels.kl_penalty(logp, ref_lp, estimator)  # the kernel writes no gradient here
+    assert out[0].dtype == torch.float32 and out[1].dtype == dtype and out[2].dtype == dtype
+    assert torch.equal(no_grad_out, out[0].detach())
+    for name, o, t, e in zip(("kl", "grad logp", "grad ref_logp"), out, truth, eager):
+        assert_close_to_truth(o, t, dtype, eager=e, name=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_penalty_noncontiguous_and_empty(backend):
+    g = _gen(11)
+    logp = noncontiguous(-torch.rand(4, 33, generator=g))  # [4, 33]
+    ref_lp = noncontiguous(-torch.rand(4, 33, generator=g))  # [4, 33]
+    with forced_backend(backend):
+        out = rlkernels.kl_penalty(logp, ref_lp, "k3")
+        empty = rlkernels.kl_penalty(torch.empty(0, 3), torch.empty(0, 3))
+    assert_close_to_truth(out, ref.kl_penalty(logp.double(), ref_lp.double(), "k3"), torch.float32)
+    assert empty.shape == (0, 3) and empty.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    inputs = _policy_inputs(5, 37, torch.float32, seed=12)
+    vin = _value_inputs(5, 37, torch.float32, seed=13)
+    options = dict(ratio="sequence", kl_coef=0.1, entropy_coef=0.01, dual_clip=1.5, agg="seq-mean-token-mean")
+
+    def policy(lp, old, adv, m, ref_logp, entropy):
+        loss, metrics = rlkernels.policy_loss(lp, old, adv, m, ref_logp=ref_logp, entropy=entropy, **options)
+        return loss, metrics["clipfrac"], metrics["kl"]
+
+    def value(v, old, ret, m):
+        loss, metrics = rlkernels.value_loss(v, old, ret, m, clip=0.2)
+        return loss, metrics["clipfrac"]
+
+    def kl(lp, rf):
+        return rlkernels.kl_penalty(lp, rf, "k2")
+
+    with forced_backend(backend):
+        for fn, args, grad_idx in [
+            (policy, [inputs[k] for k in ("logp", "old_logp", "advantages", "mask", "ref_logp", "entropy")], (0, 4, 5)),
+            (value, list(vin), (0,)),
+            (kl, [inputs["logp"], inputs["ref_logp"]], (0, 1)),
+        ]:
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            results = []
+            for f in (fn, compiled):
+                leaves = [a.detach().requires_grad_() if i in grad_idx else a for i, a in enumerate(args)]
+                out = f(*leaves)
+                first = out[0] if isinstance(out, tuple) else out
+                grads = torch.autograd.grad(first.sum(), [leaves[i] for i in grad_idx])
+                results.append((out, grads))
+            (eager_out, eager_grads), (comp_out, comp_grads) = results
+            for a, b in zip(eager_out if isinstance(eager_out, tuple) else (eager_out,),
+                            comp_out if isinstance(comp_out, tuple) else (comp_out,)):
+                torch.testing.assert_close(b, a)
+            for a, b in zip(eager_grads, comp_grads):
+                torch.testing.assert_close(b, a)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _valid():
+    inputs = _policy_inputs(3, 8, torch.float32, seed=14)
+    return inputs
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(old_logp=torch.zeros(3, 7)), ValueError, "old_logp"),
+        (dict(advantages=torch.zeros(4)), ValueError, "advantages"),
+        (dict(advantages=torch.zeros(3, 7)), ValueError, "advantages"),
+        (dict(advantages=torch.zeros(3, 8, 1)), ValueError, "advantages"),
+        (dict(mask=torch.ones(3, 9, dtype=torch.bool)), ValueError, "mask"),
+        (dict(ref_logp=torch.zeros(2, 8)), ValueError, "ref_logp"),
+        (dict(entropy=torch.zeros(3, 1)), ValueError, "entropy"),
+        (dict(logp=torch.zeros(3, 8, dtype=torch.int64)), TypeError, "logp"),
+        (dict(logp=torch.zeros(24)), ValueError, "logp"),
+        (dict(old_logp=torch.zeros(3, 8, device="meta")), ValueError, "old_logp"),
+        (dict(kl_estimator="k4"), ValueError, "kl_estimator"),
+        (dict(agg="mean"), ValueError, "agg"),
+        (dict(ratio="group"), ValueError, "ratio"),
+        (dict(ref_logp=None, kl_coef=0.1), ValueError, "ref_logp"),
+        (dict(entropy=None, entropy_coef=0.1), ValueError, "entropy"),
+        (dict(clip_low=-0.1), ValueError, "clip_low"),
+        (dict(clip_high=-0.1), ValueError, "clip_high"),
+        (dict(dual_clip=-3.0), ValueError, "dual_clip"),
+        (dict(norm_length=0, agg="seq-mean-token-sum-norm"), ValueError, "norm_length"),
+        (dict(norm_length=-5), ValueError, "norm_length"),
+    ],
+    ids=lambda x: str(x)[:40] if not isinstance(x, dict) else ",".join(x),
+)
+def test_policy_validation(change, error, match):
+    kwargs = {**_valid(), **change}
+    positional = [kwargs.pop(k) for k in ("logp", "old_logp", "advantages", "mask")]
+    with pytest.raises(error, match=match):
+        rlkernels.policy_loss(*positional, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (dict(old_values=torch.zeros(3, 7)), ValueError, "old_values"),
+        (dict(returns=torch.zeros(3)), ValueError, "returns"),
+        (dict(mask=torch.ones(2, 8)), ValueError, "mask"),
+        (dict(values=torch.zeros(3, 8, dtype=torch.int32)), TypeError, "values"),
+        (dict(returns=torch.zeros(3, 8, device="meta")), ValueError, "returns"),
+        (dict(clip=-0.2), ValueError, "clip"),
+        (dict(agg="sum"), ValueError, "agg"),
+    ],
+    ids=lambda x: ",".join(x) if isinstance(x, dict) else str(x)[:30],
+)
+def test_value_validation(change, error, match):
+    v, old, ret, m = _value_inputs(3, 8, torch.float32, seed=15)
+    kwargs = {"values": v, "old_values": old, "returns": ret, "mask": m, **change}
+    with pytest.raises(error, match=match):
+        rlkernels.value_loss(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        ((torch.zeros(3, 4), torch.zeros(3, 5), "k3"), ValueError, "ref_logp"),
+        ((torch.zeros(3, 4), torch.zeros(3, 4), "k5"), ValueError, "estimator"),
+        ((torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4), "k3"), TypeError, "logp"),
+        ((torch.zeros(3, 4), torch.zeros(3, 4, device="meta"), "k3"), ValueError, "ref_logp"),
+    ],
+)
+def test_kl_validation(args, error, match):
+    with pytest.raises(error, match=match):
+        rlkernels.kl_penalty(*args)
+
+
+# ---------------------------------------------------------------- ahead-of-time compilation
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_aot_compile_every_config(arch):
+    pytest.importorskip("triton")
+    from rlkernels._aot import compile_config
+
+    configs = losses.aot_configs()
+    labels = {c.label for c in configs}
+    assert len(labels) == len(configs) == 4 * 2 + 5 * 2 * 2 + 2
+    for config in configs:
+        report = compile_config(config, arch)
+        print(report)
+        assert report.registers > 0
+        assert report.spill_bytes == 0, f"{report.label} spills on sm_{arch}"
