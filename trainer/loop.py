@@ -202,7 +202,8 @@ class Trainer:
                 loss, metrics = ops.policy_loss(
                     logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                     dual_clip=cfg.dual_clip, ratio=cfg.ratio,
-                    ref_logp=mb.ref_logp if cfg.algo == "grpo" else None, kl_coef=cfg.kl_coef,
+                    ref_logp=mb.ref_logp if cfg.algo == "grpo" else None,  # PPO: the KL is in the rewards
+                    kl_coef=cfg.kl_coef if cfg.algo == "grpo" and mb.ref_logp is not None else 0.0,
                     kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef, agg=cfg.agg,
                 )
                 logs = {"loss/policy": float(loss.detach())}

@@ -1,0 +1,237 @@
+"""The bundled trainer: smoke runs, learning, resume, DDP equivalence, config errors, NaN stops."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from rlkernels.trainer import checkpoint
+from rlkernels.trainer.__main__ import main
+from rlkernels.trainer.config import ConfigError, from_dict, parse_args
+from rlkernels.trainer.loop import NonFiniteError, Trainer, read_metrics
+
+LOSSES = ["fused", "eager"]
+
+
+def tiny(tmp_path, **over):
+    base = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=2, prompts_per_step=4, group_size=4,
+                tiny_hidden=32, save_every=0)
+    return from_dict({**base, **over})
+
+
+def _finite(rows):
+    for row in rows:
+        for key, value in row.items():
+            assert math.isfinite(value), (key, row)
+
+
+# ------------------------------------------------------------------ smoke runs
+
+
+@pytest.mark.parametrize("losses", LOSSES)
+def test_grpo_smoke(tmp_path, losses):
+    cfg = tiny(tmp_path, losses=losses, epochs=2, minibatches=2, ratio="sequence", entropy_coef=0.01, plot=True)
+    summary = Trainer(cfg).run()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and summary["steps"] == 2
+    for key in ("reward/mean", "loss/policy", "policy/clipfrac", "policy/kl", "policy/entropy", "perf/tokens_per_s"):
+        assert key in rows[0], key
+    _finite(rows)
+    assert rows[0]["policy/entropy"] > 0.5  # random init: near-uniform over the 16-token vocabulary
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step_000002"
+
+
+@pytest.mark.parametrize("losses", LOSSES)
+def test_ppo_smoke(tmp_path, losses):
+    cfg = tiny(tmp_path, losses=losses, algo="ppo", epochs=2, minibatches=2, kl_target=0.01, kl_coef=0.05)
+    tr = Trainer(cfg)
+    assert tr.critic is not None and tr.ref is not None
+    before = [p.detach().clone() for p in tr.critic.parameters()]
+    tr.run()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    _finite(rows)
+    for key in ("loss/value", "critic/clipfrac", "critic/values_mean", "policy/kl_coef", "policy/kl_seq"):
+        assert key in rows[0], key
+    assert rows[1]["policy/kl_coef"] != rows[0]["policy/kl_coef"]  # the adaptive controller moved it
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.critic.parameters()))
+
+
+def test_no_reference_model_without_kl(tmp_path):
+    assert Trainer(tiny(tmp_path, losses="eager", kl_coef=0.0)).ref is None
+
+
+def test_fused_and_eager_agree(tmp_path):
+    """The same step with fused and eager ops gives the same metrics."""
+    rows = {}
+    for losses in LOSSES:
+        Trainer(tiny(tmp_path / losses, losses=losses, steps=1, algo="ppo")).run()
+        rows[losses] = read_metrics(tmp_path / losses / "metrics.jsonl")[0]
+    for key, value in rows["eager"].items():
+        if not key.startswith("perf/"):
+            assert rows["fused"][key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
+
+
+# ------------------------------------------------------------------ learning
+
+
+def test_default_task_learns(tmp_path):
+    """The embedded default, shortened to 150 of its steps: reward rises clearly at a fixed seed."""
+    cfg = from_dict({"output_dir": str(tmp_path), "progress": False, "plot": False, "steps": 150, "save_every": 0})
+    summary = Trainer(cfg).run()
+    assert summary["reward_first_fifth"] < 0.35
+    assert summary["reward_last_fifth"] > summary["reward_first_fifth"] + 0.35, summary
+
+
+# ------------------------------------------------------------------ resume
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    over = dict(losses="eager", algo="ppo", steps=5, save_every=2, epochs=2, minibatches=2, kl_target=0.02)
+    Trainer(tiny(tmp_path / "full", **over)).run()
+    full = _strip(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+
+    def ctrl_c(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: the handler finishes the step, saves, stops
+
+    summary = Trainer(tiny(tmp_path / "cut", **over)).run(on_step=ctrl_c)
+    assert summary["interrupted"] and summary["steps"] == 3
+    assert checkpoint.latest(tmp_path / "cut" / "checkpoints").name == "step_000003"
+    (tmp_path / "cut" / "checkpoints" / ".tmp-step_000004-1").mkdir()  # a crash's leftovers are ignored
+    resumed = Trainer(tiny(tmp_path / "cut", resume=True, **over))
+    resumed.run()
+    assert resumed.step == 5
+    assert _strip(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == full
+
+
+# ------------------------------------------------------------------ two processes (gloo) == one
+
+
+def _global_batch(tr):
+    """The same 8-sequence rollout in every process: built as if alone, from a fixed seed."""
+    rank, world, distributed = tr.rank, tr.world, tr.distributed
+    tr.rank, tr.world, tr.distributed = 0, 1, False
+    torch.manual_seed(1234)
+    batch = tr.rollout(1)
+    tr.score(batch, 1)
+    tr.advantages(batch)
+    tr.rank, tr.world, tr.distributed = rank, world, distributed
+    return batch
+
+
+def _ddp_worker(rank, world, init_file, out_dir, cfg_dict):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        tr = Trainer(from_dict(cfg_dict))
+        batch = _global_batch(tr)
+        B = batch.ids.shape[0]
+        shard = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
+        tr.update(shard, 1)
+        if rank == 0:
+            torch.save([p.detach().clone() for p in tr.policy.parameters()], os.path.join(out_dir, "ddp.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_process_gloo_matches_one(tmp_path):
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3)
+    single = Trainer(from_dict(cfg_dict))
+    start = [p.detach().clone() for p in single.policy.parameters()]
+    batch = _global_batch(single)
+    assert int(batch.mask.sum(-1).min()) != int(batch.mask.sum(-1).max())  # uneven lengths: token-mean rescaling matters
+    single.update(batch, 1)
+    want = [p.detach() for p in single.policy.parameters()]
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict), nprocs=2, join=True)
+    got = torch.load(tmp_path / "ddp.pt")
+    moved = max(float((w - s).abs().max()) for w, s in zip(want, start))
+    assert moved > 1e-4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ config errors
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--lr", "-1"], "lr"),
+        (["--steps", "abc"], "steps"),
+        (["--algo", "dpo"], "algo"),
+        (["--clip-low", "1.5"], "clip_low"),
+        (["--group-size", "1"], "group_size"),
+        (["--model", "/no/such/model"], "model"),
+        (["--reward", "nosuchmodule_xyz:fn"], "reward"),
+        (["--minibatches", "3"], "minibatches"),
+    ],
+)
+def test_bad_config_names_field_before_compute(argv, field, monkeypatch, capsys, tmp_path):
+    def no_compute(*args, **kwargs):
+        raise AssertionError("a model was loaded before the configuration was checked")
+
+    monkeypatch.setattr("rlkernels.trainer.models.load_policy", no_compute)
+    monkeypatch.setattr("rlkernels.trainer.loop.load_policy", no_compute)
+    assert main(argv + ["--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"invalid configuration: {field}:" in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_config_file_and_flags(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('algo = "ppo"\nsteps = 7\nkl_target = 0.05\nlosses = "eager"\n')
+    cfg = parse_args(["--config", str(toml), "--steps", "9"])
+    assert (cfg.algo, cfg.steps, cfg.kl_target, cfg.losses) == ("ppo", 9, 0.05, "eager")
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"entropy_coef": "lots"}))
+    with pytest.raises(ConfigError, match="^entropy_coef:"):
+        parse_args(["--config", str(js)])
+    js.write_text(json.dumps({"learning_rate": 1.0}))
+    with pytest.raises(ConfigError, match="^learning_rate: unknown field"):
+        parse_args(["--config", str(js)])
+    assert parse_args(["--preset", "smollm2"]).task == "arithmetic"
+
+
+def test_every_field_documented():
+    from rlkernels.trainer.config import TrainConfig, build_parser, field_docs
+    import dataclasses
+
+    docs = field_docs()
+    assert set(docs) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert "--kl-target" in build_parser().format_help()
+
+
+# ------------------------------------------------------------------ NaN guard
+
+
+def nan_on_second_call(prompts, completions, answers):
+    nan_on_second_call.calls = getattr(nan_on_second_call, "calls", 0) + 1
+    out = [1.0] * len(completions)
+    if nan_on_second_call.calls == 2:
+        out[5] = float("nan")
+    return out
+
+
+def test_nan_reward_stops_with_step_named(tmp_path, capsys):
+    import sys
+
+    mod = sys.modules[__name__].__name__
+    cfg = tiny(tmp_path, losses="eager", steps=4, reward=f"{mod}:nan_on_second_call")
+    nan_on_second_call.calls = 0
+    with pytest.raises(NonFiniteError, match=r"non-finite reward at step 2: 1 of 16 samples \(batch indices \[5\]\)"):
+        Trainer(cfg).run()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
