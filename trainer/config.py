@@ -40,8 +40,8 @@ class TrainConfig:
     """PPO critic backbone: empty = a copy of the policy's backbone; else a model directory or .gguf file."""
     reward: str = "exact_format"
     """Reward: a registered rule ('exact', 'format', 'exact_format'), a user callable 'module:function' called as fn(prompts, completions, answers) -> list[float], or a sequence-classification reward-model directory."""
-    task: str = "max_digit"
-    """Built-in verifiable prompt generator when 'prompts' is empty: 'max_digit', 'sum_mod10', 'first_digit' (digit tasks for the tiny model) or 'arithmetic' (natural-language sums for chat models)."""
+    task: str = "first_digit"
+    """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10' (digit tasks for the tiny model) or 'arithmetic' (natural-language sums for chat models)."""
     prompts: str = ""
     """JSONL file of {"prompt": ..., "answer": ...} records; empty = use the built-in 'task' generator."""
     chat_template: bool = False

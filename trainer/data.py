@@ -47,7 +47,7 @@ TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_di
 class PromptSource:
     """The prompts of step ``s`` depend only on (seed, s): resuming needs no data-loader state."""
 
-    def __init__(self, task: str = "max_digit", path: str = "", seed: int = 0):
+    def __init__(self, task: str = "first_digit", path: str = "", seed: int = 0):
         self.seed = seed
         self.task = TASKS.get(task)
         self.records: list[Example] = []

@@ -331,7 +331,8 @@ class Trainer:
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         previous = self._install_sigint()
-        log = open(self.out / "metrics.jsonl", "a") if self.rank == 0 else None
+        # a fresh run starts a fresh log; a resumed one appends after the checkpoint's step
+        log = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w") if self.rank == 0 else None
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress or self.rank != 0, desc=cfg.algo, dynamic_ncols=True)
