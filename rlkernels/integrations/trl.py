@@ -1,0 +1,338 @@
+"""TRL adapter: GRPO whose loss comes from ``rlkernels.linear_logprobs`` + ``rlkernels.policy_loss``.
+
+Two ways in::
+
+    from rlkernels.integrations.trl import RLKernelsGRPOTrainer
+    trainer = RLKernelsGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), ...)
+
+    # or, on a trainer that already exists (any GRPOTrainer subclass):
+    from rlkernels.integrations.trl import apply_rlkernels
+    apply_rlkernels(trainer)
+
+What changes: the policy's (and the reference model's) per-token log-probabilities and
+entropies are computed by ``rlkernels.linear_logprobs`` straight from the backbone's last
+hidden states and the LM head weight, so the ``[batch, completion, vocab]`` logits are never
+built; the clipped surrogate, the two-sided clip (``delta``) and the KL term go through
+``rlkernels.policy_loss`` / ``rlkernels.kl_penalty``. Everything else (generation, rewards,
+advantages, logging, the optimizer) is TRL's own code.
+
+The loss reproduces TRL's ``GRPOTrainer._compute_loss`` (TRL 1.x) for ``loss_type`` in
+``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, with ``epsilon``/``epsilon_high``, ``delta``,
+``beta`` (TRL's k3 estimator, with or without ``use_bias_correction_kl``),
+``importance_sampling_level`` token/sequence, ``temperature``, ``max_completion_length``,
+``mask_truncated_completions``, tool masks and a static ``entropy_coef``; it logs the same
+metric names. Options it cannot reproduce are refused when the trainer is built
+(:class:`UnsupportedGRPOOption`), never silently ignored.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from contextlib import nullcontext
+
+import torch
+
+import rlkernels
+
+try:
+    from trl import GRPOTrainer
+    from trl.trainer.utils import FusedCausalLMOutput
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rlkernels.integrations.trl needs TRL: pip install 'rlkernels[trl]' (or pip install trl)"
+    ) from exc
+
+__all__ = ["RLKernelsGRPOTrainer", "RLKernelsGRPOMixin", "UnsupportedGRPOOption", "apply_rlkernels", "check_supported"]
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# TRL's loss_type -> rlkernels agg mode (the remaining rescaling to TRL's exact normalizer is in _scale)
+_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm", "dapo": "token-mean"}
+
+
+class UnsupportedGRPOOption(ValueError):
+    """A GRPOConfig option (or model feature) the rlkernels loss cannot reproduce exactly."""
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_supported(args, model=None, ref_model=None, *, aux_loss_enabled: bool = False) -> None:
+    """Raise :class:`UnsupportedGRPOOption` naming every option the fused loss cannot honour."""
+    problems = []
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        problems.append(
+            f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)}; "
+            "cispo/sapo/luspo/vespo are not clipped-surrogate losses that rlkernels.policy_loss computes)"
+        )
+    eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if args.delta is not None and not args.delta > 1.0 + eps_high:
+        # Only for delta > 1 + epsilon_high is TRL's `clamp(ratio, max=delta)` the dual clip of negative advantages;
+        # below that it also cuts positive-advantage tokens, which policy_loss has no form for.
+        problems.append(f"delta={args.delta} must be > 1 + epsilon_high = {1.0 + eps_high} (TRL recommends it)")
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        problems.append(f"top_entropy_quantile={args.top_entropy_quantile} (the high-entropy token mask)")
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        problems.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (off-policy sequence masking)")
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        problems.append(
+            "use_vllm=True with vllm_importance_sampling_correction=True (set it to False to use rlkernels with vLLM)"
+        )
+    if getattr(args, "use_adaptive_entropy", False):
+        problems.append("use_adaptive_entropy=True (a static entropy_coef is supported)")
+    if aux_loss_enabled:
+        problems.append("a Mixture-of-Experts router auxiliary loss (router_aux_loss_coef != 0)")
+    for name, m in (("model", model), ("ref_model", ref_model)):
+        if m is None:
+            continue
+        problem = _head_problem(m)
+        if problem:
+            problems.append(f"{name}: {problem}")
+    if problems:
+        raise UnsupportedGRPOOption(
+            "rlkernels' GRPO loss cannot honour these settings (use trl.GRPOTrainer for them):\n  - "
+            + "\n  - ".join(problems)
+        )
+
+
+def _base(model):
+    """The transformers model under PEFT (the model whose forward the LM head patch replaces)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def _head_problem(model) -> str | None:
+    config = _base(model).config.get_text_config()
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return f"final_logit_softcapping={config.final_logit_softcapping} (logit soft-capping)"
+    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        value = getattr(config, attr, None)
+        if value is not None and value != 1.0:
+            return f"{attr}={value} (scaled logits)"
+    return None
+
+
+# ---------------------------------------------------------------- the LM head
+
+
+def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                          entropy: bool = True) -> None:
+    """Make ``model(..., labels=labels, fused_lm_head=True)`` (TRL's call) use ``rlkernels.linear_logprobs``.
+
+    Wraps whatever forward the model has now (TRL's own fused head, installed by GRPOTrainer): calls without
+    ``fused_lm_head=True`` (generation) go to it unchanged. With it, the backbone runs, and only the positions
+    whose next-token label is not -100 are scored, from the last hidden states and the LM head weight.
+    """
+    model = _base(model)
+    problem = _head_problem(model)
+    if problem:
+        raise UnsupportedGRPOOption(f"rlkernels' LM head cannot reproduce {problem}")
+    inner_forward = model.forward
+
+    @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
+    def _rlkernels_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                           num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            for key, value in (("labels", labels), ("shift_labels", shift_labels),
+                               ("num_items_in_batch", num_items_in_batch)):
+                if value is not None:
+                    kwargs[key] = value
+            return inner_forward(*args, **kwargs)
+        kwargs["use_cache"] = False
+        backbone_outputs = self.base_model(*args, **kwargs)
+        if shift_labels is None:
+            hidden = backbone_outputs.last_hidden_state[:, :-1]  # [B, L-1, H]
+            labels = labels[:, 1:]  # [B, L-1]
+        else:
+            hidden = backbone_outputs.last_hidden_state  # [B, L, H]
+            labels = shift_labels
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias  # [V, H], [V]
+        hidden = hidden.to(weight.device)
+        labels = labels.to(weight.device)
+        mask = labels != -100  # [B, L-1]
+        ctx = nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            ctx = torch.autocast(hidden.device.type, enabled=False)
+        with ctx:
+            # only the scored positions: prompts and padding never enter the kernel
+            out = rlkernels.linear_logprobs(
+                hidden[mask], weight, labels[mask], bias=bias, temperature=temperature, return_entropy=entropy
+            )  # [N] (, [N])
+        logp, ent = out if entropy else (out, None)
+        # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
+        log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)  # [B, L-1]
+        ent = None if ent is None else ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+        denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=ent, label_mask=mask)
+
+    model.forward = types.MethodType(_rlkernels_forward, model)
+    model._rlkernels_lm_head = True
+
+
+# ---------------------------------------------------------------- the loss
+
+
+class RLKernelsGRPOMixin:
+    """Replaces ``GRPOTrainer._compute_loss``; mix in before ``GRPOTrainer`` (or any subclass of it)."""
+
+    def _rlkernels_install(self) -> None:
+        check_supported(self.args, self.model, self.ref_model, aux_loss_enabled=self.aux_loss_enabled)
+        for m, ent in ((self.model, True), (self.ref_model, False)):
+            if m is not None and not getattr(_base(m), "_rlkernels_lm_head", False):
+                add_rlkernels_lm_head(m, temperature=self.temperature,
+                                      cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, entropy=ent)
+
+    def _rlkernels_aggregate(self, x, mask, mode, inputs):
+        """TRL's normalization of per-token ``x`` [B, T] for this loss_type (eager; used for the IS-corrected KL)."""
+        if self.loss_type == "grpo":
+            return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        if self.loss_type == "bnpo":
+            return (x * mask).sum() / mask.sum().clamp(min=1.0)
+        if self.loss_type == "dr_grpo":
+            return (x * mask).sum() / (x.size(0) * self.max_completion_length)
+        return (x * mask).sum()  # dapo: divided by its normalizer in _compute_loss
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [B, T]
+
+        extra = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+                                            "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+                                            "mm_token_type_ids", "image_position_ids")}
+        # TRL's own helper: it calls model(..., fused_lm_head=True), which the patch routes to linear_logprobs
+        logp, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **extra
+        )  # [B, T], [B, T]
+
+        advantages = inputs["advantages"]
+        old = inputs.get("old_per_token_logps")
+        old = logp.detach() if old is None else old  # [B, T]
+        mode = "train" if self.model.training else "eval"
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        m = mask.to(torch.float32)
+        ratio_level = self.importance_sampling_level
+        if ratio_level not in ("token", "sequence"):
+            raise ValueError(f"Unknown importance sampling level: {ratio_level}. Possible values are 'token' and 'sequence'.")
+
+        bias_corrected = self.beta != 0.0 and self.args.use_bias_correction_kl
+        ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
+        agg = _AGG[self.loss_type]
+        loss, _ = rlkernels.policy_loss(
+            logp, old, advantages, mask,
+            clip_low=self.epsilon_low, clip_high=self.epsilon_high, dual_clip=self.args.delta, ratio=ratio_level,
+            ref_logp=None if bias_corrected else ref, kl_coef=0.0 if bias_corrected else self.beta,
+            kl_estimator="k3", agg=agg,
+            # entropy rides along with coef 0 (TRL's bonus is a separate token mean, added below)
+            entropy=entropies, entropy_coef=0.0,
+            norm_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+        )
+
+        # Ratios [B, T] or [B, 1], cheap; for the IS-corrected KL and the clip metrics TRL logs.
+        log_ratio = logp - old
+        if ratio_level == "token":
+            coef_1 = torch.exp(log_ratio)
+        else:
+            coef_1 = torch.exp((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+        per_token_kl = None
+        if ref is not None:
+            per_token_kl = rlkernels.kl_penalty(logp, ref, "k3")  # [B, T]
+            if bias_corrected:
+                per_token_kl = per_token_kl * coef_1
+
+        # From rlkernels' agg mode to TRL's exact normalization.
+        if self.loss_type == "grpo":
+            # TRL averages over all B sequences (an empty one counts as 0); seq-mean-token-mean over the non-empty.
+            nonempty = (m.sum(-1) > 0).sum()
+            loss = loss * nonempty / m.size(0)
+        if bias_corrected:
+            loss = loss + self.beta * self._rlkernels_aggregate(per_token_kl, m, mode, inputs) * (
+                1.0 / m.sum().clamp(min=1.0) if self.loss_type == "dapo" else 1.0
+            )
+        if self.loss_type == "dapo":
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            loss = loss * m.sum().clamp(min=1.0) / normalizer  # token-mean -> token-sum / TRL's normalizer
+            policy_loss = loss.detach()
+        else:
+            policy_loss = loss.detach()
+            loss = loss / accum
+
+        if self._entropy_bonus_enabled:  # TRL: a token mean, scaled only for gradient accumulation
+            entropy_loss = (entropies * m).sum() / m.sum().clamp(min=1.0) / accum
+            loss = loss - self.entropy_coef * entropy_loss
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+        self._rlkernels_log(mode, m, entropies, per_token_kl, coef_1, advantages)
+        return loss
+
+    def _rlkernels_log(self, mode, mask, entropies, per_token_kl, coef_1, advantages):
+        """The metric names and formulas of TRL's GRPOTrainer._compute_loss."""
+        from trl.trainer.utils import nanmax, nanmin
+
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        coef_1 = coef_1.detach()
+        if self.args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=self.args.delta)
+
+        def masked_seq_mean(x):
+            if x.shape[1] == 1:
+                return x.squeeze(1)
+            return (x * mask).sum(-1) / mask.sum(-1)
+
+        def global_masked_mean(x):
+            if x.shape[1] == 1:
+                local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+            else:
+                local_sum, local_count = (x * mask).sum(), mask.sum().float()
+            totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        with torch.no_grad():
+            if per_token_kl is not None:
+                self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl.detach()))
+            self._metrics[mode]["entropy"].append(global_masked_mean(entropies.detach()))
+            low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
+            high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
+            region = ((low > 0) | (high > 0)).float()
+            self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
+            self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
+            self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(region))
+            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
+
+
+class RLKernelsGRPOTrainer(RLKernelsGRPOMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with the rlkernels LM head and loss; same constructor, same GRPOConfig."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rlkernels_install()
+
+
+@functools.lru_cache(maxsize=None)
+def _with_mixin(cls):
+    return type(f"RLKernels{cls.__name__}", (RLKernelsGRPOMixin, cls), {"__module__": __name__})
+
+
+def apply_rlkernels(trainer):
+    """Switch an existing ``GRPOTrainer`` (or subclass) instance to the rlkernels LM head and loss, in place.
+
+    Refuses (:class:`UnsupportedGRPOOption`) what it cannot honour, before changing anything. Returns the trainer.
+    """
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"apply_rlkernels expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if isinstance(trainer, RLKernelsGRPOMixin):
+        return trainer
+    check_supported(trainer.args, trainer.model, trainer.ref_model, aux_loss_enabled=trainer.aux_loss_enabled)
+    trainer.__class__ = _with_mixin(type(trainer))
+    trainer._rlkernels_install()
+    return trainer
