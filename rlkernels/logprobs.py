@@ -97,7 +97,7 @@ if HAS_TRITON:
             # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
             shift = tl.where(alpha > 0, m - m_safe, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
             w = alpha * (w + shift * s)
-            w += _block_sum(tl.where(e > 0, e * d, 0.0))
+            w += _block_sum(e * tl.where(e > 0, d, 0.0))
             s = alpha * s + _block_sum(e)
             m = m_new
         s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
@@ -108,7 +108,9 @@ if HAS_TRITON:
         # the chosen logit, read in float32 from the row itself; never read out of bounds
         safe_label = tl.where(valid & in_range, label, 0)
         z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
-        logp = z_y - lse
+        # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
+        # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
+        logp = (z_y - m) - log_s
         bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
         logp = tl.where(bad, float("nan"), logp)
         entropy = tl.where(bad, float("nan"), entropy)
@@ -123,6 +125,7 @@ if HAS_TRITON:
         labels_ptr,  # [N] int64
         lse_ptr,  # [N] fp32
         entropy_ptr,  # [N] fp32
+        logp_ptr,  # [N] fp32, the forward's output log p_y
         g_logp_ptr,  # [N] fp32
         g_entropy_ptr,  # [N] fp32
         dlogits_ptr,  # [N, V] contiguous, the logits dtype
@@ -139,14 +142,11 @@ if HAS_TRITON:
         out_ptr = dlogits_ptr + row * V
         label = tl.load(labels_ptr + row)
         valid = label != ignore_index
-        in_range = (label >= 0) & (label < V)
         lse = tl.load(lse_ptr + row)
         ent = tl.load(entropy_ptr + row)
         g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
         g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
-        safe_label = tl.where(valid & in_range, label, 0)
-        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
-        one_minus_p_y = -_expm1(z_y - lse)  # 1 - p_y without cancellation when p_y ≈ 1
+        one_minus_p_y = -_expm1(tl.load(logp_ptr + row))  # 1 - p_y without cancellation when p_y ≈ 1
         v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
         cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
@@ -156,7 +156,7 @@ if HAS_TRITON:
             logp = x * inv_temp - lse  # [BLOCK_V]
             p = tl.exp(logp)  # [BLOCK_V]
             # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf)
-            d_ent = -g_ent * tl.where(p > 0, p * (logp + ent), 0.0)  # [BLOCK_V]
+            d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
             d = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent
             d = tl.where(valid, d * inv_temp, 0.0)
             if dlogits_ptr.dtype.element_ty == tl.bfloat16:
@@ -193,6 +193,10 @@ _LARGE_V = _LaunchConfig(block_v=4096, num_warps=8, num_stages=2)  # 16 elements
 _LAUNCH_CONFIGS = (_SMALL_V, _LARGE_V)
 _TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+# Below this, exp() is exactly 0 in float32 and float64: clamping log p (or z - m) to it turns
+# the 0 · -inf of a -inf logit into 0 · finite, and keeps b · log p finite. NaN stays NaN.
+_LOG_P_FLOOR = -1.0e4
+
 # Float32 workspace per chunk of rows in the torch backend: a few [rows, V] buffers of this size.
 _CHUNK_BYTES = 8 << 20
 
@@ -212,7 +216,7 @@ def _fwd_signature(dtype: str) -> dict:
 def _bwd_signature(dtype: str) -> dict:
     return {
         "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
-        "g_logp_ptr": "*fp32", "g_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "stride_outer": "i64",
+        "logp_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "stride_outer": "i64",
         "stride_inner": "i64", "inner": "i32", "V": "i32", "inv_temp": "fp32", "ignore_index": "i64",
         "BLOCK_V": "constexpr",
     }  # fmt: skip
@@ -272,8 +276,22 @@ def _out_dtype(logits: torch.Tensor) -> torch.dtype:
     return reference.compute_dtype(logits)
 
 
+def _scaled_rows(x, cdt, temperature: float):
+    """``x / T`` [c, V] in the compute dtype, shifted by its row max ``m`` [c, 1]: a fresh buffer."""
+    if x.dtype == cdt and temperature == 1.0:
+        m = x.amax(dim=-1, keepdim=True)  # [c, 1]
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: no -inf - -inf
+        return x - m, m  # [c, V]
+    z = x.to(cdt, copy=True)  # [c, V]
+    if temperature != 1.0:
+        z.div_(temperature)  # as the reference: logits.float() / T
+    m = z.amax(dim=-1, keepdim=True)  # [c, 1]
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return z.sub_(m), m
+
+
 def _torch_forward(logits, labels, temperature: float, ignore_index: int):
-    """Chunked over rows: a chunk's float32 workspace is a few [c, V] buffers of <= _CHUNK_BYTES."""
+    """Chunked over rows: a chunk's workspace is two [c, V] buffers of <= _CHUNK_BYTES each."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     cdt = _out_dtype(logits)
@@ -287,13 +305,17 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int):
     chunk = max(1, _CHUNK_BYTES // (V * cdt.itemsize))
     for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
         r1 = r0 + x.shape[0]
-        z = x.to(cdt) / temperature  # [c, V]
-        lse_c = torch.logsumexp(z, dim=-1)  # [c]
-        z.sub_(lse_c.unsqueeze(-1))  # [c, V] log p
-        logp[r0:r1] = z.gather(-1, safe[r0:r1].unsqueeze(-1)).squeeze(-1)
-        entropy[r0:r1] = -(torch.exp(z).mul_(z)).sum(-1)
-        lse[r0:r1] = lse_c
-        del z
+        z, m = _scaled_rows(x, cdt, temperature)  # [c, V] z - m, [c, 1]
+        p = torch.exp(z)  # [c, V] unnormalized probabilities
+        s = p.sum(-1)  # [c]
+        log_s = torch.log(s)  # [c]
+        # log p_y = (z_y - m) - log s: exactly -log s when y is the max, as in the Triton kernel
+        logp[r0:r1] = z.gather(-1, safe[r0:r1].unsqueeze(-1)).squeeze(-1) - log_s
+        z.clamp_(min=_LOG_P_FLOOR)  # p (z - m) = 0 where p = 0 (a -inf logit); NaN stays NaN
+        w = p.mul_(z).sum(-1)  # [c] Σ e^(z-m) (z-m), in p's buffer (einsum's bmm sums less precisely)
+        entropy[r0:r1] = log_s - w / s  # H = lse - Σ p z
+        lse[r0:r1] = m.squeeze(-1) + log_s
+        del z, p
     bad = valid & ~in_range  # [N]
     nan = torch.full_like(logp, float("nan"))  # [N]
     lse = torch.where(bad, nan, lse)
@@ -303,7 +325,9 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int):
     return logp.view(shape), entropy.view(shape), lse.view(shape)
 
 
-def _torch_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _torch_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature: float, ignore_index: int):
+    """dz = p (a + b log p) per row with a = -(g_logp + g_H H)/T, b = -g_H/T; the label's entry
+    replaced by [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y)."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     cdt = lse.dtype
@@ -315,23 +339,28 @@ def _torch_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature
     zero = torch.zeros((), dtype=cdt, device=logits.device)
     g_l = torch.where(valid, g_logp.reshape(-1).to(cdt), zero)  # [N]
     g_h = torch.where(valid, g_entropy.reshape(-1).to(cdt), zero)  # [N]
-    lse, ent = lse.reshape(-1), entropy.reshape(-1)  # [N]
+    lse, ent, lp = lse.reshape(-1), entropy.reshape(-1), logp.reshape(-1).to(cdt)  # [N]
+    a = -(g_l + g_h * ent) / temperature  # [N]
+    b = -g_h / temperature  # [N]
+    p_y = torch.exp(lp)  # [N]
+    d_y = (g_l * -torch.expm1(lp) - g_h * p_y * (lp + ent)) / temperature  # [N]
     chunk = max(1, _CHUNK_BYTES // (V * cdt.itemsize))
     for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
         r1 = r0 + x.shape[0]
-        gl, gh, h = g_l[r0:r1, None], g_h[r0:r1, None], ent[r0:r1, None]  # [c, 1]
-        y = safe[r0:r1, None]  # [c, 1]
-        z = x.to(cdt) / temperature  # [c, V]
+        out = d_rows[r0:r1]  # [c, V]
+        # compute in place in dlogits when it has the compute dtype (one [c, V] buffer less)
+        z = out if out.dtype == cdt else torch.empty(out.shape, dtype=cdt, device=out.device)  # [c, V]
+        z.copy_(x)
+        if temperature != 1.0:
+            z.div_(temperature)
         z.sub_(lse[r0:r1, None])  # [c, V] log p
         p = torch.exp(z)  # [c, V]
-        logp_y, p_y = z.gather(-1, y), p.gather(-1, y)  # [c, 1]
-        z.add_(h).mul_(p).mul_(-gh)  # [c, V] entropy part: -g_H p (log p + H)
-        z.sub_(p.mul_(gl))  # [c, V] minus g_logp p
-        d_y = gl * -torch.expm1(logp_y) - gh * p_y * (logp_y + h)  # [c, 1]: 1 - p_y without cancellation
-        z.scatter_(-1, y, d_y)
-        z.div_(temperature)
+        z.clamp_(min=_LOG_P_FLOOR)  # p log p = 0 where p = 0 (a -inf logit); NaN stays NaN
+        z.mul_(b[r0:r1, None]).add_(a[r0:r1, None]).mul_(p)  # [c, V]
+        z.scatter_(-1, safe[r0:r1, None], d_y[r0:r1, None])
         z.masked_fill_(~valid[r0:r1, None], 0.0)  # ignored rows: exactly 0, even if their logits are NaN
-        d_rows[r0:r1].copy_(z)
+        if z is not out:
+            out.copy_(z)
         del z, p
     return dlogits
 
@@ -354,7 +383,7 @@ def _triton_forward(logits, labels, temperature: float, ignore_index: int):
     return logp.view(shape), entropy.view(shape), lse.view(shape)
 
 
-def _triton_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature: float, ignore_index: int):
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -364,7 +393,7 @@ def _triton_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperatur
         flat = lambda t: t.reshape(-1).to(torch.float32).contiguous()  # noqa: E731  [N]
         cfg = _launch_config(V)
         _logprobs_bwd_kernel.launch(
-            (N,), rows, lab, flat(lse), flat(entropy), flat(g_logp), flat(g_entropy), dlogits,
+            (N,), rows, lab, flat(lse), flat(entropy), flat(logp), flat(g_logp), flat(g_entropy), dlogits,
             rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
             BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -401,6 +430,7 @@ def _logprobs_bwd_op(
     labels: torch.Tensor,  # [...]
     lse: torch.Tensor,  # [...]
     entropy: torch.Tensor,  # [...]
+    logp: torch.Tensor,  # [...]
     g_logp: torch.Tensor,  # [...]
     g_entropy: torch.Tensor,  # [...]
     temperature: float,
@@ -409,27 +439,27 @@ def _logprobs_bwd_op(
 ) -> torch.Tensor:
     """Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
     if backend == "triton":
-        return _triton_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index)
-    return _torch_backward(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index)
+        return _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature, ignore_index)
+    return _torch_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature, ignore_index)
 
 
 @_logprobs_bwd_op.register_fake
-def _(logits, labels, lse, entropy, g_logp, g_entropy, temperature, ignore_index, backend):
+def _(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature, ignore_index, backend):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _setup_context(ctx, inputs, output):
     logits, labels, temperature, ignore_index, backend = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits, labels, lse, entropy)
+    logp, entropy, lse = output
+    ctx.save_for_backward(logits, labels, lse, entropy, logp)
     ctx.options = (temperature, ignore_index, backend)
 
 
 def _backward(ctx, g_logp, g_entropy, _g_lse):
-    logits, labels, lse, entropy = ctx.saved_tensors
+    logits, labels, lse, entropy, logp = ctx.saved_tensors
     g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
     g_entropy = torch.zeros_like(lse) if g_entropy is None else g_entropy
-    dlogits = _logprobs_bwd_op(logits, labels, lse, entropy, g_logp, g_entropy, *ctx.options)
+    dlogits = _logprobs_bwd_op(logits, labels, lse, entropy, logp, g_logp, g_entropy, *ctx.options)
     return dlogits, None, None, None, None
 
 
