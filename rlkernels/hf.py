@@ -1,0 +1,84 @@
+"""Per-token log-probabilities of a Hugging Face causal LM without its ``[B, T, V]`` logits.
+
+Runs the model's backbone (embeddings, blocks, final norm), then scores token
+``t`` from the hidden state at ``t - 1`` with :func:`rlkernels.linear_logprobs`
+against the output embedding. ``lm_head`` is never applied to the sequence, so
+neither the forward nor the backward holds the logits.
+
+``transformers`` is never imported here: the functions only use the duck-typed
+``PreTrainedModel`` interface, so ``import rlkernels`` stays cheap.
+"""
+from __future__ import annotations
+
+import torch
+
+from rlkernels import _checks
+from rlkernels.linear_logprobs import linear_logprobs
+
+
+def _backbone(model):
+    """The model without its LM head; its ``last_hidden_state`` has the final norm applied."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model:
+        raise TypeError(
+            f"model ({type(model).__name__}) must be a causal LM with a separate backbone "
+            "(model.base_model, e.g. LlamaForCausalLM.model or GPT2LMHeadModel.transformer)"
+        )
+    return base
+
+
+def _head(model):
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise TypeError(f"model ({type(model).__name__}) has no output embedding (get_output_embeddings())")
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        raise NotImplementedError("final_logit_softcapping is not a linear head; linear_logprobs cannot fuse it")
+    return head.weight, getattr(head, "bias", None)  # [V, H], [V] or None
+
+
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,  # [B, T]
+    attention_mask: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T]
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
+    """Log-probability of each response token of ``input_ids`` under a causal LM.
+
+    Args:
+        model: a ``transformers`` causal LM (``*ForCausalLM``, e.g. Llama, Qwen2, GPT-2),
+            tied or untied embeddings, optional output bias.
+        input_ids: ``[B, T]`` prompt + response token ids.
+        attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (passed to the model).
+        response_mask: ``[B, T]`` 1 where a token should be scored (the response).
+        temperature: the sampling temperature the logits are divided by.
+        return_entropy: also return the entropy of each position's next-token distribution.
+
+    Returns:
+        ``logp`` ``[B, T]`` float32, aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
+        input_ids[b, :t])``, 0 where ``response_mask`` is 0 and at ``t = 0`` (nothing predicts the
+        first token). With ``return_entropy``, also ``entropy`` ``[B, T]`` of the distribution that
+        predicted token ``t``, masked the same way. Differentiable in the model's parameters.
+    """
+    _checks.integer(input_ids, "input_ids")
+    _checks.rank(input_ids, "input_ids", 2)
+    _checks.same_shape(input_ids, "input_ids", attention_mask, "attention_mask")
+    _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
+    weight, bias = _head(model)
+    out = _backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
+    B, T = input_ids.shape
+    hidden = hidden[:, :-1].to(weight.dtype)  # [B, T-1, H]: position t-1 predicts token t
+    scored = response_mask[:, 1:].bool()  # [B, T-1]
+    labels = torch.where(scored, input_ids[:, 1:], torch.full_like(input_ids[:, 1:], -100))  # [B, T-1]
+    result = linear_logprobs(
+        hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, ignore_index=-100
+    )
+    pad = lambda x: torch.cat([x.new_zeros(B, 1), x], dim=1)  # noqa: E731  [B, T-1] -> [B, T]
+    if return_entropy:
+        logp, entropy = result
+        return pad(logp), pad(entropy)
+    return pad(result)
