@@ -1,0 +1,119 @@
+"""linear_logprobs (fused LM head + log-softmax gather + entropy), forward + backward.
+
+Bound (compute): four GEMMs of ``2 · N · H · V`` FLOPs each — the forward's
+``hidden @ W.T`` (1), and in the backward the logits' recomputation (2),
+``d_hidden = dz @ W`` (3) and ``d_weight = dz.T @ hidden`` (4), so
+``flops = 8 · N · H · V``. (Eager, which keeps the logits, needs only three; the
+bound counts the four a memory-bounded fused kernel must do.) Bytes: hidden and
+weight read, their gradients written (``2 · (N·H + V·H) · itemsize``), far below
+what the FLOPs take: the op is compute bound.
+
+Providers: ``eager`` (``hidden @ W.T`` then ``log_softmax`` in float32, ``gather``
+and the entropy, then autograd: materializes ``[N, V]`` logits and their
+gradient), ``torch.compile`` of that same function, ``rlkernels`` (Triton on
+CUDA, the chunked PyTorch path on the CPU), and Liger-Kernel's fused linear
+cross-entropy / cut-cross-entropy where importable (log-prob only: neither
+returns the entropy).
+"""
+from __future__ import annotations
+
+import torch
+
+import rlkernels
+from bench.harness import Case
+
+TEMPERATURE = 1.0
+
+
+def eager_linear_logprobs(hidden, weight, labels):
+    logits = hidden @ weight.T  # [N, V]
+    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)  # [N, V]
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [N]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+    return logp, entropy
+
+
+_compiled = None
+
+
+def _compiled_fn(hidden, weight, labels):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(eager_linear_logprobs)
+    return _compiled(hidden, weight, labels)
+
+
+def _rlkernels(hidden, weight, labels):
+    return rlkernels.linear_logprobs(hidden, weight, labels, temperature=TEMPERATURE, return_entropy=True)
+
+
+def _step(fn):
+    def step(hidden, weight, labels, g_logp, g_ent):  # hidden [N, H], weight [V, H] leaves; labels, g_* [N]
+        logp, entropy = fn(hidden, weight, labels)
+        return torch.autograd.grad([logp, entropy], [hidden, weight], [g_logp, g_ent])
+
+    return step
+
+
+def _peers() -> dict:
+    """Log-prob-only peers, when installed (they compute -logp as a per-token loss)."""
+    peers = {}
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        def liger(hidden, weight, labels, g_logp, g_ent):
+            loss = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels, None, None, -100, 0.0, 0.0, "none")
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            return torch.autograd.grad([-loss], [hidden, weight], [g_logp])
+
+        peers["liger (logp only)"] = liger
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce(hidden, weight, labels, g_logp, g_ent):
+            loss = linear_cross_entropy(hidden, weight, labels, reduction="none")
+            return torch.autograd.grad([-loss], [hidden, weight], [g_logp])
+
+        peers["cut-cross-entropy (logp only)"] = cce
+    except ImportError:
+        pass
+    return peers
+
+
+def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    def make_inputs():
+        hidden = (torch.randn(N, H, device=device, dtype=dtype)).requires_grad_(True)  # [N, H]
+        weight = (torch.randn(V, H, device=device, dtype=dtype) * H**-0.5).requires_grad_(True)  # [V, H]
+        labels = torch.randint(0, V, (N,), device=device)  # [N]
+        g_logp = torch.randn(N, device=device)  # [N]
+        g_ent = torch.randn(N, device=device)  # [N]
+        return hidden, weight, labels, g_logp, g_ent
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    providers = {
+        "eager": _step(eager_linear_logprobs),
+        "torch.compile": _step(_compiled_fn),
+        "rlkernels": _step(_rlkernels),
+    }
+    providers.update(_peers() if device.type == "cuda" else {})
+    return Case(
+        op="linear_logprobs fwd+bwd",
+        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",
+        bytes_moved=2 * (N * H + V * H) * itemsize,
+        flops=4 * 2 * N * H * V,
+        bound="compute",
+        make_inputs=make_inputs,
+        providers=providers,
+    )
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        if quick:
+            return [_case(4096, 4096, 128256, torch.bfloat16, device)]
+        return [_case(8192, 4096, V, torch.bfloat16, device) for V in (128256, 151936)]
+    if quick:
+        return [_case(256, 256, 8192, torch.float32, device)]
+    return [_case(1024, 512, 50257, torch.float32, device)]
