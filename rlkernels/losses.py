@@ -763,7 +763,7 @@ _value_op.register_autograd(_value_backward, setup_context=_value_setup)
 # ================================================================ public functions
 
 
-def _reference_backend(device: torch.device) -> bool:
+def _reference_backend() -> bool:
     return _backend.forced_backend() == "reference"
 
 
@@ -787,7 +787,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     _checks.same_shape(logp, "logp", ref_logp, "ref_logp")
     _checks.same_device((logp, "logp"), (ref_logp, "ref_logp"))
     _checks.choice(estimator, "estimator", KL_ESTIMATORS)
-    if _reference_backend(logp.device):
+    if _reference_backend():
         return _ref.kl_penalty(logp, ref_logp, estimator)
     need_grad = torch.is_grad_enabled() and (logp.requires_grad or ref_logp.requires_grad)
     kl, _ = _kl_op(logp, ref_logp, KL_ESTIMATORS.index(estimator), need_grad)
@@ -851,7 +851,7 @@ def policy_loss(
     """
     opt = _validate_policy(logp, old_logp, advantages, mask, ref_logp, entropy, clip_low, clip_high, dual_clip, ratio,
                            kl_coef, kl_estimator, entropy_coef, agg, norm_length)
-    if _reference_backend(logp.device):
+    if _reference_backend():
         return _ref.policy_loss(logp, old_logp.detach(), advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high,
                                 dual_clip=dual_clip, ratio=ratio, ref_logp=ref_logp, kl_coef=kl_coef,
                                 kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef, agg=agg,
@@ -895,7 +895,7 @@ def value_loss(
         wins; 0 without ``clip``) and ``values_mean`` (masked mean of ``values``).
     """
     opt = _validate_value(values, old_values, returns, mask, clip, agg)
-    if _reference_backend(values.device):
+    if _reference_backend():
         return _ref.value_loss(values, old_values.detach(), returns.detach(), mask, clip=clip, agg=agg)
     loss, metrics, _, _ = _value_op(values, old_values.detach(), returns.detach(), mask.detach(), opt.clip, opt.agg)
     metrics = metrics.detach()
