@@ -18,6 +18,7 @@ try:  # triton is optional at import time: the package works without it on CPU
     from triton.runtime.jit import JITFunction
 
     HAS_TRITON = True
+    import contextlib
 except Exception as _error:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
@@ -52,8 +53,30 @@ if HAS_TRITON:
             if device is None:
                 device = next(a.device for a in kwargs.values() if isinstance(a, torch.Tensor))
             if device.type == "cpu":
-                return self.interpreted[grid](*args, **kwargs)
+                with _library_functions_interpreted():
+                    return self.interpreted[grid](*args, **kwargs)
             return self[grid](*args, **kwargs)
+
+    _interpreted_library: dict = {}
+
+    def _call_interpreted(self, *args, **kwargs):
+        function = _interpreted_library.get(self.fn)
+        if function is None:
+            function = _interpreted_library[self.fn] = InterpretedFunction(self.fn)
+        return function(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _library_functions_interpreted():
+        """Triton's own ``@triton.jit`` library functions (``tl.sum``, ``tl.zeros``,
+        ``tl.max``...) were made compiled-only when triton was imported without
+        ``TRITON_INTERPRET``; while an interpreted kernel runs, calls to them run
+        interpreted too."""
+        original = JITFunction.__call__
+        JITFunction.__call__ = _call_interpreted
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
 
     def jit(fn=None, **kwargs):
         """Drop-in for ``triton.jit`` returning a :class:`DualJITFunction`."""
