@@ -290,10 +290,12 @@ def masked_whiten(
     ``shift_mean=False`` the mean is added back.
     """
     xf = _up(x)
-    m = mask.to(xf.dtype)
-    count = m.sum()
-    mean = (xf * m).sum() / count.clamp(min=1.0)
-    var = ((xf - mean).square() * m).sum() / (count - 1.0).clamp(min=1.0)
+    m = mask.bool()
+    zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
+    count = m.sum().to(xf.dtype)
+    # where, not multiply by the mask: a NaN/inf at a masked-out position must not enter the statistics
+    mean = torch.where(m, xf, zero).sum() / count.clamp(min=1.0)
+    var = torch.where(m, (xf - mean).square(), zero).sum() / (count - 1.0).clamp(min=1.0)
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

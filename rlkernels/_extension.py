@@ -1,0 +1,133 @@
+"""The compiled ``csrc/`` extension: found prebuilt, or built with ninja at first use.
+
+The extension registers its kernels as ``torch.ops.rlkernels_csrc.*`` through
+``TORCH_LIBRARY`` (CPU kernels always; CUDA kernels when torch has CUDA and
+``nvcc`` exists), so it is loaded with ``torch.ops.load_library`` rather than
+imported. Order of attempts:
+
+1. ``rlkernels/_C*.so`` built ahead of time by ``RLKERNELS_BUILD_EXT=1 pip install .``;
+2. a JIT build of ``csrc/`` with ``torch.utils.cpp_extension.load`` into
+   ``$RLKERNELS_CACHE`` or ``~/.cache/rlkernels/<torch version>/`` (reused
+   across processes: ninja rebuilds only when a source changed).
+
+If both fail (no compiler, no sources, a build error), :func:`load` returns
+None, warns once with the reason, and the ops fall back to Triton or PyTorch.
+``RLKERNELS_NO_EXT=1`` skips the extension altogether.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import threading
+import warnings
+
+import torch
+
+NAMESPACE = "rlkernels_csrc"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+CSRC_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc")
+CPU_SOURCES = ("advantages.cpp",)
+CUDA_SOURCES = ("advantages_cuda.cu", "advantages_cuda_binding.cpp")
+
+_lock = threading.Lock()
+_state: dict = {"tried": False, "ops": None, "error": None, "warned": False}
+
+
+class ExtensionUnavailable(RuntimeError):
+    pass
+
+
+def cuda_build_possible() -> bool:
+    """CUDA kernels are built only when torch has CUDA and an nvcc is at hand."""
+    if torch.version.cuda is None:
+        return False
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    return bool(home and os.path.exists(os.path.join(home, "bin", "nvcc"))) or shutil.which("nvcc") is not None
+
+
+def build_directory() -> str:
+    root = os.environ.get("RLKERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlkernels")
+    flavour = f"torch{torch.__version__}".replace("+", "_") + (f"_cu{torch.version.cuda}" if cuda_build_possible() else "_cpu")
+    path = os.path.join(root, flavour)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _prebuilt() -> str | None:
+    found = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_C*.so")) + glob.glob(os.path.join(_PACKAGE_DIR, "_C*.pyd")))
+    return found[0] if found else None
+
+
+def _build() -> None:
+    """Load the prebuilt library or JIT-build ``csrc/``; raises with the reason on failure."""
+    prebuilt = _prebuilt()
+    if prebuilt is not None:
+        torch.ops.load_library(prebuilt)
+        return
+    sources = [os.path.join(CSRC_DIR, s) for s in CPU_SOURCES]
+    with_cuda = cuda_build_possible()
+    if with_cuda:
+        sources += [os.path.join(CSRC_DIR, s) for s in CUDA_SOURCES]
+    missing = [s for s in sources if not os.path.exists(s)]
+    if missing:
+        raise ExtensionUnavailable(f"sources not found: {missing} (install from a source checkout or build with RLKERNELS_BUILD_EXT=1)")
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None and not cpp_extension.is_ninja_available():
+        raise ExtensionUnavailable("ninja is not installed (pip install ninja)")
+    cpp_extension.load(
+        name="rlkernels_csrc",
+        sources=sources,
+        extra_cflags=["-O3"] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
+        extra_cuda_cflags=["-O3", "--use_fast_math"] if with_cuda else None,
+        build_directory=build_directory(),
+        is_python_module=False,
+        verbose=os.environ.get("RLKERNELS_VERBOSE_BUILD") == "1",
+    )
+
+
+def load():
+    """``torch.ops.rlkernels_csrc`` when the extension is usable, else None (after one warning)."""
+    if _state["tried"]:
+        return _state["ops"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                if os.environ.get("RLKERNELS_NO_EXT") == "1":
+                    raise ExtensionUnavailable("RLKERNELS_NO_EXT=1")
+                _build()
+                ops = getattr(torch.ops, NAMESPACE)
+                ops.gae  # noqa: B018  (raises if the library registered nothing)
+                _state["ops"] = ops
+            except Exception as error:  # any failure: no compiler, build error, missing sources
+                _state["ops"] = None
+                _state["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            _state["tried"] = True
+    if _state["ops"] is None and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(
+            f"rlkernels: the compiled csrc extension is unavailable ({_state['error']}); "
+            "falling back to the Triton/PyTorch implementations",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _state["ops"]
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def error() -> str | None:
+    """Why the extension is unavailable (None when it loaded or was not tried)."""
+    return _state["error"]
+
+
+def has_cuda_kernels() -> bool:
+    ops = load()
+    if ops is None:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::gae", "CUDA")
