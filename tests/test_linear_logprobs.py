@@ -263,18 +263,16 @@ def test_cpu_memory_is_a_fraction_of_eager():
             logp = linear_logprobs(h, w, labels)
         logp.sum().backward()
 
-    def eager():
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        logp = torch.log_softmax(h @ w.T, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
-        logp.sum().backward()
-
+    # Eager's peak, counted rather than measured (measuring doubles this test's time): at
+    # log_softmax's backward, its saved [N, V] output, the [N, V] gradient scattered by
+    # gather's backward and the [N, V] gradient it returns are all live. Measured once
+    # on this machine: 2462 MiB, i.e. 3.1 x N·V·4 bytes; the lower bound is the stricter test.
+    eager_peak = 3 * nv_bytes
     ours = measure_cpu(fused)
-    theirs = measure_cpu(eager)
     print(f"\nfused peak {ours.peak_bytes / 2**20:.1f} MiB (largest {ours.largest_bytes / 2**20:.1f} MiB); "
-          f"eager peak {theirs.peak_bytes / 2**20:.1f} MiB; [N, V] float32 = {nv_bytes / 2**20:.1f} MiB")
-    assert theirs.largest_bytes >= nv_bytes  # the meter sees eager's [N, V] logits
+          f"eager peak >= {eager_peak / 2**20:.1f} MiB; [N, V] float32 = {nv_bytes / 2**20:.1f} MiB")
     assert ours.largest_bytes < nv_bytes
-    assert ours.peak_bytes * 8 <= theirs.peak_bytes
+    assert ours.peak_bytes * 8 <= eager_peak
 
 
 # ---------------------------------------------------------------- ahead-of-time compile
