@@ -14,7 +14,7 @@ import torch
 try:  # triton is optional at import time: the package works without it on CPU
     import triton
     import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.interpreter import InterpretedFunction, _patch_lang
     from triton.runtime.jit import JITFunction
 
     HAS_TRITON = True
@@ -44,7 +44,7 @@ if HAS_TRITON:
         def __call__(self, *args, **kwargs):
             # Reached only when an interpreted kernel calls this as a device
             # function; compiled kernels inline it without calling Python.
-            return self.interpreted(*args, **kwargs)
+            return _device_call(self.interpreted, *args, **kwargs)
 
         def launch(self, grid, *args, **kwargs):
             """Launch on ``grid``: compiled when the first tensor argument is on
@@ -57,13 +57,23 @@ if HAS_TRITON:
                     return self.interpreted[grid](*args, **kwargs)
             return self[grid](*args, **kwargs)
 
+    def _device_call(function: "InterpretedFunction", *args, **kwargs):
+        """Call an interpreted device function, undoing its patch of triton.language
+        afterwards (Triton's own device call leaves it patched, which breaks any
+        later compilation in the same process)."""
+        scope = _patch_lang(function.fn)
+        try:
+            return function.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
+
     _interpreted_library: dict = {}
 
     def _call_interpreted(self, *args, **kwargs):
         function = _interpreted_library.get(self.fn)
         if function is None:
             function = _interpreted_library[self.fn] = InterpretedFunction(self.fn)
-        return function(*args, **kwargs)
+        return _device_call(function, *args, **kwargs)
 
     @contextlib.contextmanager
     def _library_functions_interpreted():
