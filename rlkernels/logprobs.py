@@ -350,15 +350,18 @@ def _torch_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, tempe
         out = d_rows[r0:r1]  # [c, V]
         # compute in place in dlogits when it has the compute dtype (one [c, V] buffer less)
         z = out if out.dtype == cdt else torch.empty(out.shape, dtype=cdt, device=out.device)  # [c, V]
-        z.copy_(x)
-        if temperature != 1.0:
-            z.div_(temperature)
+        if x.dtype == cdt:
+            torch.div(x, temperature, out=z)  # as the reference: logits.float() / T
+        else:
+            z.copy_(x).div_(temperature)
         z.sub_(lse[r0:r1, None])  # [c, V] log p
         p = torch.exp(z)  # [c, V]
         z.clamp_(min=_LOG_P_FLOOR)  # p log p = 0 where p = 0 (a -inf logit); NaN stays NaN
-        z.mul_(b[r0:r1, None]).add_(a[r0:r1, None]).mul_(p)  # [c, V]
+        torch.addcmul(a[r0:r1, None], z, b[r0:r1, None], out=z).mul_(p)  # [c, V] p (a + b log p)
         z.scatter_(-1, safe[r0:r1, None], d_y[r0:r1, None])
-        z.masked_fill_(~valid[r0:r1, None], 0.0)  # ignored rows: exactly 0, even if their logits are NaN
+        valid_c = valid[r0:r1, None]  # [c, 1]
+        if logits.device.type != "cpu" or not bool(valid_c.all()):  # a free check on the CPU only
+            z.masked_fill_(~valid_c, 0.0)  # ignored rows: exactly 0, even if their logits are NaN
         if z is not out:
             out.copy_(z)
         del z, p

@@ -11,10 +11,10 @@ import torch
 
 import rlkernels
 from rlkernels import _memory, reference
+from tests.helpers import DTYPES, EAGER_SLACK, assert_close_to_truth, backends, forced_backend, noncontiguous
 
 _ = rlkernels.logprobs  # the package binds the function over its same-named module
 lp_module = sys.modules["rlkernels.logprobs"]
-from tests.helpers import DTYPES, EAGER_SLACK, assert_close_to_truth, backends, forced_backend, noncontiguous
 
 IGNORE = -100
 

@@ -1,0 +1,88 @@
+"""logprobs (+ entropy) from logits, forward + backward.
+
+Bound (memory): three passes over the [N, V] logits — read them in the forward,
+read them again in the backward, write dlogits — so
+``bytes_moved = 3 · N · V · itemsize`` (plus O(N): labels, outputs, lse, entropy,
+upstream gradients, which the count ignores). FLOPs ≈ 14 · N · V (forward:
+scale, max, subtract, exp, sum, the entropy's multiply-add; backward: scale,
+subtract, exp, two multiply-adds, the cast), far below any compute ceiling:
+the op is memory bound.
+
+Providers: ``eager`` (the reference formulas as a user writes them:
+``log_softmax(logits.float() / T)``, ``gather``, ``-(p · logp).sum``, then
+autograd), ``torch.compile`` of that same function, and ``rlkernels``
+(Triton on CUDA, the chunked PyTorch path on the CPU).
+"""
+from __future__ import annotations
+
+import torch
+
+import rlkernels
+from bench.harness import Case
+
+TEMPERATURE = 0.7
+
+
+def eager_logprobs(logits, labels, temperature: float = TEMPERATURE):
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [N]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+    return logp, entropy
+
+
+_compiled = None
+
+
+def _compiled_logprobs():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(eager_logprobs)
+    return _compiled
+
+
+def _step(fn):
+    def step(logits, labels, g_logp, g_ent):  # logits [N, V] leaf, labels [N], g_* [N]
+        logp, entropy = fn(logits, labels)
+        return torch.autograd.grad([logp, entropy], [logits], [g_logp, g_ent])
+
+    return step
+
+
+def _rlkernels(logits, labels):
+    return rlkernels.logprobs(logits, labels, temperature=TEMPERATURE, return_entropy=True)
+
+
+def _case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    def make_inputs():
+        logits = (torch.randn(N, V, device=device, dtype=dtype) * 2).requires_grad_(True)  # [N, V]
+        labels = torch.randint(0, V, (N,), device=device)  # [N]
+        g_logp = torch.randn(N, device=device)  # [N]
+        g_ent = torch.randn(N, device=device)  # [N]
+        return logits, labels, g_logp, g_ent
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        op="logprobs+entropy fwd+bwd",
+        shape=f"N={N} V={V} {str(dtype).removeprefix('torch.')}",
+        bytes_moved=3 * N * V * itemsize,
+        flops=14 * N * V,
+        bound="memory",
+        make_inputs=make_inputs,
+        providers={
+            "eager": _step(eager_logprobs),
+            "torch.compile": _step(lambda x, y: _compiled_logprobs()(x, y)),
+            "rlkernels": _step(_rlkernels),
+        },
+    )
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        shapes = [(8192, 128256, torch.bfloat16), (8192, 151936, torch.bfloat16)]
+        if quick:
+            shapes = shapes[:1]
+    elif quick:
+        shapes = [(512, 32000, torch.float32)]
+    else:
+        shapes = [(2048, 32000, torch.float32), (1024, 128256, torch.bfloat16)]
+    return [_case(N, V, dtype, device) for N, V, dtype in shapes]
