@@ -1,0 +1,307 @@
+// CUDA kernels of the advantage ops on raw pointers: no torch headers, so this
+// file compiles standalone (nvcc -c) and is bound in advantages_cuda_binding.cpp.
+//
+// gae: one block per sequence walks its row backwards in tiles of
+// kThreads * kItems tokens. Each thread composes the affine maps of its kItems
+// tokens, a warp-shuffle suffix scan composes them across the warp, the warps'
+// boundary states are chained in shared memory, and each thread then replays its
+// tokens from its incoming state. The state (A, V) = (advantage, value) of the next
+// valid token carries from tile to tile.
+// group_advantages: one warp per group, three passes over the (L1-resident) group.
+// masked_whiten: per-block (count, mean, M2) by Chan merges, then every block of a
+// second kernel merges the partials and normalizes its share.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "advantages_cuda.h"
+
+namespace rlkernels_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kItems = 8;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// A' = a*A + b*V + c, V' = z*V + e
+struct Affine {
+  float a, b, c, z, e;
+};
+
+__device__ __forceinline__ Affine identity() { return {1.f, 0.f, 0.f, 1.f, 0.f}; }
+
+// first `p` (later tokens), then `q` (earlier tokens)
+__device__ __forceinline__ Affine then(const Affine& p, const Affine& q) {
+  return {q.a * p.a, q.a * p.b + q.b * p.z, q.a * p.c + q.b * p.e + q.c, q.z * p.z, q.z * p.e + q.e};
+}
+
+__device__ __forceinline__ Affine shfl_down(const Affine& x, int delta) {
+  return {__shfl_down_sync(0xffffffffu, x.a, delta), __shfl_down_sync(0xffffffffu, x.b, delta),
+          __shfl_down_sync(0xffffffffu, x.c, delta), __shfl_down_sync(0xffffffffu, x.z, delta),
+          __shfl_down_sync(0xffffffffu, x.e, delta)};
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rewards, const T* __restrict__ values,
+                                                       const uint8_t* __restrict__ mask, float* __restrict__ adv,
+                                                       float* __restrict__ ret, int64_t T_len, float gamma, float lam) {
+  __shared__ float warp_a[kWarps], warp_v[kWarps];  // state entering each warp (from its right)
+  __shared__ Affine warp_map[kWarps];
+  __shared__ float carry[2];
+  const int64_t row = blockIdx.x;
+  const T* r = rewards + row * T_len;
+  const T* v = values + row * T_len;
+  const uint8_t* m = mask + row * T_len;
+  float* a_out = adv + row * T_len;
+  float* r_out = ret + row * T_len;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float gl = gamma * lam;
+  if (threadIdx.x == 0) carry[0] = carry[1] = 0.f;
+  constexpr int kTile = kThreads * kItems;
+  for (int64_t tile_end = T_len; tile_end > 0; tile_end -= kTile) {
+    const int64_t tile_start = tile_end - kTile;  // may be negative: those tokens are identities
+    const int64_t first = tile_start + static_cast<int64_t>(threadIdx.x) * kItems;
+    float rv[kItems], vv[kItems];
+    bool ok[kItems];
+    Affine mine = identity();
+#pragma unroll
+    for (int k = kItems - 1; k >= 0; --k) {
+      const int64_t t = first + k;
+      ok[k] = t >= 0 && m[t] != 0;
+      rv[k] = ok[k] ? to_float(r[t]) : 0.f;
+      vv[k] = (t >= 0) ? to_float(v[t]) : 0.f;
+      if (ok[k]) mine = then(mine, Affine{gl, gamma, rv[k] - vv[k], 0.f, vv[k]});
+    }
+    // inclusive suffix scan inside the warp: lane l composes lanes l..31
+    Affine suffix = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      Affine other = shfl_down(suffix, d);
+      if (lane + d < 32) suffix = then(other, suffix);
+    }
+    Affine after = shfl_down(suffix, 1);  // lanes l+1..31
+    if (lane == 31) after = identity();
+    if (lane == 0) warp_map[warp] = suffix;
+    __syncthreads();
+    if (threadIdx.x == 0) {  // chain the warps from the right, starting at the carried state
+      float A = carry[0], V = carry[1];
+      for (int w = kWarps - 1; w >= 0; --w) {
+        warp_a[w] = A;
+        warp_v[w] = V;
+        const Affine& f = warp_map[w];
+        const float A2 = f.a * A + f.b * V + f.c;
+        V = f.z * V + f.e;
+        A = A2;
+      }
+      carry[0] = A;
+      carry[1] = V;
+    }
+    __syncthreads();
+    float A = after.a * warp_a[warp] + after.b * warp_v[warp] + after.c;
+    float V = after.z * warp_v[warp] + after.e;
+#pragma unroll
+    for (int k = kItems - 1; k >= 0; --k) {
+      const int64_t t = first + k;
+      if (t < 0) continue;
+      float out = 0.f;
+      if (ok[k]) {
+        out = rv[k] + gamma * V - vv[k] + gl * A;
+        A = out;
+        V = vv[k];
+      }
+      a_out[t] = out;
+      r_out[t] = out + vv[k];
+    }
+    __syncthreads();  // carry and warp states are rewritten by the next tile
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+
+__device__ __forceinline__ int warp_sum(int x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
+
+constexpr int kGroupWarps = 4;
+
+__global__ void __launch_bounds__(kGroupWarps * 32)
+    group_kernel(const float* __restrict__ s, float* __restrict__ out, const int64_t* __restrict__ perm,
+                 const int64_t* __restrict__ starts, int64_t G, int mode, float eps) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupWarps + (threadIdx.x >> 5);
+  if (g >= G) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t lo = starts[g], hi = starts[g + 1];
+  const float n = static_cast<float>(hi - lo);
+  auto at = [&](int64_t i) { return perm != nullptr ? perm[i] : i; };
+  const float first = s[at(lo)];
+  float sum = 0.f;
+  int differ = 0;
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    const float x = s[at(i)];
+    sum += x;
+    differ += (x != first);  // NaN != NaN: a group with NaN is never constant
+  }
+  const float mean = warp_sum(sum) / n;
+  const bool zero = warp_sum(differ) == 0 || hi - lo < 2;
+  float ssq = 0.f;
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    const float d = s[at(i)] - mean;
+    ssq += d * d;
+  }
+  ssq = warp_sum(ssq);
+  float scale;
+  if (mode == 0) {
+    scale = 1.f / (sqrtf(ssq / fmaxf(n - 1.f, 1.f)) + eps);
+  } else if (mode == 1) {
+    scale = 1.f;
+  } else {
+    scale = n / fmaxf(n - 1.f, 1.f);  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+  }
+  for (int64_t i = lo + lane; i < hi; i += 32) {
+    const int64_t j = at(i);
+    out[j] = zero ? 0.f : (s[j] - mean) * scale;
+  }
+}
+
+struct Moments {
+  float n, mean, m2;
+};
+
+__device__ __forceinline__ Moments merge(const Moments& x, const Moments& y) {
+  const float n = x.n + y.n;
+  if (n == 0.f) return {0.f, 0.f, 0.f};
+  const float delta = y.mean - x.mean;
+  const float frac = y.n / n;
+  return {n, x.mean + delta * frac, x.m2 + y.m2 + delta * delta * x.n * frac};
+}
+
+__device__ Moments block_merge(Moments mo) {
+  __shared__ Moments per_warp[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) {
+    Moments o{__shfl_xor_sync(0xffffffffu, mo.n, d), __shfl_xor_sync(0xffffffffu, mo.mean, d),
+              __shfl_xor_sync(0xffffffffu, mo.m2, d)};
+    mo = merge(mo, o);
+  }
+  if (lane == 0) per_warp[warp] = mo;
+  __syncthreads();
+  Moments total{0.f, 0.f, 0.f};
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total = merge(total, per_warp[w]);
+  __syncthreads();
+  return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part, int64_t N) {
+  Moments mo{0.f, 0.f, 0.f};
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
+    if (mask[i]) {  // Welford's update per thread
+      const float xi = to_float(x[i]);
+      mo.n += 1.f;
+      const float delta = xi - mo.mean;
+      mo.mean += delta / mo.n;
+      mo.m2 += delta * (xi - mo.mean);
+    }
+  }
+  mo = block_merge(mo);
+  if (threadIdx.x == 0) {
+    part[3 * blockIdx.x + 0] = mo.n;
+    part[3 * blockIdx.x + 1] = mo.mean;
+    part[3 * blockIdx.x + 2] = mo.m2;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    whiten_apply_kernel(const T* __restrict__ x, float* __restrict__ out, const float* __restrict__ part, int num_parts,
+                        int64_t N, float eps, bool shift_mean) {
+  Moments mo{0.f, 0.f, 0.f};
+  for (int j = threadIdx.x; j < num_parts; j += blockDim.x) mo = merge(mo, Moments{part[3 * j], part[3 * j + 1], part[3 * j + 2]});
+  mo = block_merge(mo);
+  const float var = mo.n > 1.f ? mo.m2 / (mo.n - 1.f) : 0.f;
+  const float rstd = rsqrtf(var + eps);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
+    const float y = (to_float(x[i]) - mo.mean) * rstd;
+    out[i] = shift_mean ? y : y + mo.mean;
+  }
+}
+
+template <typename T>
+int gae_launch(const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
+               int64_t T_len, float gamma, float lam, cudaStream_t stream) {
+  if (B == 0 || T_len == 0) return 0;
+  gae_kernel<T><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(static_cast<const T*>(rewards),
+                                                                   static_cast<const T*>(values), mask, adv, ret, T_len,
+                                                                   gamma, lam);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
+                  bool shift_mean, cudaStream_t stream) {
+  if (N == 0) return 0;
+  whiten_partial_kernel<T><<<num_parts, kThreads, 0, stream>>>(static_cast<const T*>(x), mask, part, N);
+  whiten_apply_kernel<T><<<num_parts, kThreads, 0, stream>>>(static_cast<const T*>(x), out, part, num_parts, N, eps,
+                                                             shift_mean);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
+        int64_t T_len, float gamma, float lam, cudaStream_t stream) {
+  switch (dtype) {
+    case kFloat32:
+      return gae_launch<float>(rewards, values, mask, adv, ret, B, T_len, gamma, lam, stream);
+    case kFloat16:
+      return gae_launch<__half>(rewards, values, mask, adv, ret, B, T_len, gamma, lam, stream);
+    case kBFloat16:
+      return gae_launch<__nv_bfloat16>(rewards, values, mask, adv, ret, B, T_len, gamma, lam, stream);
+    default:
+      return -1;
+  }
+}
+
+int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G, int mode,
+                     float eps, cudaStream_t stream) {
+  if (G == 0) return 0;
+  const int64_t blocks = (G + kGroupWarps - 1) / kGroupWarps;
+  group_kernel<<<static_cast<unsigned>(blocks), kGroupWarps * 32, 0, stream>>>(scores, out, perm, starts, G, mode, eps);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int whiten_partials(int64_t N) {
+  const int64_t blocks = (N + kThreads * 4 - 1) / (kThreads * 4);
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxWhitenParts ? kMaxWhitenParts : blocks));
+}
+
+int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,
+                  float eps, bool shift_mean, cudaStream_t stream) {
+  switch (dtype) {
+    case kFloat32:
+      return whiten_launch<float>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+    case kFloat16:
+      return whiten_launch<__half>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+    case kBFloat16:
+      return whiten_launch<__nv_bfloat16>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+    default:
+      return -1;
+  }
+}
+
+}  // namespace rlkernels_cuda

@@ -1,0 +1,26 @@
+// Host entry points of the CUDA advantage kernels (raw pointers, no torch types).
+// Each returns 0 or a cudaError_t value (-1: unsupported dtype). Shapes: [B, T]
+// contiguous for gae; [N] for group_advantages and masked_whiten.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace rlkernels_cuda {
+
+enum Dtype { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+constexpr int kMaxWhitenParts = 1024;
+
+int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
+        int64_t T, float gamma, float lam, cudaStream_t stream);
+
+// group g holds perm[starts[g] .. starts[g+1]) (perm == nullptr: the positions themselves); mode 0 grpo, 1 dr_grpo, 2 rloo
+int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G, int mode,
+                     float eps, cudaStream_t stream);
+
+// number of partial moments masked_whiten uses for N elements (the size of `part` is 3 * that)
+int whiten_partials(int64_t N);
+
+int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,
+                  float eps, bool shift_mean, cudaStream_t stream);
+
+}  // namespace rlkernels_cuda
