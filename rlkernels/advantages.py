@@ -107,10 +107,10 @@ if HAS_TRITON:
         group_size, eps,
         MODE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        g = tl.program_id(0).to(tl.int64)
-        if HAS_INDEX:
-            lo = tl.load(starts_ptr + g)
-            hi = tl.load(starts_ptr + g + 1)
+        g = tl.program_id(0)
+        if HAS_INDEX:  # int32 positions (the launcher checks N < 2**31): int64 loop state spills
+            lo = tl.load(starts_ptr + g).to(tl.int32)
+            hi = tl.load(starts_ptr + g + 1).to(tl.int32)
             first = tl.load(s_ptr + tl.load(perm_ptr + lo))
         else:
             lo = g * group_size
@@ -123,7 +123,7 @@ if HAS_TRITON:
         for off in range(lo, hi, BLOCK):  # pass 1: sum, and whether every member equals the first
             i = off + offs
             ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0) if HAS_INDEX else i
+            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
             x = tl.load(s_ptr + src, mask=ok, other=0.0)
             acc += x
             differ += tl.where(ok & (x != first), 1, 0)  # NaN != NaN: a group with NaN is never constant
@@ -133,7 +133,7 @@ if HAS_TRITON:
         for off in range(lo, hi, BLOCK):  # pass 2: Σ(s - mean)², exact where Σs² - n·mean² is not
             i = off + offs
             ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0) if HAS_INDEX else i
+            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
             x = tl.load(s_ptr + src, mask=ok, other=0.0)
             d = x - mean
             ssq += tl.where(ok, d * d, 0.0)
@@ -146,7 +146,7 @@ if HAS_TRITON:
         for off in range(lo, hi, BLOCK):  # pass 3: write
             i = off + offs
             ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0) if HAS_INDEX else i
+            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
             x = tl.load(s_ptr + src, mask=ok, other=0.0)
             y = tl.where(constant, 0.0, (x - mean) * scale)
             tl.store(out_ptr + src, y, mask=ok)
@@ -219,7 +219,7 @@ if HAS_TRITON:
 # ---------------------------------------------------------------- launchers
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
-_GAE_CONFIGS = ((16, 64, 4), (4, 256, 4), (1, 1024, 4), (1, 2048, 8))
+_GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
 _GROUP_BLOCKS = ((32, 1), (256, 4))  # (BLOCK, num_warps)
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 
@@ -229,9 +229,7 @@ def _gae_config(T: int) -> tuple[int, int, int]:
         return _GAE_CONFIGS[0]
     if T <= 256:
         return _GAE_CONFIGS[1]
-    if T <= 1024:
-        return _GAE_CONFIGS[2]
-    return _GAE_CONFIGS[3]
+    return _GAE_CONFIGS[2]
 
 
 def _group_block(group_size: int | None) -> tuple[int, int]:
@@ -299,6 +297,8 @@ def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Ten
 def _group_triton(scores, group_size, index, mode, eps):
     s = scores.float().contiguous()  # [N]: sequence scores are tiny, one float32 copy is free
     N = s.shape[0]
+    if N >= 2**31:
+        raise ValueError(f"scores has {N} entries; the Triton kernel indexes with int32 (fewer than 2**31)")
     out = torch.empty_like(s)
     if N == 0:
         return out

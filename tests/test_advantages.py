@@ -1,0 +1,354 @@
+"""gae, group_advantages and masked_whiten against the float64 reference, for every backend
+the machine can run (reference, torch, triton interpreted on CPU, csrc C++), plus the
+ahead-of-time Triton and nvcc builds, the fallback without the extension, and torch.compile."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import _extension, reference
+from rlkernels import advantages as adv_mod
+from tests.helpers import REL_TOL, backends, forced_backend, rel_error
+
+CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+@pytest.fixture(scope="session")
+def csrc_ops():
+    """The extension, built once per session (ninja reuses ~/.cache/rlkernels across sessions)."""
+    ops = _extension.load()
+    assert ops is not None, f"the csrc extension failed to build: {_extension.error()}"
+    return ops
+
+
+def all_backends(device="cpu"):
+    return backends(device) + ["csrc"]
+
+
+def run(backend, fn, *args, **kwargs):
+    with forced_backend(backend):
+        return fn(*args, **kwargs)
+
+
+def make_mask(B, T, kind, gen):
+    if kind == "right-padded":
+        lengths = torch.randint(1, T + 1, (B,), generator=gen)
+        mask = torch.arange(T)[None, :] < lengths[:, None]
+    elif kind == "gaps":  # multi-turn: interior runs of masked (environment) tokens
+        mask = torch.rand(B, T, generator=gen) < 0.6
+    else:
+        raise ValueError(kind)
+    if B > 1:
+        mask[1] = False  # a row with no valid token
+    return mask
+
+
+def gae_inputs(B, T, kind, rewards_kind, dtype, gen):
+    values = torch.randn(B, T, generator=gen)
+    if rewards_kind == "per-token":
+        rewards = torch.randn(B, T, generator=gen)
+    else:  # one score at the last valid token, as in RLHF with end-only rewards
+        rewards = torch.zeros(B, T)
+    mask = make_mask(B, T, kind, gen)
+    if rewards_kind == "end-only":
+        last = (mask.float() * torch.arange(1, T + 1)).argmax(1)
+        rewards[torch.arange(B), last] = torch.randn(B, generator=gen)
+    rewards[~mask] = float("nan")  # masked positions are transparent: their content must not matter
+    return rewards.to(dtype), values.to(dtype), mask
+
+
+def check_gae(backend, rewards, values, mask, gamma, lam, tol):
+    truth_a, truth_r = reference.gae(rewards.double(), values.double(), mask, gamma=gamma, lam=lam)
+    a, r = run(backend, rlkernels.gae, rewards, values, mask, gamma=gamma, lam=lam)
+    assert a.dtype == torch.float32 and r.dtype == torch.float32 and a.shape == rewards.shape
+    valid = mask.bool()
+    # only positions with mask = 1 are specified
+    err_a = rel_error(a[valid], truth_a[valid])
+    err_r = rel_error(r[valid], truth_r[valid])
+    assert err_a <= tol, f"{backend}: advantages rel. error {err_a:.2e} > {tol:.1e}"
+    assert err_r <= tol, f"{backend}: returns rel. error {err_r:.2e} > {tol:.1e}"
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("kind", ["right-padded", "gaps"])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.0, 0.9), (0.9, 0.0), (1.0, 0.9)])
+def test_gae_matches_reference(backend, kind, gamma, lam, csrc_ops):
+    gen = torch.Generator().manual_seed(hash((backend, kind, gamma, lam)) % 2**31)
+    for B, T, rewards_kind in ((5, 37, "per-token"), (3, 300, "end-only")):
+        r, v, m = gae_inputs(B, T, kind, rewards_kind, torch.float32, gen)
+        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gae_low_precision_inputs(backend, dtype, csrc_ops):
+    # Inputs are read in their dtype and computed in float32, so against the float64
+    # truth *of the rounded inputs* the float32 tolerance applies.
+    gen = torch.Generator().manual_seed(3)
+    r, v, m = gae_inputs(4, 70, "gaps", "per-token", dtype, gen)
+    check_gae(backend, r, v, m, 0.95, 0.9, REL_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_gae_single_token_and_noncontiguous(backend, csrc_ops):
+    gen = torch.Generator().manual_seed(4)
+    r, v, m = gae_inputs(6, 1, "gaps", "per-token", torch.float32, gen)
+    m[0] = True
+    check_gae(backend, r, v, m, 0.9, 0.95, REL_TOL[torch.float32])
+    wide_r, wide_v = torch.randn(4, 2 * 90, generator=gen), torch.randn(4, 2 * 90, generator=gen)
+    m = make_mask(4, 90, "gaps", gen).float()  # 0/1 float mask
+    check_gae(backend, wide_r[:, ::2], wide_v[:, 1::2], m, 0.99, 0.95, REL_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+def test_gae_long_rows(backend, csrc_ops):
+    # T = 8192 with γ = λ = 1: every advantage is a sum of up to 8192 terms of size ~1.
+    # A float32 scan (any order: sequential in C++, tree-shaped in Triton, chunked in
+    # torch) has a relative error of at most ~ log2(T)·2⁻²⁴ per pairwise level and
+    # ~ T·2⁻²⁴ ≈ 5e-4 worst case sequentially; random signs make it ~ sqrt(T)·2⁻²⁴ ≈ 5e-6
+    # in practice. 1e-4 leaves room for the worst case of rounding without hiding a bug
+    # (a wrong carry between blocks gives errors of order 1).
+    gen = torch.Generator().manual_seed(5)
+    B = 1 if backend == "triton" else 2  # the interpreter runs one block at a time
+    r, v, m = gae_inputs(B, 8192, "gaps", "per-token", torch.float32, gen)
+    m[0, -5:] = False
+    check_gae(backend, r, v, m, 1.0, 1.0, 1e-4)
+    check_gae(backend, r, v, m, 0.999, 0.95, 1e-4)
+
+
+def test_gae_transparency_and_zero_rows(csrc_ops):
+    # inserting masked tokens anywhere must not change the advantages of the valid ones
+    gen = torch.Generator().manual_seed(6)
+    r, v = torch.randn(1, 20, generator=gen), torch.randn(1, 20, generator=gen)
+    dense_a, _ = rlkernels.gae(r, v, torch.ones(1, 20, dtype=torch.bool), gamma=0.9, lam=0.8)
+    R, V = torch.randn(1, 45, generator=gen), torch.randn(1, 45, generator=gen)
+    slots = torch.sort(torch.randperm(45, generator=gen)[:20]).values
+    M = torch.zeros(1, 45, dtype=torch.bool)
+    M[0, slots], R[0, slots], V[0, slots] = True, r[0], v[0]
+    for backend in all_backends():
+        a, ret = run(backend, rlkernels.gae, R, V, M, gamma=0.9, lam=0.8)
+        torch.testing.assert_close(a[0, slots], dense_a[0], rtol=1e-5, atol=1e-5, msg=backend)
+        empty_a, empty_r = run(backend, rlkernels.gae, R, V, torch.zeros_like(M), gamma=0.9, lam=0.8)
+        assert torch.equal(empty_a, torch.zeros_like(empty_a)), backend
+
+
+# ---------------------------------------------------------------- group advantages
+
+
+def check_group(backend, scores, group_size=None, index=None, mode="grpo"):
+    truth = reference.group_advantages(scores.double(), group_size, index=index, mode=mode)
+    out = run(backend, rlkernels.group_advantages, scores, group_size, index=index, mode=mode)
+    assert out.dtype == torch.float32 and out.shape == scores.shape
+    assert torch.equal(torch.isnan(out), torch.isnan(truth)), f"{backend}: NaN pattern differs"
+    err = rel_error(out, truth)
+    assert err <= REL_TOL[torch.float32], f"{backend} {mode} group_size={group_size}: rel. error {err:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+def test_group_contiguous(backend, mode, csrc_ops):
+    gen = torch.Generator().manual_seed(7)
+    for group_size in (1, 2, 5, 16, 64):
+        scores = torch.randn(group_size * 6, generator=gen) * 3 + 1
+        scores[group_size : 2 * group_size] = 0.7  # a constant group
+        out = check_group(backend, scores, group_size, mode=mode)
+        assert torch.all(out[group_size : 2 * group_size] == 0)
+        if group_size == 1:
+            assert torch.all(out == 0)
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("mode", ["grpo", "rloo"])
+def test_group_index_and_nan(backend, mode, csrc_ops):
+    gen = torch.Generator().manual_seed(8)
+    N = 300  # more than one 256-wide block per group in the Triton kernel's loop
+    index = torch.randint(0, 4, (N,), generator=gen) * 1000 - 7  # arbitrary, non-contiguous ids
+    index[:3] = 12345  # a group of three ...
+    index[3] = 999  # ... and a group of one
+    scores = torch.randn(N, generator=gen)
+    scores[:3] = 0.1 + 0.2  # constant: exactly 0 whatever the rounding of its mean
+    out = check_group(backend, scores, index=index.to(torch.int32), mode=mode)
+    assert torch.all(out[:4] == 0)
+    bad = index[10].item()
+    scores[10] = float("nan")  # NaN in one group stays in that group
+    out = check_group(backend, scores, index=index, mode=mode)
+    assert torch.isnan(out[index == bad]).all()
+    assert not torch.isnan(out[index != bad]).any()
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_group_nan_contiguous(backend, csrc_ops):
+    scores = torch.randn(32, generator=torch.Generator().manual_seed(9))
+    scores[5] = float("nan")
+    out = check_group(backend, scores, 8)
+    assert torch.isnan(out[:8]).all() and not torch.isnan(out[8:]).any()
+
+
+# ---------------------------------------------------------------- masked whitening
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten(backend, dtype, shift_mean, csrc_ops):
+    gen = torch.Generator().manual_seed(10)
+    for shape in ((7, 333), (3000, 10)):
+        x = (torch.randn(*shape, generator=gen) * 4 + 100).to(dtype)  # large mean: tests cancellation
+        mask = torch.rand(*shape, generator=gen) < 0.7
+        x[~mask] = float("nan")  # masked-out entries do not enter the statistics
+        truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)
+        out = run(backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        err = rel_error(out[mask], truth[mask])
+        assert err <= REL_TOL[torch.float32] * (1 if shift_mean else 0.1), f"{backend}: rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_masked_whiten_degenerate(backend, csrc_ops):
+    x = torch.randn(4, 5)
+    one = torch.zeros(4, 5, dtype=torch.bool)
+    one[2, 3] = True
+    for mask in (torch.zeros(4, 5, dtype=torch.bool), one):  # no masked entry, one masked entry: var = 0
+        truth = reference.masked_whiten(x.double(), mask)
+        out = run(backend, rlkernels.masked_whiten, x, mask)
+        assert rel_error(out, truth) <= REL_TOL[torch.float32]
+
+
+# ---------------------------------------------------------------- API behaviour
+
+
+def test_validation_errors():
+    r, v, m = torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="values"):
+        rlkernels.gae(r, torch.randn(2, 4), m)
+    with pytest.raises(ValueError, match="mask"):
+        rlkernels.gae(r, v, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="rewards must be 2-D"):
+        rlkernels.gae(torch.randn(6), torch.randn(6), torch.ones(6))
+    with pytest.raises(TypeError, match="rewards"):
+        rlkernels.gae(torch.ones(2, 3, dtype=torch.int64), v, m)
+    with pytest.raises(TypeError, match="values"):
+        rlkernels.gae(r, torch.ones(2, 3, dtype=torch.int32), m)
+    s = torch.randn(12)
+    with pytest.raises(ValueError, match="group_size"):
+        rlkernels.group_advantages(s, 5)
+    with pytest.raises(ValueError, match="group_size"):
+        rlkernels.group_advantages(s, 0)
+    with pytest.raises(ValueError, match="exactly one of group_size or index"):
+        rlkernels.group_advantages(s)
+    with pytest.raises(ValueError, match="exactly one of group_size or index"):
+        rlkernels.group_advantages(s, 4, index=torch.zeros(12, dtype=torch.int64))
+    with pytest.raises(ValueError, match="index"):
+        rlkernels.group_advantages(s, index=torch.zeros(11, dtype=torch.int64))
+    with pytest.raises(TypeError, match="index"):
+        rlkernels.group_advantages(s, index=torch.zeros(12))
+    with pytest.raises(TypeError, match="scores"):
+        rlkernels.group_advantages(torch.arange(12), 4)
+    with pytest.raises(ValueError, match="mode"):
+        rlkernels.group_advantages(s, 4, mode="ppo")
+    with pytest.raises(ValueError, match="mask"):
+        rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(4, 3))
+
+
+def test_requires_grad_inputs_are_constants(csrc_ops):
+    r, v = torch.randn(2, 9, requires_grad=True), torch.randn(2, 9, requires_grad=True)
+    m = torch.ones(2, 9)
+    for backend in all_backends():
+        a, ret = run(backend, rlkernels.gae, r, v, m, gamma=0.9, lam=0.9)
+        assert not a.requires_grad and not ret.requires_grad
+        g = run(backend, rlkernels.group_advantages, r.view(-1), 6)
+        w = run(backend, rlkernels.masked_whiten, v, m)
+        assert not g.requires_grad and not w.requires_grad
+
+
+def test_cpu_default_is_csrc(csrc_ops):
+    with forced_backend(None):
+        assert adv_mod._pick_backend(torch.device("cpu")) == "csrc"
+
+
+def test_torch_compile_fullgraph(csrc_ops):
+    def step(r, v, m, s):
+        a, ret = rlkernels.gae(r, v, m, gamma=0.9, lam=0.95)
+        return rlkernels.masked_whiten(a, m), ret, rlkernels.group_advantages(s, 4, mode="rloo")
+
+    gen = torch.Generator().manual_seed(11)
+    r, v, m = gae_inputs(4, 16, "gaps", "per-token", torch.float32, gen)
+    r = torch.nan_to_num(r)
+    s = torch.randn(8, generator=gen)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for backend in ("torch", "csrc"):
+        with forced_backend(backend):
+            got = compiled(r, v, m, s)
+            want = step(r, v, m, s)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, equal_nan=True)
+
+
+def test_fallback_without_extension(monkeypatch, csrc_ops):
+    """With the extension unavailable the ops still work (torch on CPU) and warn exactly once."""
+    saved = dict(_extension._state)
+
+    def fail():
+        raise RuntimeError("simulated: no C++ compiler")
+
+    monkeypatch.setattr(_extension, "_build", fail)
+    _extension._state.update(tried=False, ops=None, error=None, warned=False)
+    try:
+        r, v, m = torch.randn(2, 6), torch.randn(2, 6), torch.ones(2, 6)
+        with forced_backend(None):
+            with pytest.warns(RuntimeWarning, match=r"simulated: no C\+\+ compiler"):
+                a, _ = rlkernels.gae(r, v, m)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a second call does not warn again
+                b = rlkernels.group_advantages(torch.randn(6), 3)
+                assert adv_mod._pick_backend(torch.device("cpu")) == "torch"
+        with forced_backend("csrc"):  # forcing csrc falls back instead of failing
+            c, _ = rlkernels.gae(r, v, m)
+        truth, _ = reference.gae(r.double(), v.double(), m)
+        assert rel_error(a, truth) <= REL_TOL[torch.float32] and rel_error(c, truth) <= REL_TOL[torch.float32]
+        assert b.shape == (6,)
+    finally:
+        _extension._state.clear()
+        _extension._state.update(saved)
+
+
+# ---------------------------------------------------------------- ahead-of-time builds
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_triton_aot_compile(arch):
+    from rlkernels._aot import compile_config
+
+    configs = adv_mod.aot_configs()
+    assert len(configs) == len({c.label + str(c.signature) for c in configs})
+    for config in configs:
+        report = compile_config(config, arch)
+        print(report, f"[{config.signature.get('r_ptr', config.signature.get('x_ptr', config.signature.get('s_ptr')))}]")
+        assert report.registers > 0
+        assert report.spill_bytes == 0, f"{report}: spills"
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_nvcc_compiles_cuda_sources(arch, tmp_path):
+    nvcc = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    sources = sorted(f for f in os.listdir(CSRC_DIR) if f.endswith(".cu"))
+    assert sources
+    for src in sources:
+        result = subprocess.run(
+            [nvcc, "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+             os.path.join(CSRC_DIR, src), "-o", str(tmp_path / f"{src}.{arch}.o")],
+            capture_output=True, text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        usage = [line for line in result.stderr.splitlines() if "registers" in line or "spill" in line]
+        print(f"sm_{arch} {src}:", *usage, sep="\n  ")
+        assert not any(" 0 bytes spill" not in line for line in usage if "spill" in line), usage
