@@ -44,7 +44,9 @@ def logprobs(
     logp = torch.where(valid, logp, torch.zeros_like(logp))
     if not return_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    # p log p -> 0 where p = 0 (a -inf logit, e.g. a masked vocabulary entry), never 0 * -inf = NaN
+    finite_logp = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)  # [..., V]
+    entropy = -(logp_all.exp() * finite_logp).sum(-1)  # [...]
     entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
     return logp, entropy
 

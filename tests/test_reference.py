@@ -125,3 +125,11 @@ def test_masked_whiten_by_hand():
     torch.testing.assert_close(out[:3], torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64))
     out = ref.masked_whiten(x, m, shift_mean=False, eps=0.0)
     torch.testing.assert_close(out[:3], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+def test_logprobs_entropy_with_masked_vocabulary_is_finite():
+    logits = torch.tensor([[0.0, float("-inf"), math.log(3.0)]], dtype=torch.float64, requires_grad=True)
+    logp, ent = ref.logprobs(logits, torch.tensor([2]), return_entropy=True)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), logits)
+    assert torch.isfinite(grad).all() and grad[0, 1].item() == 0.0
