@@ -1,0 +1,85 @@
+"""GAE: the per-timestep Python loop peers write vs. the vectorized PyTorch path, Triton and csrc.
+
+Bytes (the memory bound): read rewards and values (B·T·s each, s = bytes per
+element of the input dtype), read the mask (B·T bytes, bool), write advantages and
+returns (B·T·4 each, float32): B·T·(2s + 1 + 8). FLOPs: ~6 per token (δ and the
+recursion), negligible: the op is memory bound.
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.harness import Case
+from rlkernels import _extension
+from rlkernels import advantages as A
+
+
+def python_loop(rewards, values, mask, gamma=0.99, lam=0.95):
+    """GAE as TRL/verl/OpenRLHF write it: one step per token, with the mask applied in the loop."""
+    B, T = rewards.shape
+    next_value = torch.zeros(B, device=rewards.device)
+    last_gae = torch.zeros(B, device=rewards.device)
+    adv = torch.zeros(B, T, device=rewards.device)
+    m = mask.float()
+    r, v = rewards.float(), values.float()
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        adv[:, t] = gae_t * m[:, t]
+        next_value = torch.where(mask[:, t], v[:, t], next_value)
+        last_gae = torch.where(mask[:, t], gae_t, last_gae)
+    return adv, adv + v
+
+
+def _provider(impl):
+    return lambda r, v, m: impl(r, v, m, 0.99, 0.95)
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    shapes = [(64, 512)] if device.type == "cpu" else [(256, 1024), (1024, 4096)]
+    if device.type == "cpu" and not quick:
+        shapes.append((256, 2048))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    out = []
+    for B, T in shapes:
+        def make_inputs(B=B, T=T):
+            r = torch.randn(B, T, device=device, dtype=dtype)
+            v = torch.randn(B, T, device=device, dtype=dtype)
+            lengths = torch.randint(T // 2, T + 1, (B,), device=device)
+            m = torch.arange(T, device=device)[None, :] < lengths[:, None]  # right-padded
+            return r, v, m
+
+        providers = {"python-loop": python_loop, "eager-vectorized": _provider(A._gae_torch)}
+        if device.type == "cuda":
+            providers["triton"] = _provider(A._gae_triton)
+        if _extension.load() is not None and (device.type == "cpu" or _extension.has_cuda_kernels()):
+            providers["csrc"] = _provider(A._gae_csrc)
+        s = torch.empty((), dtype=dtype).element_size()
+        out.append(
+            Case(
+                op="gae",
+                shape=f"B={B} T={T} {str(dtype).replace('torch.', '')}",
+                bytes_moved=B * T * (2 * s + 1 + 8),
+                flops=6 * B * T,
+                bound="memory",
+                make_inputs=make_inputs,
+                providers=providers,
+                baseline="python-loop",
+            )
+        )
+    # group_advantages, GRPO with 16 samples per prompt: read N scores, write N float32
+    # advantages: 8·N bytes (tiny: a launch-bound op whose baseline is the per-group loop).
+    for N in [4096] if device.type == "cpu" else [16384, 1 << 20]:
+        def make_scores(N=N):
+            return (torch.randn(N, device=device),)
+
+        providers = {
+            "python-loop": lambda s: A.reference.group_advantages(s, 16),
+            "eager-vectorized": lambda s: A._group_torch(s, 16, None, "grpo", 1e-6),
+        }
+        if device.type == "cuda":
+            providers["triton"] = lambda s: A._group_triton(s, 16, None, "grpo", 1e-6)
+        if _extension.load() is not None and (device.type == "cpu" or _extension.has_cuda_kernels()):
+            providers["csrc"] = lambda s: A._group_csrc(s, 16, None, "grpo", 1e-6)
+        out.append(Case("group_advantages grpo", f"N={N} G=16 float32", 8 * N, 5 * N, "memory", make_scores, providers, baseline="python-loop"))
+    return out
