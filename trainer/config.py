@@ -52,7 +52,7 @@ class TrainConfig:
     """Seed of everything (model init, prompts, sampling); each step reseeds from (seed, step), so runs are reproducible and resumable."""
 
     # ------------------------------------------------------------ rollout
-    steps: int = 300
+    steps: int = 400
     """Number of training steps (one rollout + update each)."""
     prompts_per_step: int = 16
     """Prompts per step (global, across processes)."""
@@ -232,16 +232,16 @@ PRESETS: dict[str, typing.Callable[[], dict]] = {
         "chat_template": True,
         "reward": "exact",
         "output_dir": "runs/smollm2",
-        "steps": 50,
-        "prompts_per_step": 4,
+        "steps": 30,
+        "prompts_per_step": 2,
         "group_size": 4,
-        "max_new_tokens": 8,
+        "max_new_tokens": 12,
         "temperature": 0.8,
         "lr": 1e-6,
         "critic_lr": 1e-5,
         "clip_high": 0.2,
         "kl_coef": 0.02,
-        "save_every": 25,
+        "save_every": 10,
     },
 }
 
