@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m bench --quick
+	$(VENV)/bin/rlkernels-train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -26,7 +26,7 @@ bench: $(VENV)/.installed
 	$(PY) -m bench
 
 bench-quick: $(VENV)/.installed
-	$(PY) -m bench --quick
+	$(VENV)/bin/rlkernels-train
 
 VERL_VENV := .venv-verl
 
