@@ -13,8 +13,8 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "logprobs": "rlkernels.logprobs",
-    "linear_logprobs": "rlkernels.linear_logprobs",
+    "logprobs": "rlkernels.softmax",
+    "linear_logprobs": "rlkernels.fused_linear",
     "kl_penalty": "rlkernels.losses",
     "policy_loss": "rlkernels.losses",
     "value_loss": "rlkernels.losses",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlkernels import _checks
-from rlkernels.linear_logprobs import linear_logprobs
+from rlkernels.fused_linear import linear_logprobs
 
 
 def _backbone(model):

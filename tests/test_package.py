@@ -57,3 +57,13 @@ def test_cpu_memory_meter_counts_what_is_allocated():
             del y
 
     assert _memory.measure_cpu(chained).peak_bytes < 2 * one_copy
+
+
+def test_public_functions_survive_importing_their_modules():
+    import importlib
+
+    import rlkernels
+
+    for name, module in rlkernels._EXPORTS.items():
+        importlib.import_module(module)
+        assert callable(getattr(rlkernels, name)) and not isinstance(getattr(rlkernels, name), type(rlkernels)), name

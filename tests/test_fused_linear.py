@@ -6,7 +6,7 @@ import torch
 
 from rlkernels import reference
 from rlkernels._memory import measure_cpu
-from rlkernels.linear_logprobs import aot_configs, linear_logprobs
+from rlkernels.fused_linear import aot_configs, linear_logprobs
 from tests.helpers import assert_close_to_truth, backends, forced_backend, noncontiguous
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,7 +103,7 @@ def test_leading_dims_and_only_logp(backend):
 
 def test_torch_backend_chunks_over_vocabulary(monkeypatch):
     """Force tiny chunks so the torch path takes several token and vocabulary chunks (online LSE)."""
-    import rlkernels.linear_logprobs as mod
+    import rlkernels.fused_linear as mod
 
     monkeypatch.setattr(mod, "_TORCH_BUDGET_ELEMS", 64)
     rows, vchunk = mod._torch_chunks(50, 3001)
@@ -120,7 +120,7 @@ def test_torch_backend_chunks_over_vocabulary(monkeypatch):
 
 def test_triton_backward_takes_several_chunks(monkeypatch):
     """A small workspace budget forces the Triton backward through its float32 d_weight accumulation."""
-    import rlkernels.linear_logprobs as mod
+    import rlkernels.fused_linear as mod
 
     if "triton" not in backends("cpu"):
         pytest.skip("triton is not installed")
@@ -237,7 +237,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_opcheck():
-    import rlkernels.linear_logprobs as mod
+    import rlkernels.fused_linear as mod
 
     hidden, weight, b, labels, _, _ = _inputs(8, 16, 50, bias=True, seed=1)
     args = (hidden.float().requires_grad_(), weight.float().requires_grad_(), labels, b.float().requires_grad_(), 1.0, -100)
