@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick test-integrations clean
+.PHONY: demo test bench bench-quick test-integrations build-ext clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

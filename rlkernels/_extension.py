@@ -26,7 +26,11 @@ import torch
 
 NAMESPACE = "rlkernels_csrc"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-CSRC_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc")
+# csrc/ beside the package in a source checkout; rlkernels/csrc/ inside an installed wheel
+CSRC_DIR = next(
+    (d for d in (os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc"), os.path.join(_PACKAGE_DIR, "csrc")) if os.path.isdir(d)),
+    os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc"),
+)
 CPU_SOURCES = ("advantages.cpp",)
 CUDA_SOURCES = ("advantages_cuda.cu", "advantages_cuda_binding.cpp")
 
