@@ -199,16 +199,27 @@ class _Tiles:
     num_stages: int
 
 
-# Two tile shapes: tensor-core friendly for 16-bit inputs, smaller K for float32 (ieee dot).
-_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=64, split_tiles=32, num_warps=8, num_stages=3)
-_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=32, split_tiles=64, num_warps=4, num_stages=2)
+# Tile shapes, per kernel and input dtype: the largest that compile with no register spills
+# (0 B local memory) for sm_80 and sm_90 (tests/test_fused_linear.py::test_aot_compiles_every_config
+# asserts it), all on tensor cores (tl.dot). The float32 [BLOCK_N, BLOCK_V] accumulator and the
+# softmax temporaries of the same shape live in registers; a 128x128 tile leaves room for them
+# only with BLOCK_K=32 in the forward (BLOCK_K=64: 255 registers and ~300 B spilled), and the
+# backward, which holds more temporaries per element (p, log p, dz, its rounded copy), gets
+# 64x128 (128x128 spilled 24-80 B). float32 (ieee dot, 4-byte operands) takes 64-row tiles.
+_FWD_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=32, split_tiles=32, num_warps=8, num_stages=3)
+_BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=64, split_tiles=1, num_warps=8, num_stages=3)
+_FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=32, split_tiles=64, num_warps=8, num_stages=2)
+_BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=32, split_tiles=1, num_warps=8, num_stages=2)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
-_TORCH_BUDGET_ELEMS = 1 << 22  # elements per float32 temporary in the torch backend (16 MiB)
+_TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
+_TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
 
 
-def _tiles(dtype: torch.dtype) -> _Tiles:
-    return _TILES_32 if dtype == torch.float32 else _TILES_16
+def _tiles(dtype: torch.dtype, backward: bool = False) -> _Tiles:
+    if dtype == torch.float32:
+        return _BWD_TILES_32 if backward else _FWD_TILES_32
+    return _BWD_TILES_16 if backward else _FWD_TILES_16
 
 
 def _dot_f32(hidden: torch.Tensor) -> bool:
@@ -226,11 +237,12 @@ def aot_configs():
 
     configs = []
     for dtype in _TRITON_DTYPES:
-        t = _tiles(dtype)
+        t, tb = _tiles(dtype), _tiles(dtype, backward=True)
         ty = _triton_dtype(dtype)
         for has_bias in (False, True):
-            common = {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": False,
-                      "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
+            flags = {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": False}
+            common = {**flags, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
+            common_b = {**flags, "BLOCK_N": tb.block_n, "BLOCK_V": tb.block_v, "BLOCK_K": tb.block_k}
             scalars = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_hk": "i32",
                        "stride_wv": "i32", "stride_wk": "i32", "temperature": "fp32"}
             fwd_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
@@ -241,8 +253,8 @@ def aot_configs():
             dz_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
                       "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
                       "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **scalars, "ignore_index": "i64"}
-            dz_sig.update({k: "constexpr" for k in common})
-            configs.append(KernelConfig(_dz_kernel, dz_sig, dict(common), t.num_warps, t.num_stages))
+            dz_sig.update({k: "constexpr" for k in common_b})
+            configs.append(KernelConfig(_dz_kernel, dz_sig, common_b, tb.num_warps, tb.num_stages))
     return configs
 
 
@@ -299,7 +311,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
     # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
-    t = _tiles(hidden.dtype)
+    t = _tiles(hidden.dtype, backward=True)
     low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
     chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
@@ -384,107 +396,157 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # ---- chunked PyTorch
+#
+# On a CPU the GEMMs are cheap next to the elementwise passes over each [rows, vchunk]
+# tile when H is small, so the tile is sized to stay in a core's L2 cache across those
+# passes (about 2 MiB of float32), every temporary is written into a buffer allocated once
+# per call (``out=`` / in place: no fresh pages to fault in per tile), and the passes are
+# the fewest the math needs: forward, GEMM -> max -> subtract -> exp -> sum (-> dot for the
+# entropy); backward, GEMM with ``-lse`` folded in -> exp -> (entropy terms) -> scale.
 
 
 def _torch_chunks(N: int, V: int) -> tuple[int, int]:
-    rows = max(16, _TORCH_BUDGET_ELEMS // max(V, 1))
-    rows = min(rows, max(N, 1))
-    vchunk = min(V, max(1024, _TORCH_BUDGET_ELEMS // rows))
+    """``(rows, vchunk)``: a tile of about ``_TORCH_BUDGET_ELEMS`` elements, at most
+    ``_TORCH_VCHUNK`` vocabulary columns wide; a small vocabulary takes more rows instead."""
+    vchunk = min(V, max(256, min(_TORCH_VCHUNK, _TORCH_BUDGET_ELEMS // 16)))
+    rows = min(max(N, 1), max(16, _TORCH_BUDGET_ELEMS // vchunk))
     return rows, vchunk
 
 
-def _torch_logits(h_c, w, b, v0, v1, temperature):
-    # h_c [n, H] compute dtype; w [V, H] compute dtype -> z [n, v1 - v0]
-    z = h_c @ w[v0:v1].T
-    if b is not None:
-        z += b[v0:v1]
-    return z.div_(temperature)
+def _logits_into(z, h_c, w_c, b_c, shift, inv_t):
+    # z [n, vc] <- (h_c @ w_c.T) * inv_t + b_c (b_c already scaled by inv_t) + shift, in one GEMM
+    # call where it can; h_c [n, H], w_c [vc, H], b_c [vc] or None, shift [n, 1] or None.
+    if b_c is None and shift is None:
+        torch.addmm(z, h_c, w_c.T, beta=0, alpha=inv_t, out=z)  # beta=0: z's old contents are ignored
+    elif b_c is None:
+        torch.addmm(shift, h_c, w_c.T, alpha=inv_t, out=z)
+    else:
+        torch.addmm(b_c, h_c, w_c.T, alpha=inv_t, out=z)
+        if shift is not None:
+            z.add_(shift)
+    return z
 
 
-def _forward_torch(hidden, weight, labels, bias, opt: _Options):
+def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bool = True):
     N, H = hidden.shape
     V = weight.shape[0]
+    dev = hidden.device
     cdt = reference.compute_dtype(hidden)
+    inv_t = 1.0 / opt.temperature
     w = weight.to(cdt)  # [V, H]; no copy for float32 (weight-sized otherwise)
-    b = bias.to(cdt) if bias is not None else None  # [V]
+    b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
-    lse = torch.empty(N, dtype=cdt, device=hidden.device)  # [N]
-    entropy = torch.empty(N, dtype=cdt, device=hidden.device)  # [N]
-    zy = torch.zeros(N, dtype=cdt, device=hidden.device)  # [N]
+    S = triton_cdiv(V, vchunk)
+    last = V - (S - 1) * vchunk  # width of the last vocabulary chunk
+    lse = torch.empty(N, dtype=cdt, device=dev)  # [N]
+    entropy = torch.zeros(N, dtype=cdt, device=dev)  # [N]
+    zy = torch.empty(N, dtype=cdt, device=dev)  # [N]
+    zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
+    ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if need_entropy else None
+    part = torch.empty(4, S, rows, dtype=cdt, device=dev)  # per vocabulary chunk: max, Σ e, Σ e·d, z at the label's column
+    safe = torch.where((labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [N]
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
+        n = r1 - r0
         h_c = hidden[r0:r1].to(cdt)  # [n, H]
-        y = labels[r0:r1]  # [n]
-        m = s = u = None  # [n] each: running max, Σ exp(z - m), Σ exp(z - m)(z - m)
-        for v0 in range(0, V, vchunk):
+        chunk_of_y = torch.div(safe[r0:r1], vchunk, rounding_mode="floor")  # [n]
+        col = (safe[r0:r1] - chunk_of_y * vchunk)[:, None]  # [n, 1] label's column within its chunk
+        col_last = col.clamp(max=last - 1)  # stays inside the narrower last chunk
+        p_m, p_s, p_u, p_z = (x[:, :n] for x in part.unbind(0))  # each [S, n]
+        for j in range(S):
+            v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
-            z = _torch_logits(h_c, w, b, v0, v1, opt.temperature)  # [n, vc]
-            inside = (y >= v0) & (y < v1)  # [n]
-            idx = torch.where(inside, y - v0, torch.zeros_like(y))
-            zy[r0:r1] += torch.where(inside, z.gather(1, idx[:, None]).squeeze(1), torch.zeros((), dtype=cdt))
-            m_tile = z.max(1).values  # [n]
-            m_new = m_tile if m is None else torch.maximum(m, m_tile)
-            z.sub_(m_new[:, None])  # d = z - m_new
-            e = torch.exp(z)  # [n, vc]
-            s_tile = e.sum(1)
-            u_tile = (e.mul_(z)).sum(1)
-            if m is None:
-                s, u = s_tile, u_tile
+            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
+                             None if b is None else b[v0:v1], None, inv_t)  # [n, vc]
+            torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
+            torch.amax(z, 1, out=p_m[j])
+            z.sub_(p_m[j].unsqueeze(1))  # d = z - max
+            if need_entropy:
+                e = torch.exp(z, out=ebuf[: z.numel()].view_as(z))  # [n, vc]
+                torch.sum(e, 1, out=p_s[j])
+                torch.sum(e.mul_(z), 1, out=p_u[j])  # Σ e·d (in place: vecdot would allocate the product)
             else:
-                alpha = torch.exp(m - m_new)
-                u = alpha * (u + s * (m - m_new)) + u_tile
-                s = alpha * s + s_tile
-            m = m_new
-            del z, e
-        log_s = torch.log(s)
-        lse[r0:r1] = m + log_s
-        entropy[r0:r1] = log_s - u / s
+                torch.sum(z.exp_(), 1, out=p_s[j])
+        # merge the chunks' partials (log-sum-exp), O(S·n)
+        m_all = p_m.amax(0)  # [n]
+        scale = torch.exp(p_m - m_all)  # [S, n]
+        s_all = (p_s * scale).sum(0)  # [n]
+        log_s = torch.log(s_all)
+        lse[r0:r1] = m_all + log_s
+        if need_entropy:
+            u_all = (scale * (p_u + p_s * (p_m - m_all))).sum(0)  # [n]
+            entropy[r0:r1] = log_s - u_all / s_all
+        zy[r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
     logp = zy - lse
     out = _finish(logp, entropy, lse, labels, V, opt)
     return tuple(x.float() if x.dtype != torch.float64 else x for x in out[:2]) + (out[2],)
 
 
-def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, logp, opt: _Options):
     N, H = hidden.shape
     V = weight.shape[0]
+    dev = hidden.device
     cdt = reference.compute_dtype(hidden)
+    inv_t = 1.0 / opt.temperature
     w = weight.to(cdt)  # [V, H]
-    b = bias.to(cdt) if bias is not None else None
+    b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
-    valid = labels != opt.ignore_index  # [N]
-    g_lp = torch.where(valid, g_logp.to(cdt), torch.zeros((), dtype=cdt))  # [N]
-    g_h = torch.where(valid, g_ent.to(cdt), torch.zeros((), dtype=cdt))  # [N]
-    lse = lse.to(cdt)
-    ent = entropy.to(cdt)
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
+    S = triton_cdiv(V, vchunk)
+    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
+    zero = torch.zeros((), dtype=cdt, device=dev)
+    g_lp = torch.where(valid, g_logp.to(cdt), zero)  # [N]
+    g_h = torch.where(valid, g_ent.to(cdt), zero)  # [N]
+    # The entropy's terms cost two passes per tile: skip them when its gradient is zero (not
+    # requested, unused, or a zero coefficient). Checking is free on the CPU; elsewhere assume used.
+    use_ent = dev.type != "cpu" or bool(g_h.ne(0).any())
+    ent = entropy.to(cdt)  # [N]
+    # dz_j = p_j (a + c log p_j) off the label, with p_j = exp(log p_j):
+    a = -(g_lp + g_h * ent) * inv_t  # [N]
+    c = -g_h * inv_t  # [N]
+    # and at the label, formed without cancellation (1 - p_y = -expm1(log p_y)):
+    lp_y = torch.where(valid, logp.to(cdt), zero)  # [N]
+    at_y = (g_lp * -torch.expm1(lp_y) - g_h * torch.exp(lp_y) * (lp_y + ent)) * inv_t  # [N]
+    neg_lse = -lse.to(cdt)  # [N]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
     # float32 (or float64) accumulators, weight-sized; cast once at the end
-    d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device)  # [V, H]
-    d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if bias is not None else None  # [V]
+    d_weight = torch.zeros(V, H, dtype=cdt, device=dev)  # [V, H]
+    d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None else None  # [V]
+    zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
+    pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
+        n = r1 - r0
         h_c = hidden[r0:r1].to(cdt)  # [n, H]
-        y = labels[r0:r1]
-        dh_c = torch.zeros(r1 - r0, H, dtype=cdt, device=hidden.device)  # [n, H]
-        for v0 in range(0, V, vchunk):
+        dh_c = torch.zeros(n, H, dtype=cdt, device=dev)  # [n, H]
+        a_c, c_c, shift = a[r0:r1, None], c[r0:r1, None], neg_lse[r0:r1, None]  # [n, 1] each
+        # the valid rows grouped by the vocabulary chunk of their label: one index_put_ per tile
+        tok = valid[r0:r1].nonzero().squeeze(1)  # [k]
+        chunk_of_y = torch.div(safe[r0:r1][tok], vchunk, rounding_mode="floor")  # [k]
+        order = torch.argsort(chunk_of_y, stable=True)
+        tok, chunk_of_y = tok[order], chunk_of_y[order]
+        cols, vals = safe[r0:r1][tok] - chunk_of_y * vchunk, at_y[r0:r1][tok]  # [k]
+        counts = torch.bincount(chunk_of_y, minlength=S).tolist()
+        starts = [0]
+        for k in counts:
+            starts.append(starts[-1] + k)
+        for j in range(S):
+            v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
-            z = _torch_logits(h_c, w, b, v0, v1, opt.temperature)  # [n, vc]
-            logp = z.sub_(lse[r0:r1, None])  # [n, vc], in place
-            inside = valid[r0:r1] & (y >= v0) & (y < v1)
-            idx = torch.where(inside, y - v0, torch.zeros_like(y))[:, None]  # [n, 1]
-            lp_y = logp.gather(1, idx).squeeze(1)  # [n]
-            p = torch.exp(logp)  # [n, vc]
-            coef = logp.add_(ent[r0:r1, None]).mul_(g_h[r0:r1, None]).add_(g_lp[r0:r1, None])  # g_lp + g_H (log p + H)
-            dz = p.mul_(coef).neg_()  # [n, vc]: -p (g_lp + g_H (log p + H))
-            del coef, logp, z
-            at_y = g_lp[r0:r1] * -torch.expm1(lp_y) - g_h[r0:r1] * torch.exp(lp_y) * (lp_y + ent[r0:r1])
-            fixed = torch.where(inside, at_y, dz.gather(1, idx).squeeze(1))
-            dz.scatter_(1, idx, fixed[:, None])
-            dz.div_(opt.temperature)
+            lp = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
+                              None if b is None else b[v0:v1], shift, inv_t)  # [n, vc] log p
+            if use_ent:
+                p = torch.exp(lp, out=pbuf[: lp.numel()].view_as(lp))  # [n, vc]
+                dz = p.mul_(lp.mul_(c_c).add_(a_c))  # p (a + c log p)
+            else:
+                dz = lp.exp_().mul_(a_c)  # a p
+            k0, k1 = starts[j], starts[j + 1]
+            if k1 > k0:
+                dz.index_put_((tok[k0:k1], cols[k0:k1]), vals[k0:k1])
             dh_c.addmm_(dz, w[v0:v1])
             d_weight[v0:v1].addmm_(dz.T, h_c)
             if d_bias is not None:
                 d_bias[v0:v1] += dz.sum(0)
-            del dz, p
         d_hidden[r0:r1] = dh_c
     return (
         d_hidden,
@@ -508,19 +570,23 @@ def _linear_logprobs_op(
     bias: torch.Tensor | None,  # [V]
     temperature: float,
     ignore_index: int,
+    need_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(logp [N], entropy [N], lse [N])``; ``lse`` is saved for backward."""
+    """Returns ``(logp [N], entropy [N], lse [N])``; ``lse`` is saved for backward.
+
+    With ``need_entropy=False`` the torch backend skips the entropy's work and returns zeros in
+    its place (the caller then never exposes it, so its gradient is zero too)."""
     opt = _Options(temperature, ignore_index)
     _check_label_range(labels, weight.shape[0], ignore_index)
     if _use_triton(hidden):
         logp, ent, lse = _forward_triton(hidden, weight, labels.contiguous(), bias, opt)
     else:
-        logp, ent, lse = _forward_torch(hidden, weight, labels, bias, opt)
+        logp, ent, lse = _forward_torch(hidden, weight, labels, bias, opt, need_entropy)
     return logp, ent, lse.float() if hidden.dtype != torch.float64 else lse
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, labels, bias, temperature, ignore_index):
+def _(hidden, weight, labels, bias, temperature, ignore_index, need_entropy=True):
     N = hidden.shape[0]
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     return (hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt))
@@ -536,6 +602,7 @@ def _linear_logprobs_backward_op(
     bias: torch.Tensor | None,  # [V]
     lse: torch.Tensor,  # [N]
     entropy: torch.Tensor,  # [N]
+    logp: torch.Tensor,  # [N] the forward's output: log p of the label, exact, for its dz entry
     temperature: float,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -544,22 +611,22 @@ def _linear_logprobs_backward_op(
     if _use_triton(hidden):
         dh, dw, db = _backward_triton(g_logp, g_entropy, hidden, weight, labels.contiguous(), bias, lse, entropy, opt)
     else:
-        dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, opt)
+        dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, opt)
     if db is None:
         db = hidden.new_empty(0)
     return dh, dw, db
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, temperature, ignore_index):
+def _(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, temperature, ignore_index):
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
     return torch.empty_like(hidden, memory_format=torch.contiguous_format), torch.empty_like(weight, memory_format=torch.contiguous_format), db
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, temperature, ignore_index = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    hidden, weight, labels, bias, temperature, ignore_index = inputs[:6]
+    logp, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logp)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.has_bias = bias is not None
@@ -567,15 +634,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_logp, g_entropy, g_lse):
-    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, labels, bias, lse, entropy, logp = ctx.saved_tensors
     if g_logp is None:
         g_logp = torch.zeros_like(lse)
     if g_entropy is None:
         g_entropy = torch.zeros_like(lse)
     dh, dw, db = _linear_logprobs_backward_op(
-        g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, ctx.temperature, ctx.ignore_index
+        g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, ctx.temperature, ctx.ignore_index
     )
-    return dh, dw, None, (db if ctx.has_bias else None), None, None
+    return dh, dw, None, (db if ctx.has_bias else None), None, None, None
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -656,7 +723,7 @@ def linear_logprobs(
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     y = labels.reshape(-1)  # [N]
-    logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, float(temperature), int(ignore_index))
+    logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, float(temperature), int(ignore_index), bool(return_entropy))
     logp = logp.reshape(lead)
     if return_entropy:
         return logp, entropy.reshape(lead)
