@@ -27,7 +27,8 @@ class KernelConfig:
     @property
     def label(self) -> str:
         consts = ",".join(f"{k}={v}" for k, v in sorted(self.constexprs.items()))
-        return f"{self.kernel.__name__}[{consts},w{self.num_warps},s{self.num_stages}]"
+        pointer = next((t for t in self.signature.values() if str(t).startswith("*")), "")
+        return f"{self.kernel.__name__}({pointer})[{consts},w{self.num_warps},s{self.num_stages}]"
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ def _cuobjdump() -> str:
     return bundled if os.path.exists(bundled) else "cuobjdump"
 
 
+COMPILED: list[CompileReport] = []  # every report made in this process, for the test session's summary
+
+
 def compile_config(config: KernelConfig, arch: int) -> CompileReport:
     """Compile ``config`` for ``sm_<arch>`` and report its resources (raises if it does not build)."""
     import triton
@@ -74,7 +78,7 @@ def compile_config(config: KernelConfig, arch: int) -> CompileReport:
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
-    return CompileReport(
+    report = CompileReport(
         label=config.label,
         arch=arch,
         registers=int(regs.group(1)) if regs else -1,
@@ -83,3 +87,5 @@ def compile_config(config: KernelConfig, arch: int) -> CompileReport:
         ptx_bytes=len(compiled.asm["ptx"]),
         cubin_bytes=len(cubin),
     )
+    COMPILED.append(report)
+    return report
