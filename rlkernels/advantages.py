@@ -532,11 +532,15 @@ _WHITEN_IMPLS = {
 }
 
 
-# The backend is chosen in Python, before the op, and travels as a string: under
-# torch.compile it is fixed at trace time like any other constant.
+# The public functions pass backend="auto": the choice (which may build the csrc
+# extension on first use) is made inside the op, where torch.compile does not trace.
+def _resolve(backend: str, device: torch.device) -> str:
+    return _pick_backend(device) if backend == "auto" else backend
+
+
 @torch.library.custom_op("rlkernels::gae", mutates_args=())
 def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    adv, ret = _GAE_IMPLS[backend](rewards, values, mask, gamma, lam)
+    adv, ret = _GAE_IMPLS[_resolve(backend, rewards.device)](rewards, values, mask, gamma, lam)
     return adv.float().contiguous(), ret.float().contiguous()
 
 
@@ -547,7 +551,7 @@ def _(rewards, values, mask, gamma, lam, backend):
 
 @torch.library.custom_op("rlkernels::group_advantages", mutates_args=())
 def _group_op(scores: torch.Tensor, group_size: int, index: torch.Tensor | None, mode: str, eps: float, backend: str) -> torch.Tensor:
-    return _GROUP_IMPLS[backend](scores, group_size if index is None else None, index, mode, eps).float().contiguous()
+    return _GROUP_IMPLS[_resolve(backend, scores.device)](scores, group_size if index is None else None, index, mode, eps).float().contiguous()
 
 
 @_group_op.register_fake
@@ -557,7 +561,7 @@ def _(scores, group_size, index, mode, eps, backend):
 
 @torch.library.custom_op("rlkernels::masked_whiten", mutates_args=())
 def _whiten_op(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float, backend: str) -> torch.Tensor:
-    return _WHITEN_IMPLS[backend](x, mask, shift_mean, eps).float().contiguous()
+    return _WHITEN_IMPLS[_resolve(backend, x.device)](x, mask, shift_mean, eps).float().contiguous()
 
 
 @_whiten_op.register_fake
@@ -592,11 +596,11 @@ def gae(
     _checks.rank(rewards, "rewards", 2)
     _checks.same_shape(rewards, "rewards", values, "values")
     _checks.same_shape(rewards, "rewards", mask, "mask")
-    device = _checks.same_device((rewards, "rewards"), (values, "values"), (mask, "mask"))
+    _checks.same_device((rewards, "rewards"), (values, "values"), (mask, "mask"))
     for name, value in (("gamma", gamma), ("lam", lam)):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    return _gae_op(rewards.detach(), values.detach(), mask.detach(), float(gamma), float(lam), _pick_backend(device))
+    return _gae_op(rewards.detach(), values.detach(), mask.detach(), float(gamma), float(lam), "auto")
 
 
 def group_advantages(
@@ -636,7 +640,7 @@ def group_advantages(
         if N % group_size != 0:
             raise ValueError(f"group_size {group_size} does not divide the number of scores {N}")
         group_size_arg = group_size
-    return _group_op(scores.detach(), group_size_arg, index, mode, float(eps), _pick_backend(scores.device))
+    return _group_op(scores.detach(), group_size_arg, index, mode, float(eps), "auto")
 
 
 def masked_whiten(
@@ -655,5 +659,5 @@ def masked_whiten(
     _checks.floating(x, "x")
     _checks.mask(mask, "mask")
     _checks.same_shape(x, "x", mask, "mask")
-    device = _checks.same_device((x, "x"), (mask, "mask"))
-    return _whiten_op(x.detach(), mask.detach(), bool(shift_mean), float(eps), _pick_backend(device))
+    _checks.same_device((x, "x"), (mask, "mask"))
+    return _whiten_op(x.detach(), mask.detach(), bool(shift_mean), float(eps), "auto")
