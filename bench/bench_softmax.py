@@ -82,7 +82,7 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
         if quick:
             shapes = shapes[:1]
     elif quick:
-        shapes = [(512, 32000, torch.float32)]
+        shapes = [(512, 32000, torch.float32), (512, 32000, torch.bfloat16)]
     else:
-        shapes = [(2048, 32000, torch.float32), (1024, 128256, torch.bfloat16)]
+        shapes = [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (1024, 128256, torch.bfloat16)]
     return [_case(N, V, dtype, device) for N, V, dtype in shapes]

@@ -163,6 +163,91 @@ def test_masked_vocabulary_minus_inf(backend):
     assert torch.equal(grad[:, :4500], torch.zeros_like(grad[:, :4500]))
 
 
+# ---------------------------------------------------------------- torch backend: chunks and shortcuts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk_rows", [1, 3])
+def test_torch_backend_many_chunks(monkeypatch, dtype, chunk_rows):
+    """The other tests fit in one chunk; here chunks of 1 and 3 rows (the last one partial, restarting
+    at each outer index of strided rows) carry every row's statistics, label and ignored row."""
+    V = 1000
+    monkeypatch.setattr(lp_module, "_CHUNK_BYTES", chunk_rows * V * 4)
+    assert lp_module._chunk_rows(V, torch.float32) == chunk_rows
+    logits, labels, g_logp, g_ent = _make_inputs(V, (3, 5), dtype, "sliced", seed=11)
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=0.8)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=0.8)
+    with forced_backend("torch"):
+        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=0.8)
+    for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
+        assert_close_to_truth(o, t, dtype, eager=e, name=f"torch {name}")
+    ignored = labels == IGNORE
+    assert torch.equal(out[2][ignored], torch.zeros_like(out[2][ignored]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
+    """Rows with -inf logits share chunks with ordinary rows: the p log p = 0 guard applies to them
+    (finite entropy and gradient) and the other rows stay as exact as eager's."""
+    V = 700
+    monkeypatch.setattr(lp_module, "_CHUNK_BYTES", 2 * V * 4)
+    logits, labels, g_logp, g_ent = _make_inputs(V, (6,), torch.float32, "contiguous", seed=13)
+    masked = torch.tensor([1, 4])
+    logits[masked, :300] = float("-inf")
+    labels[masked] = torch.tensor([300, 650])
+    labels[1] = 300  # row 1 is masked, not ignored; row 2 is the ignored one here
+    labels[2] = IGNORE
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+
+    def by_row(x):  # the reference row by row, over each row's finite logits (its gradient is NaN at -inf)
+        logp, ent, grad = torch.zeros(6, dtype=x.dtype), torch.zeros(6, dtype=x.dtype), torch.zeros_like(x)
+        for r in range(6):
+            lo = 300 if r in masked else 0
+            y = labels[r : r + 1] - lo if labels[r] != IGNORE else labels[r : r + 1]
+            logp[r], ent[r], grad[r, lo:] = (t[0] for t in _run(reference.logprobs, x[r : r + 1, lo:], y, g_logp[r : r + 1], g_ent[r : r + 1]))
+        return logp, ent, grad
+
+    truth, eager = by_row(logits.double()), by_row(logits)
+    for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
+        assert torch.isfinite(o).all(), name
+        assert_close_to_truth(o, t, torch.float32, eager=e, name=f"{backend} {name}")
+    assert torch.equal(out[2][masked, :300], torch.zeros(2, 300))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("unused", ["none", "zero"])
+def test_entropy_returned_but_not_differentiated(backend, unused):
+    """With return_entropy=True and the entropy left out of the loss (upstream gradient None) or
+    weighted by 0, the gradient is the log-prob gradient alone (the torch backend skips the H term)."""
+    logits, labels, g_logp, _ = _make_inputs(1000, (2, 3), torch.float32, "contiguous", seed=12)
+    x = logits.clone().requires_grad_(True)
+    with forced_backend(backend):
+        logp, ent = rlkernels.logprobs(x, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
+    if unused == "none":
+        (grad,) = torch.autograd.grad(logp, x, g_logp)
+    else:
+        (grad,) = torch.autograd.grad([logp, ent], x, [g_logp, torch.zeros_like(ent)])
+    x64 = logits.double().requires_grad_(True)
+    ref, ref_ent = reference.logprobs(x64, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
+    (ref_grad,) = torch.autograd.grad(ref, x64, g_logp.double())
+    assert_close_to_truth(logp, ref, torch.float32, name="logp")
+    assert_close_to_truth(ent, ref_ent, torch.float32, name="entropy")
+    assert_close_to_truth(grad, ref_grad, torch.float32, name="dlogits")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ignored_row_with_nan_logits_is_exactly_zero(backend):
+    logits, labels, g_logp, g_ent = _make_inputs(300, (4,), torch.float32, "contiguous", seed=14)
+    logits[1] = float("nan")
+    labels[1] = IGNORE
+    with forced_backend(backend):
+        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+    assert logp[1].item() == 0.0 and ent[1].item() == 0.0
+    assert torch.equal(grad[1], torch.zeros(300))
+    assert torch.isfinite(grad).all() and torch.isfinite(logp).all() and torch.isfinite(ent).all()
+
+
 def test_strided_rows_are_read_in_place():
     x = torch.randn(3, 6, 50)[:, :-1]  # [3, 5, 50]
     rows = lp_module._as_rows(x)
