@@ -117,50 +117,108 @@ def test_resume_equals_uninterrupted(tmp_path):
 # ------------------------------------------------------------------ two processes (gloo) == one
 
 
-def _global_batch(tr):
+def _global_batch(tr, advantages=True):
     """The same 8-sequence rollout in every process: built as if alone, from a fixed seed."""
     rank, world, distributed = tr.rank, tr.world, tr.distributed
     tr.rank, tr.world, tr.distributed = 0, 1, False
     torch.manual_seed(1234)
     batch = tr.rollout(1)
     tr.score(batch, 1)
-    tr.advantages(batch)
+    if advantages:
+        tr.advantages(batch)
     tr.rank, tr.world, tr.distributed = rank, world, distributed
     return batch
+
+
+def _trained(tr):
+    """Policy then critic parameters."""
+    return [p for m in (tr.policy, tr.critic) if m is not None for p in m.parameters()]
+
+
+def _params_and_grads(tr):
+    params = _trained(tr)
+    return [p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]
+
+
+def _whiten_case():
+    """x [2, 2, 5] with NaN at masked-out positions; rank 1's half has one masked entry, one row none."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 5, generator=g) * 3 + 1
+    mask = torch.rand(2, 2, 5, generator=g) > 0.4
+    mask[1] = False
+    mask[1, 0, 2] = True
+    return x.masked_fill(~mask, float("nan")), mask
 
 
 def _ddp_worker(rank, world, init_file, out_dir, cfg_dict):
     import torch.distributed as dist
 
+    from rlkernels.trainer.loop import masked_whiten_global
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         tr = Trainer(from_dict(cfg_dict))
-        batch = _global_batch(tr)
+        ppo = tr.cfg.algo == "ppo"
+        # PPO: each process computes its shard's advantages itself, so whitening must be global
+        batch = _global_batch(tr, advantages=not ppo)
         B = batch.ids.shape[0]
         shard = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
+        if ppo:
+            tr.advantages(shard)
         tr.update(shard, 1)
-        if rank == 0:
-            torch.save([p.detach().clone() for p in tr.policy.parameters()], os.path.join(out_dir, "ddp.pt"))
+        x, mask = _whiten_case()
+        result = {"state": _params_and_grads(tr), "advantages": shard.advantages,
+                  "whiten": masked_whiten_global(x[rank], mask[rank])}
+        torch.save(result, os.path.join(out_dir, f"ddp{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_process_gloo_matches_one(tmp_path):
+def _ddp_matches_single(tmp_path, **over):
     cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
-                    tiny_hidden=32, losses="eager", max_new_tokens=3)
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, **over)
     single = Trainer(from_dict(cfg_dict))
-    start = [p.detach().clone() for p in single.policy.parameters()]
+    start = [p.detach().clone() for p in _trained(single)]
     batch = _global_batch(single)
     assert int(batch.mask.sum(-1).min()) != int(batch.mask.sum(-1).max())  # uneven lengths: token-mean rescaling matters
     single.update(batch, 1)
-    want = [p.detach() for p in single.policy.parameters()]
+    want, want_grads = _params_and_grads(single)
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict), nprocs=2, join=True)
-    got = torch.load(tmp_path / "ddp.pt")
+    ranks = [torch.load(tmp_path / f"ddp{r}.pt") for r in range(2)]
     moved = max(float((w - s).abs().max()) for w, s in zip(want, start))
     assert moved > 1e-4
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for got in ranks:
+        got_params, got_grads = got["state"]
+        assert len(got_params) == len(want)
+        # gradients (as DDP averaged and clipped them) before Adam, whose first step nearly keeps only their sign
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        # parameters: Adam divides by |grad| + 1e-8, so rounding in a near-zero gradient moves an entry by up to
+        # ~lr * 1e-3; a wrong sign would move it by 2 * lr = 6e-3
+        for g, w in zip(got_params, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), batch.advantages, rtol=1e-5, atol=1e-6)
+    # the shared whitening equals rlkernels.masked_whiten over both halves, NaN outside the mask ignored
+    x, mask = _whiten_case()
+    import rlkernels
+
+    torch.testing.assert_close(torch.stack([r["whiten"] for r in ranks]), rlkernels.masked_whiten(x, mask), equal_nan=True)
+    return single, batch
+
+
+def test_two_process_gloo_matches_one(tmp_path):
+    _ddp_matches_single(tmp_path)
+
+
+def test_two_process_gloo_ppo_matches_one(tmp_path):
+    """PPO: policy and critic after a step, and the whitened advantages, equal one process on the global batch."""
+    single, batch = _ddp_matches_single(tmp_path, algo="ppo", agg="seq-mean-token-mean")  # the value loss stays a token mean
+    assert single.critic is not None
+    # whitening each half with its own statistics would give other advantages: the test can tell
+    half = batch.ids.shape[0] // 2
+    own = single.ops.masked_whiten(batch.advantages[:half], batch.mask[:half])
+    assert float((own - batch.advantages[:half])[batch.mask[:half]].abs().max()) > 1e-2
 
 
 # ------------------------------------------------------------------ config errors

@@ -3,7 +3,8 @@
 Losses are the pure ``(loss, metrics)`` functions of the op provider
 (``rlkernels`` fused ops, or ``rlkernels.reference`` with ``--losses eager``).
 Under ``torchrun`` each process takes its share of the prompts (whole groups)
-and gradients are averaged by ``DistributedDataParallel``.
+and gradients are averaged by ``DistributedDataParallel``; token means and PPO advantage
+whitening use global statistics, so N processes take the step one process would.
 """
 from __future__ import annotations
 
@@ -57,6 +58,29 @@ class Rollout:
             pick(self.scores), pick(self.old_logp), pick(self.ref_logp), pick(self.old_values),
             pick(self.advantages), pick(self.returns),
         )
+
+
+def masked_whiten_global(x, mask, eps: float = 1e-8) -> torch.Tensor:
+    """``rlkernels.masked_whiten`` over the union of every process's masked entries.
+
+    ``(x - mean) * rsqrt(var + eps)`` with the masked mean and unbiased masked variance of
+    the global batch (variance 0 below two entries), float32, no gradient. The count and
+    sum, then the sum of squared deviations from the global mean, are all-reduced in
+    float64 (two passes: no cancellation from a sum of squares).
+    """
+    xf = x.detach().float()  # [B, R]
+    m = mask.bool()  # [B, R]
+    x64 = xf.double()  # [B, R]
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    # where, not multiply by the mask: a NaN/inf at a masked-out position must not enter the statistics
+    stats = torch.stack([m.sum().double(), torch.where(m, x64, zero).sum()])  # [2] count, sum
+    dist.all_reduce(stats)
+    count, total = stats[0], stats[1]
+    mean = total / count.clamp(min=1.0)
+    sq = torch.where(m, (x64 - mean).square(), zero).sum().reshape(1)  # [1]
+    dist.all_reduce(sq)
+    var = sq[0] / (count - 1.0).clamp(min=1.0)
+    return (xf - mean.float()) * torch.rsqrt(var.float() + eps)
 
 
 def _masked_mean(x, mask):
@@ -175,8 +199,9 @@ class Trainer:
         rewards = -self.kl_coef * kl  # [B, R]
         last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
         rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
-        adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)
-        batch.advantages = ops.masked_whiten(adv, batch.mask)
+        adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
+        # whitening statistics cover the global batch: each process's own would make N processes differ from one
+        batch.advantages = masked_whiten_global(adv, batch.mask) if self.distributed else ops.masked_whiten(adv, batch.mask)
         batch.returns = ret
         self._seq_kl = float(kl.sum(-1).mean())
 
@@ -208,11 +233,17 @@ class Trainer:
                 )
                 logs = {"loss/policy": float(loss.detach())}
                 logs.update({f"policy/{k_}": float(v) for k_, v in metrics.items()})
-                total = loss
+                # DDP averages gradients over processes; a token mean is rescaled so the result is the
+                # global token mean (sequence means need nothing: every process holds as many sequences)
+                token_scale = 1.0
+                if self.distributed:
+                    local = float(mb.mask.sum())
+                    token_scale = local * self.world / self._global_count(local)
+                total = loss * (token_scale if cfg.agg == "token-mean" else 1.0)
                 if self.critic is not None:
                     values = self.critic_ddp(mb.ids, mb.attention_mask, mb.labels)  # [b, R]
                     vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip)
-                    total = total + cfg.value_coef * vloss
+                    total = total + cfg.value_coef * token_scale * vloss  # the value loss is always a token mean
                     logs["loss/value"] = float(vloss.detach())
                     logs.update({f"critic/{k_}": float(v) for k_, v in vmetrics.items()})
                 if not math.isfinite(float(total.detach())):
@@ -220,10 +251,6 @@ class Trainer:
                         f"non-finite loss at step {step} (epoch {epoch}, minibatch {k}): {logs}; "
                         f"batch prompts {mb.prompts[:4]!r} completions {mb.completions[:4]!r}"
                     )
-                if self.distributed and cfg.agg == "token-mean":
-                    # DDP averages gradients over processes; rescale so the result is the global token mean
-                    local = float(mb.mask.sum())
-                    total = total * (local * self.world / self._global_count(local))
                 self.optimizer.zero_grad(set_to_none=True)
                 total.backward()
                 if cfg.max_grad_norm > 0:

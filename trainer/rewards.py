@@ -71,7 +71,14 @@ def check_reward_spec(spec: str) -> str:
 
 
 class RewardModel:
-    """A sequence-classification model scoring prompt + completion; the score is logit 0."""
+    """A sequence-classification model scoring prompt + completion; the score is logit 0.
+
+    The text scored is the prompt and the completion joined by one space unless either
+    side already has whitespace there (a word-level tokenizer would otherwise read
+    "... =" + "3" as one unknown word "=3"). Batches are padded; the model finds each
+    sequence's last real token through ``config.pad_token_id``, set from the
+    tokenizer when the directory's config leaves it out.
+    """
 
     def __init__(self, path: str, device):
         import torch
@@ -81,11 +88,19 @@ class RewardModel:
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        if getattr(self.model.config, "pad_token_id", None) is None:
+            self.model.config.pad_token_id = self.tok.pad_token_id
         self.device = device
         self._torch = torch
 
+    @staticmethod
+    def join(prompt: str, completion: str) -> str:
+        if not prompt or not completion or prompt[-1].isspace() or completion[0].isspace():
+            return prompt + completion
+        return prompt + " " + completion
+
     def __call__(self, prompts, completions, answers):
-        texts = [p + c for p, c in zip(prompts, completions)]
+        texts = [self.join(p, c) for p, c in zip(prompts, completions)]
         enc = self.tok(texts, return_tensors="pt", padding=True).to(self.device)
         with self._torch.no_grad():
             logits = self.model(**enc).logits  # [N, labels]
