@@ -370,24 +370,22 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
     return d_hidden, d_weight, d_bias
 
 
+# torch builds with cuBLAS's "16-bit inputs, float32 output" matmul (aten::mm.dtype, torch >= 2.8)
+_HAS_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of 16-bit inputs as a float32 result (float32 accumulation, no 16-bit rounding)."""
-    if a.device.type == "cuda":
-        try:  # cuBLAS writes the float32 product of 16-bit inputs directly
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            return torch.mm(a, b).float()
-    return torch.mm(a.float(), b.float())  # CPU (interpreter runs): exact products, float32 sums
+    if a.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)  # tensor cores, float32 result
+    return torch.mm(a.float(), b.float())  # exact upcast: same result, slower (CPU, older torch)
 
 
 def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` 16-bit, accumulating in float32."""
-    if acc.device.type == "cuda":
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (TypeError, RuntimeError):
-            pass
+    if acc.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return
     acc += _mm_f32(a, b)
 
 

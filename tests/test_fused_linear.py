@@ -293,3 +293,17 @@ def test_aot_compiles_every_config(arch):
         if report.spill_bytes != 0:  # local memory in the hot loop: the tiles are too large for the registers
             spilled.append(str(report))
     assert not spilled, "configs that spill registers:\n" + "\n".join(spilled)
+
+
+def test_float32_output_matmul_signatures_hold_for_cuda():
+    """The CUDA-only branch (cuBLAS bf16 x bf16 -> float32) cannot run here; check on the meta
+    device that the calls it makes exist with these arguments and give float32."""
+    import rlkernels.fused_linear as mod
+
+    if not mod._HAS_MM_OUT_DTYPE:
+        pytest.skip("this torch has no float32-output matmul; the exact float32 fallback runs everywhere")
+    a = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")  # [n, V]
+    b = torch.empty(128, 32, dtype=torch.bfloat16, device="meta")  # [V, H]
+    acc = torch.empty(64, 32, dtype=torch.float32, device="meta")  # [n, H]
+    assert torch.mm(a, b, out_dtype=torch.float32).dtype == torch.float32
+    assert torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc) is acc
