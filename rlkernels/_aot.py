@@ -4,6 +4,12 @@ Each op module lists, in ``aot_configs()``, every (kernel, constexpr, warps,
 stages) combination its launcher can pick. ``compile_config`` builds one for a
 target and reads its registers, spills and shared memory from the cubin, so a
 test proves that every configuration builds and reports what it costs.
+
+At launch, Triton also specializes on alignment: pointers aligned to 16 bytes
+and integer arguments divisible by 16 (row strides of vocabularies such as
+128256 or 151936) are marked ``tt.divisibility=16``, which is what lets it emit
+16-byte vector loads. ``aligned=True`` compiles that specialization; the
+default compiles the unaligned one (odd sizes such as V = 4097).
 """
 from __future__ import annotations
 
@@ -35,16 +41,18 @@ class KernelConfig:
 class CompileReport:
     label: str
     arch: int
+    aligned: bool  # compiled with the divisible-by-16 specialization of pointers and integers
     registers: int
     spill_bytes: int  # local memory per thread: spills and stack-resident arrays
     shared_bytes: int
     ptx_bytes: int
     cubin_bytes: int
+    widest_load_bytes: int  # the widest global load per thread in the PTX (16 = fully vectorized)
 
     def __str__(self) -> str:
         return (
-            f"sm_{self.arch} {self.label}: {self.registers} regs, {self.spill_bytes} B spilled/local, "
-            f"{self.shared_bytes} B shared"
+            f"sm_{self.arch} {self.label}{' aligned' if self.aligned else ''}: {self.registers} regs, "
+            f"{self.spill_bytes} B spilled/local, {self.shared_bytes} B shared, loads up to {self.widest_load_bytes} B"
         )
 
 
@@ -58,13 +66,32 @@ def _cuobjdump() -> str:
 COMPILED: list[CompileReport] = []  # every report made in this process, for the test session's summary
 
 
-def compile_config(config: KernelConfig, arch: int) -> CompileReport:
+def _widest_load_bytes(ptx: str) -> int:
+    widest = 0
+    for vec, bits in re.findall(r"ld\.global[.\w:]*?(?:\.v(\d))?\.[bfsu](\d+)\b", ptx):
+        widest = max(widest, int(vec or 1) * int(bits) // 8)
+    return widest
+
+
+def _alignment_attrs(config: KernelConfig) -> dict:
+    """``tt.divisibility=16`` on every pointer and integer argument, as Triton's launcher
+    specializes them when the tensors are 16-byte aligned and the sizes divisible by 16."""
+    attrs = {}
+    for i, (name, ty) in enumerate(config.signature.items()):
+        ty = str(ty)
+        if ty.startswith("*") or ty in ("i32", "i64", "u32", "u64"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_config(config: KernelConfig, arch: int, *, aligned: bool = False) -> CompileReport:
     """Compile ``config`` for ``sm_<arch>`` and report its resources (raises if it does not build)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(fn=config.kernel, signature=config.signature, constexprs=config.constexprs)
+    attrs = _alignment_attrs(config) if aligned else None
+    source = ASTSource(fn=config.kernel, signature=config.signature, constexprs=config.constexprs, attrs=attrs)
     compiled = triton.compile(
         source,
         target=GPUTarget("cuda", arch, 32),
@@ -81,11 +108,13 @@ def compile_config(config: KernelConfig, arch: int) -> CompileReport:
     report = CompileReport(
         label=config.label,
         arch=arch,
+        aligned=aligned,
         registers=int(regs.group(1)) if regs else -1,
         spill_bytes=(int(stack.group(1)) if stack else 0) + (int(local.group(1)) if local else 0),
         shared_bytes=int(compiled.metadata.shared),
         ptx_bytes=len(compiled.asm["ptx"]),
         cubin_bytes=len(cubin),
+        widest_load_bytes=_widest_load_bytes(compiled.asm["ptx"]),
     )
     COMPILED.append(report)
     return report
