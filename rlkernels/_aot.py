@@ -48,6 +48,8 @@ class CompileReport:
     ptx_bytes: int
     cubin_bytes: int
     widest_load_bytes: int  # the widest global load per thread in the PTX (16 = fully vectorized)
+    async_copies: int  # cp.async instructions in the PTX: tiles staged asynchronously (software pipelining)
+    tensor_core_ops: int  # wgmma (sm_90) or mma.sync (sm_80) instructions in the PTX
 
     def __str__(self) -> str:
         return (
@@ -115,6 +117,8 @@ def compile_config(config: KernelConfig, arch: int, *, aligned: bool = False) ->
         ptx_bytes=len(compiled.asm["ptx"]),
         cubin_bytes=len(cubin),
         widest_load_bytes=_widest_load_bytes(compiled.asm["ptx"]),
+        async_copies=len(re.findall(r"\bcp\.async\b", compiled.asm["ptx"])),
+        tensor_core_ops=len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\b", compiled.asm["ptx"])),
     )
     COMPILED.append(report)
     return report

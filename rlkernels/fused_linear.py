@@ -61,7 +61,7 @@ if HAS_TRITON:
     def _logits_tile(
         h_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V]
         rows, cols, row_ok, col_ok,  # [BLOCK_N], [BLOCK_V]
-        H, stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+        H, stride_hn, stride_wv, temperature,  # the H dimension has unit stride (the launcher ensures it)
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -71,9 +71,9 @@ if HAS_TRITON:
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks  # [BLOCK_K]
             k_ok = k < H  # H need not be a multiple of BLOCK_K
-            a = tl.load(h_ptr + rows[:, None] * stride_hn + k[None, :] * stride_hk,
+            a = tl.load(h_ptr + rows[:, None] * stride_hn + k[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            w = tl.load(w_ptr + cols[:, None] * stride_wv + k[None, :] * stride_wk,
+            w = tl.load(w_ptr + cols[:, None] * stride_wv + k[None, :],
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
             if DOT_F32:  # exact upcast; Triton's interpreter multiplies bf16 as raw uint16 bits
                 acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -90,7 +90,7 @@ if HAS_TRITON:
     def _fwd_kernel(
         h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
         m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
-        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+        N, V, H, stride_hn, stride_wv, temperature,
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
     ):
@@ -111,7 +111,7 @@ if HAS_TRITON:
                 cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
                 col_ok = cols < V
                 z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
-                                 stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+                                 stride_hn, stride_wv, temperature,
                                  HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
                 z = tl.where(col_ok[None, :], z, float("-inf"))
                 m_new = tl.maximum(m, tl.reduce(z, 1, tl.standard._elementwise_max))  # [BLOCK_N]
@@ -135,7 +135,7 @@ if HAS_TRITON:
         lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each
         dz_ptr,  # [n, V] input dtype, contiguous
         resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
-        N, V, H, stride_hn, stride_hk, stride_wv, stride_wk, temperature, ignore_index,
+        N, V, H, stride_hn, stride_wv, temperature, ignore_index,
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -146,7 +146,7 @@ if HAS_TRITON:
         row_ok = rows < N
         col_ok = cols < V
         z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
-                         stride_hn, stride_hk, stride_wv, stride_wk, temperature,
+                         stride_hn, stride_wv, temperature,
                          HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
         label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -212,7 +212,8 @@ class _Tiles:
 # SM) at 112-128 registers with no spill on sm_80/sm_90, aligned or not.
 _FWD_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=32, split_tiles=32, num_warps=16, num_stages=3)
 _BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=64, split_tiles=1, num_warps=8, num_stages=3)
-_FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=32, split_tiles=64, num_warps=8, num_stages=2)
+# float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows)
+_FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=2)
 _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=32, split_tiles=1, num_warps=8, num_stages=2)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
@@ -247,8 +248,7 @@ def aot_configs():
             flags = {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": False}
             common = {**flags, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
             common_b = {**flags, "BLOCK_N": tb.block_n, "BLOCK_V": tb.block_v, "BLOCK_K": tb.block_k}
-            scalars = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_hk": "i32",
-                       "stride_wv": "i32", "stride_wk": "i32", "temperature": "fp32"}
+            scalars = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
             fwd_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
                        "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32", **scalars}
             fwd_consts = {**common, "SPLIT_TILES": t.split_tiles}
@@ -272,8 +272,15 @@ def _check_label_range(labels: torch.Tensor, V: int, ignore_index: int) -> None:
         raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {value}")
 
 
+def _unit_k_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with stride 1 along H: the kernels' K loop reads contiguous runs, which lets Triton
+    stage the tiles with cp.async and pipeline them (a copy only for an H-strided view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _forward_triton(hidden, weight, labels, bias, opt: _Options):
     # hidden [N, H], weight [V, H], labels [N], bias [V] or None
+    hidden, weight = _unit_k_stride(hidden), _unit_k_stride(weight)
     N, H = hidden.shape
     V = weight.shape[0]
     t = _tiles(hidden.dtype)
@@ -285,7 +292,7 @@ def _forward_triton(hidden, weight, labels, bias, opt: _Options):
         _fwd_kernel.launch(
             grid, hidden, weight, bias if bias is not None else weight, labels,
             part[0], part[1], part[2], part[3],
-            N, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opt.temperature),
+            N, V, H, hidden.stride(0), weight.stride(0), float(opt.temperature),
             HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
             BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles,
             num_warps=t.num_warps, num_stages=t.num_stages,
@@ -313,6 +320,7 @@ def _finish(logp, entropy, lse, labels, V, opt: _Options):
 
 def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
     # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]; bias [V] or None
+    hidden, weight = _unit_k_stride(hidden), _unit_k_stride(weight)
     N, H = hidden.shape
     V = weight.shape[0]
     t = _tiles(hidden.dtype, backward=True)
@@ -339,7 +347,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
         _dz_kernel.launch(
             grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
             lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
-            n, V, H, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            n, V, H, hidden.stride(0), weight.stride(0),
             float(opt.temperature), int(opt.ignore_index),
             HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
             BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,

@@ -29,3 +29,17 @@ def test_logits_kernels_read_16_bytes_per_load_when_aligned(arch):
     for cfg in softmax.aot_configs():
         report = compile_config(cfg, arch, aligned=True)
         assert report.widest_load_bytes == 16, str(report)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_linear_logprobs_matmuls_use_tensor_cores_and_pipelining(arch):
+    """bf16/fp16 tiles go through the tensor cores (wgmma on sm_90, mma on sm_80) and, with
+    aligned rows, their K loop stages tiles with cp.async (software pipelining)."""
+    from rlkernels import fused_linear
+
+    sixteen_bit = [c for c in fused_linear.aot_configs() if c.signature["h_ptr"] in ("*bf16", "*fp16")]
+    assert sixteen_bit
+    for cfg in sixteen_bit:
+        report = compile_config(cfg, arch, aligned=True)
+        assert report.tensor_core_ops > 0, str(report)
+        assert report.async_copies > 0, str(report)
