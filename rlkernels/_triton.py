@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import torch
 
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for grid and chunk counts (no triton needed)."""
+    return (a + b - 1) // b
+
+
 try:  # triton is optional at import time: the package works without it on CPU
     import triton
     import triton.language as tl

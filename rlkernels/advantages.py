@@ -31,7 +31,7 @@ import torch
 
 from rlkernels import _backend as backends
 from rlkernels import _checks, _extension, reference
-from rlkernels._triton import HAS_TRITON, jit, tl
+from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 
 GROUP_MODES = ("grpo", "dr_grpo", "rloo")
 _MODE_ID = {m: i for i, m in enumerate(GROUP_MODES)}
@@ -263,15 +263,12 @@ def _gae_triton(rewards, values, mask, gamma, lam):
     block_b, block_t, warps = _gae_config(T)
     kwargs = {"num_warps": warps} if r.is_cuda else {}
     _gae_kernel.launch(
-        (triton_cdiv(B, block_b),), r, v, m, adv, ret, B, T,
+        (cdiv(B, block_b),), r, v, m, adv, ret, B, T,
         r.stride(0), r.stride(1), v.stride(0), v.stride(1), m.stride(0), m.stride(1),
         float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, **kwargs,
     )
     return adv, ret
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None):
@@ -321,7 +318,7 @@ def _whiten_triton(x, mask, shift_mean, eps):
     out = torch.empty(N, dtype=torch.float32, device=x.device)
     if N == 0:
         return out.view(x.shape)
-    blocks = triton_cdiv(N, _WHITEN_BLOCK)
+    blocks = cdiv(N, _WHITEN_BLOCK)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
     P = min(blocks, _WHITEN_P_BLOCK if x.is_cuda else 4)
     part = torch.empty(P, 3, dtype=torch.float32, device=x.device)

@@ -46,7 +46,7 @@ import torch
 
 from rlkernels import _checks, reference
 from rlkernels._backend import select
-from rlkernels._triton import HAS_TRITON, jit, tl
+from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
 
@@ -285,10 +285,10 @@ def _forward_triton(hidden, weight, labels, bias, opt: _Options):
     V = weight.shape[0]
     t = _tiles(hidden.dtype)
     split_cols = t.split_tiles * t.block_v
-    S = triton_cdiv(V, split_cols)
+    S = cdiv(V, split_cols)
     part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split
     if N > 0:
-        grid = (triton_cdiv(N, t.block_n), S)
+        grid = (cdiv(N, t.block_n), S)
         _fwd_kernel.launch(
             grid, hidden, weight, bias if bias is not None else weight, labels,
             part[0], part[1], part[2], part[3],
@@ -343,7 +343,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
         dz_c = dz[:n]  # [n, V]
         r_c = resid[:n]  # [n]
         r_c.zero_()
-        grid = (triton_cdiv(n, t.block_n), triton_cdiv(V, t.block_v))
+        grid = (cdiv(n, t.block_n), cdiv(V, t.block_v))
         _dz_kernel.launch(
             grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
             lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
@@ -401,9 +401,6 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += _mm_f32(a, b)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
 
 # ---- chunked PyTorch
 #
@@ -446,7 +443,7 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
     w = weight.to(cdt)  # [V, H]; no copy for float32 (weight-sized otherwise)
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
-    S = triton_cdiv(V, vchunk)
+    S = cdiv(V, vchunk)
     last = V - (S - 1) * vchunk  # width of the last vocabulary chunk
     lse = torch.empty(N, dtype=cdt, device=dev)  # [N]
     entropy = torch.zeros(N, dtype=cdt, device=dev)  # [N]
@@ -501,7 +498,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, l
     w = weight.to(cdt)  # [V, H]
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
-    S = triton_cdiv(V, vchunk)
+    S = cdiv(V, vchunk)
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
     zero = torch.zeros((), dtype=cdt, device=dev)
     g_lp = torch.where(valid, g_logp.to(cdt), zero)  # [N]

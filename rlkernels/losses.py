@@ -28,7 +28,7 @@ import torch
 from rlkernels import _backend, _checks
 from rlkernels import reference as _ref
 from rlkernels._aot import KernelConfig
-from rlkernels._triton import HAS_TRITON, jit, tl, triton
+from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 
 KL_ESTIMATORS = _ref.KL_ESTIMATORS  # ("k1", "k2", "k3", "abs"): index = kernel constexpr
 AGG_MODES = _ref.AGG_MODES
@@ -496,7 +496,7 @@ def _policy_triton(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Pol
     g_ref = _empty_like_rows(logp, has_ref)  # [B, T] or [0]
     g_ent = _empty_like_rows(logp, has_ent)  # [B, T] or [0]
     chunk = T if opt.seq_ratio else BLOCK_T
-    n_chunks = max(1, triton.cdiv(T, chunk))
+    n_chunks = max(1, cdiv(T, chunk))
     partials = torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=logp.device)  # [B, C, NSLOTS]
     if B == 0 or T == 0:
         return partials, g_logp, g_ref, g_ent
@@ -583,7 +583,7 @@ def _value_triton(values, old_values, returns, mask, opt: ValueOptions):
     has_clip = opt.clip != math.inf
     old = _unit_stride(old_values) if has_clip else values  # [B, T] (not read without clip)
     g_v = torch.empty((B, T), dtype=torch.float32, device=values.device)  # [B, T]
-    n_chunks = max(1, triton.cdiv(T, BLOCK_T))
+    n_chunks = max(1, cdiv(T, BLOCK_T))
     partials = torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=values.device)  # [B, C, NSLOTS]
     if B == 0 or T == 0:
         return partials, g_v
@@ -627,7 +627,7 @@ def _kl_triton(logp, ref_logp, est: int, need_grad: bool):
     grad = torch.empty(logp.shape if need_grad else (0,), dtype=torch.float32, device=logp.device)  # [...] or [0]
     if n:
         _kl_kernel.launch(
-            (triton.cdiv(n, BLOCK_KL),), lp, rf, kl, grad if need_grad else kl, n,
+            (cdiv(n, BLOCK_KL),), lp, rf, kl, grad if need_grad else kl, n,
             EST=est, WRITE_GRAD=need_grad, BLOCK=BLOCK_KL, num_warps=NUM_WARPS,
         )
     return kl, grad
