@@ -52,3 +52,9 @@ def select(device: torch.device, supported: tuple[str, ...] = ("reference", "tor
             raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported")
         return forced
     return default_backend(device)
+
+
+def float32_compute(device: torch.device):
+    """A context in which autocast is off for ``device``: every op computes in float32 (or the
+    inputs' own dtype where a kernel says so) whatever autocast context the caller is in."""
+    return torch.autocast(device_type=device.type, enabled=False)

@@ -4,6 +4,8 @@ Every check here is a host-side look at shapes, dtypes and devices: none syncs t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,4 +67,44 @@ def choice(value: str, name: str, allowed: tuple[str, ...]) -> str:
 def rank(x: torch.Tensor, name: str, dims: int) -> torch.Tensor:
     if x.dim() != dims:
         raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
+    return x
+
+
+def finite(value, name: str) -> float:
+    """A real, finite Python number (coefficients: ``kl_coef``, ``entropy_coef``...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def non_negative(value, name: str) -> float:
+    """A finite number >= 0 (``eps``, clip ranges); NaN and inf are rejected."""
+    value = finite(value, name)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def unit_interval(value, name: str) -> float:
+    """A finite number in [0, 1] (``gamma``, ``lam``)."""
+    value = finite(value, name)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    return value
+
+
+def labels(x, V: int, ignore_index: int, name: str = "labels") -> torch.Tensor:
+    """Integer ``labels`` of any width as int64; on the CPU a label outside ``[0, V)`` that is not
+    ``ignore_index`` raises (checking costs no device sync there); on a GPU the kernels give NaN instead.
+
+    The comparison runs in int64, so narrow dtypes (uint8, int8, int16) are checked against the true ``V``.
+    """
+    integer(x, name)
+    x = x.long()  # no copy for int64; kernels and gather read int64
+    if x.device.type == "cpu" and x.numel() > 0:
+        bad = (x != ignore_index) & ((x < 0) | (x >= V))
+        if bool(bad.any()):
+            raise ValueError(f"{name} must lie in [0, {V}) or equal ignore_index={ignore_index}; found {int(x[bad][0])}")
     return x
