@@ -58,3 +58,38 @@ def float32_compute(device: torch.device):
     """A context in which autocast is off for ``device``: every op computes in float32 (or the
     inputs' own dtype where a kernel says so) whatever autocast context the caller is in."""
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton kernels load; float64 stays on torch
+
+
+def csrc_available(device: torch.device) -> bool:
+    """The compiled extension can serve tensors on ``device`` (building it at first use)."""
+    from rlkernels import _extension
+
+    if device.type == "cpu":
+        return _extension.available()
+    return device.type == "cuda" and _extension.has_cuda_kernels()
+
+
+def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype | None = None) -> str:
+    """The one place a backend is chosen: the name of the implementation that serves tensors of ``dtype`` on
+    ``device``, for an op implementing the backends in ``supported``.
+
+    ``RLKERNELS_BACKEND`` wins when the op implements it and it can run here (csrc needs the extension for
+    that device; triton needs triton and a 16/32-bit float ``dtype``); otherwise the default: Triton on CUDA,
+    the csrc extension on the CPU for the ops that have one, chunked PyTorch elsewhere. Ops call this at run
+    time, inside their custom op, so ``torch.compile`` never traces the extension's first build.
+    """
+    triton_ok = "triton" in supported and has_triton() and (dtype is None or dtype in TRITON_DTYPES)
+    forced = forced_backend()
+    if forced is not None and forced in supported:
+        if forced == "triton" and not has_triton():
+            raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported")
+        if forced == "triton" and triton_ok or forced == "csrc" and csrc_available(device) or forced in ("torch", "reference"):
+            return forced
+    if device.type == "cuda" and triton_ok:
+        return "triton"
+    if "csrc" in supported and device.type == "cpu" and csrc_available(device):
+        return "csrc"
+    return "torch"
