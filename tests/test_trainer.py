@@ -12,7 +12,7 @@ import torch
 from rlkernels.trainer import checkpoint
 from rlkernels.trainer.__main__ import main
 from rlkernels.trainer.config import ConfigError, from_dict, parse_args
-from rlkernels.trainer.loop import NonFiniteError, Trainer, read_metrics
+from rlkernels.trainer.loop import NonFiniteError, Rollout, Trainer, read_metrics
 
 LOSSES = ["fused", "eager"]
 
@@ -117,13 +117,49 @@ def test_resume_equals_uninterrupted(tmp_path):
 # ------------------------------------------------------------------ two processes (gloo) == one
 
 
+def _designed_batch(tr, step: int = 1):
+    """A rollout built by design, not sampled: the same in every process and on every machine.
+
+    The step's real prompts (left-padded by the tokenizer) with four kinds of completion,
+    cycling over the batch: the answer then EOS (exact_format reward 1), a wrong digit then
+    EOS (0.1), the answer amid other tokens with no EOS (0.5), no digit (0). Every group of
+    2 or 4 therefore holds different rewards (nonzero GRPO advantages, nonzero PPO returns)
+    and the response lengths differ (2 and 3 tokens), whatever sampling would have given.
+    """
+    cfg, tok = tr.cfg, tr.tokenizer
+    R = 3
+    assert cfg.max_new_tokens >= R and cfg.group_size in (2, 4)
+    examples = tr.prompts.batch(step, cfg.prompts_per_step)
+    enc = tok([e.prompt for e in examples], return_tensors="pt", padding=True)
+    G = cfg.group_size
+    prompt_ids = enc["input_ids"].repeat_interleave(G, 0)  # [B, P]
+    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0)  # [B, P]
+    answers = [e.answer for e in examples for _ in range(G)]
+    ids_of = tok.convert_tokens_to_ids
+    rows, lengths = [], []
+    for i, a in enumerate(answers):
+        wrong = str((int(a) + 1) % 10)
+        kind = [[a, "<eos>", "<pad>"], [wrong, "<eos>", "<pad>"], [a, "+", "="], ["+", "=", "+"]][i % 4]
+        rows.append(ids_of(kind))
+        lengths.append(2 if i % 4 < 2 else 3)
+    response = torch.tensor(rows)  # [B, R]
+    mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]  # [B, R]
+    batch = Rollout(
+        torch.cat([prompt_ids, response.masked_fill(~mask, tr.pad_id)], 1), torch.cat([prompt_mask, mask.long()], 1),
+        response.masked_fill(~mask, -100), mask, [e.prompt for e in examples for _ in range(G)],
+        tok.batch_decode(response.masked_fill(~mask, tr.pad_id), skip_special_tokens=True), answers,
+    )
+    tr.score(batch, step)  # the configured reward on the designed completions
+    groups = batch.scores.view(-1, G)  # [prompts, G]
+    assert bool((groups.max(1).values > groups.min(1).values).all()), batch.scores  # by design, not by luck
+    return batch
+
+
 def _global_batch(tr, advantages=True):
-    """The same 8-sequence rollout in every process: built as if alone, from a fixed seed."""
+    """The same designed 8-sequence batch in every process, with advantages computed as if alone."""
     rank, world, distributed = tr.rank, tr.world, tr.distributed
     tr.rank, tr.world, tr.distributed = 0, 1, False
-    torch.manual_seed(1234)
-    batch = tr.rollout(1)
-    tr.score(batch, 1)
+    batch = _designed_batch(tr)
     if advantages:
         tr.advantages(batch)
     tr.rank, tr.world, tr.distributed = rank, world, distributed
@@ -138,6 +174,20 @@ def _trained(tr):
 def _params_and_grads(tr):
     params = _trained(tr)
     return [p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]
+
+
+# AdamW's first step in float32 against its formula in float64: the parameter's final rounding (one ulp, rtol
+# 2**-23) plus ~10 float32 roundings (6e-8 each) of a step no larger than lr = 3e-3 (about 2e-9; atol 5e-9)
+ADAM_STEP_TOL = dict(rtol=2.0**-23, atol=5e-9)
+
+
+def _adam_first_step(start, grads, lrs):
+    """Parameters after AdamW's first step without weight decay: p - lr * g / (|g| + eps); bias corrections cancel."""
+    out = []
+    for p, g, lr in zip(start, grads, lrs):
+        g64 = g.double()
+        out.append((p.double() - lr * g64 / (g64.abs() + 1e-8)).float())
+    return out
 
 
 def _whiten_case():
@@ -186,18 +236,26 @@ def _ddp_matches_single(tmp_path, **over):
     want, want_grads = _params_and_grads(single)
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"ddp{r}.pt") for r in range(2)]
-    moved = max(float((w - s).abs().max()) for w, s in zip(want, start))
-    assert moved > 1e-4
+    # the update is real, not rounding noise: the designed batch has nonzero advantages, so the gradient is nonzero
+    # and Adam moves the parameters (both are exact statements about this fixed batch, no threshold)
+    assert any(bool(g.ne(0).any()) for g in want_grads[: len(list(single.policy.parameters()))])
+    assert any(not torch.equal(w, s) for w, s in zip(want, start))
+    lrs = [group["lr"] for group in single.optimizer.param_groups for _ in group["params"]]
+    assert len(lrs) == len(want)
+    torch.testing.assert_close(want, _adam_first_step(start, want_grads, lrs), **ADAM_STEP_TOL)
     for got in ranks:
         got_params, got_grads = got["state"]
         assert len(got_params) == len(want)
-        # gradients (as DDP averaged and clipped them) before Adam, whose first step nearly keeps only their sign
+        # gradients as DDP averaged and clipped them: each entry sums ~24 token terms through two layers in float32
+        # in another order than one process; ~100 roundings of 6e-8 on terms below 1e-2 stay far below atol
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-        # parameters: Adam divides by |grad| + 1e-8, so rounding in a near-zero gradient moves an entry by up to
-        # ~lr * 1e-3; a wrong sign would move it by 2 * lr = 6e-3
-        for g, w in zip(got_params, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)
+        # parameters: one AdamW step from those gradients, the same in both processes. Compared with the step's
+        # formula rather than with one process's parameters: the step g / (|g| + 1e-8) turns the rounding of a
+        # near-zero gradient entry into a change of up to lr, which no fixed tolerance on parameters can absorb
+        torch.testing.assert_close(got_params, _adam_first_step(start, got_grads, lrs), **ADAM_STEP_TOL)
+    for a, b in zip(ranks[0]["state"][0], ranks[1]["state"][0]):
+        assert torch.equal(a, b)  # DDP: every process holds the same parameters
     torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), batch.advantages, rtol=1e-5, atol=1e-6)
     # the shared whitening equals rlkernels.masked_whiten over both halves, NaN outside the mask ignored
     x, mask = _whiten_case()
