@@ -10,7 +10,9 @@ imported. Order of attempts:
    ``$RLKERNELS_CACHE`` or ``~/.cache/rlkernels/<torch version>/`` (reused
    across processes: ninja rebuilds only when a source changed).
 
-If both fail (no compiler, no sources, a build error), :func:`load` returns
+A build that will compile (no library in the cache, or a source newer than it)
+first prints one line to stderr, since it takes ~40 s. If both fail (no
+compiler, no sources, a build error), :func:`load` returns
 None, warns once with the reason, and the ops fall back to Triton or PyTorch.
 ``RLKERNELS_NO_EXT=1`` skips the extension altogether.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 import threading
 import warnings
 
@@ -35,7 +38,8 @@ CPU_SOURCES = ("advantages.cpp",)
 CUDA_SOURCES = ("advantages_cuda.cu", "advantages_cuda_binding.cpp")
 
 _lock = threading.Lock()
-_state: dict = {"tried": False, "ops": None, "error": None, "warned": False}
+_state: dict = {"tried": False, "ops": None, "error": None, "warned": False, "announced": False}
+BUILD_NOTICE = "building the rlkernels extension (once, ~40 s)..."
 
 
 class ExtensionUnavailable(RuntimeError):
@@ -60,6 +64,17 @@ def build_directory() -> str:
     return path
 
 
+def _needs_compile(directory: str) -> bool:
+    """Whether the JIT build will compile (ninja's own rule): no library in ``directory`` yet, or a file of
+    ``csrc/`` (sources and headers) newer than it."""
+    library = os.path.join(directory, f"{NAMESPACE}{'.pyd' if os.name == 'nt' else '.so'}")
+    if not os.path.exists(library):
+        return True
+    built = os.path.getmtime(library)
+    inputs = [os.path.join(CSRC_DIR, f) for f in os.listdir(CSRC_DIR)] if os.path.isdir(CSRC_DIR) else []
+    return any(os.path.getmtime(f) > built for f in inputs if os.path.isfile(f))
+
+
 def _prebuilt() -> str | None:
     found = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_C*.so")) + glob.glob(os.path.join(_PACKAGE_DIR, "_C*.pyd")))
     return found[0] if found else None
@@ -82,12 +97,17 @@ def _build() -> None:
 
     if shutil.which("ninja") is None and not cpp_extension.is_ninja_available():
         raise ExtensionUnavailable("ninja is not installed (pip install ninja)")
+    directory = build_directory()
+    if _needs_compile(directory) and not _state.get("announced"):
+        # a silent ~40 s compile looks like a hang (a progress bar at 0 with an ETA of hours): say it once
+        _state["announced"] = True
+        print(BUILD_NOTICE, file=sys.stderr, flush=True)
     cpp_extension.load(
-        name="rlkernels_csrc",
+        name=NAMESPACE,
         sources=sources,
         extra_cflags=["-O3"] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
         extra_cuda_cflags=["-O3", "--use_fast_math"] if with_cuda else None,
-        build_directory=build_directory(),
+        build_directory=directory,
         is_python_module=False,
         verbose=os.environ.get("RLKERNELS_VERBOSE_BUILD") == "1",
     )

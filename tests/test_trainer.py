@@ -381,3 +381,98 @@ def test_nan_reward_stops_with_step_named(tmp_path, capsys):
     with pytest.raises(NonFiniteError, match=r"non-finite reward at step 2: 1 of 16 samples \(batch indices \[5\]\)"):
         Trainer(cfg).run()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+# ------------------------------------------------------------------ the extension's first build
+
+
+def test_extension_build_is_announced_only_when_it_compiles(tmp_path, monkeypatch, capsys):
+    """A JIT build (~40 s) says so on stderr before it starts; a cached library loads silently."""
+    import shutil
+    import time
+
+    from torch.utils import cpp_extension
+
+    from rlkernels import _extension
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_extension.CSRC_DIR, csrc)  # a private copy: others editing csrc/ cannot touch it mid-test
+    calls = []
+
+    def fake_load(name, sources, build_directory, **kwargs):  # what ninja leaves behind, without compiling
+        calls.append(name)
+        open(os.path.join(build_directory, f"{name}.so"), "wb").close()
+
+    monkeypatch.setenv("RLKERNELS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_extension, "CSRC_DIR", str(csrc))
+    monkeypatch.setattr(_extension, "_state", {"tried": False, "ops": None, "error": None, "warned": False})
+    monkeypatch.setattr(_extension, "_prebuilt", lambda: None)
+    monkeypatch.setattr(_extension, "cuda_build_possible", lambda: False)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    notice = "building the rlkernels extension (once, ~40 s)..."
+
+    _extension._build()  # empty cache: a real build
+    assert capsys.readouterr().err.count(notice) == 1
+    _extension._build()  # the library is newer than every source: ninja has nothing to do
+    assert notice not in capsys.readouterr().err
+    future = time.time() + 3600  # later than the library just written
+    os.utime(csrc / "advantages_cuda.h", (future, future))  # an edited header: ninja recompiles...
+    _extension._build()
+    assert notice not in capsys.readouterr().err  # ...but the notice is printed once per process
+    monkeypatch.setitem(_extension._state, "announced", False)
+    _extension._build()
+    assert capsys.readouterr().err.count(notice) == 1
+    assert len(calls) == 4  # ninja itself always runs: it decides what to rebuild
+
+
+def test_fused_trainer_loads_the_extension_before_the_loop(tmp_path, monkeypatch):
+    """The first step's time (and the progress bar's ETA) must not include building the extension."""
+    from rlkernels import _extension
+
+    loaded = []
+    monkeypatch.setattr(_extension, "load", lambda: loaded.append(True))
+    Trainer(tiny(tmp_path, losses="fused"))
+    assert loaded
+    loaded.clear()
+    Trainer(tiny(tmp_path / "eager", losses="eager"))
+    assert not loaded  # eager ops never use it
+
+
+# ------------------------------------------------------------------ progress bar
+
+
+def _bar_frames(err: str, steps: int) -> list[tuple[int, str]]:
+    """(count, text) of every frame tqdm drew."""
+    import re
+
+    frames = []
+    for text in err.replace("\n", "\r").split("\r"):
+        found = re.search(rf"\b(\d+)/{steps}\b", text)
+        if found:
+            frames.append((int(found.group(1)), text))
+    return frames
+
+
+@pytest.mark.parametrize("algo, epochs", [("grpo", 1), ("ppo", 1), ("grpo", 2)])
+def test_progress_bar_shows_the_current_step(tmp_path, monkeypatch, capsys, algo, epochs):
+    import tqdm.auto
+
+    class EveryUpdate(tqdm.auto.tqdm):  # draw at every update, not at most every 0.1 s
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 0, "miniters": 1})
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", EveryUpdate)
+    seen = {}
+    tr = Trainer(tiny(tmp_path, losses="eager", steps=3, progress=True, algo=algo, epochs=epochs))
+    tr.run(on_step=lambda step, metrics: seen.setdefault(step, metrics))
+    frames = [(n, text) for n, text in _bar_frames(capsys.readouterr().err, 3) if n > 0]
+    assert {n for n, _ in frames} == {1, 2, 3}
+    for n, text in frames:  # every frame shows the values of the step it counts
+        want = tr.progress_values(seen[n])
+        for key in ("reward", "kl", "ent"):
+            assert f"{key}={want[key]}" in text, (n, key, text)
+        # one epoch of one minibatch: every ratio is exactly 1, so a clip fraction would always read 0
+        assert ("clip=" in text) == (epochs > 1), text
+    if epochs == 1:
+        assert all(seen[n]["policy/clipfrac"] == 0.0 for n in seen)  # structurally zero, as the bar assumes

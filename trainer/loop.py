@@ -92,6 +92,12 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.ops = ops_provider(cfg.losses)
+        if cfg.losses == "fused":
+            # build (or load) the compiled extension now: a first build takes ~40 s, which inside the first
+            # step would stall the progress bar at 0 with an ETA of hours
+            from rlkernels import _extension
+
+            _extension.load()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -350,6 +356,25 @@ class Trainer:
             flag = bool(t)
         return flag
 
+    def progress_values(self, metrics: dict) -> dict[str, str]:
+        """The progress bar's values for one step's ``metrics``.
+
+        The KL to the reference (per token for GRPO, per sequence in the PPO rewards) when there is a
+        reference model, and the entropy. The clip fraction only when it can be nonzero: with one epoch
+        of one minibatch every ratio is exactly 1 (GRPO takes the old log-probs from the same forward,
+        PPO from a pass with the same weights), so it would always read 0.
+        """
+        values = {"reward": f"{metrics['reward/mean']:.3f}"}
+        kl_key = "policy/kl" if "policy/kl" in metrics else "policy/kl_seq" if self.ref is not None else None
+        if kl_key is not None and kl_key in metrics:
+            values["kl"] = f"{metrics[kl_key]:.4f}"
+        if "policy/entropy" in metrics:
+            values["ent"] = f"{metrics['policy/entropy']:.3f}"
+        if self.cfg.epochs * self.cfg.minibatches > 1 and "policy/clipfrac" in metrics:
+            values["clip"] = f"{metrics['policy/clipfrac']:.3f}"
+        values["tok_s"] = f"{metrics['perf/tokens_per_s']:.0f}"
+        return values
+
     def run(self, on_step=None) -> dict:
         """Train to ``cfg.steps``; returns the summary. ``on_step(step, metrics)`` is called after each step."""
         cfg = self.cfg
@@ -373,11 +398,9 @@ class Trainer:
                 if log is not None and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
                     log.write(json.dumps(metrics) + "\n")
                     log.flush()
+                # the values first, then the count: update() draws the bar, so both belong to this step
+                bar.set_postfix(self.progress_values(metrics), refresh=False)
                 bar.update(1)
-                bar.set_postfix(
-                    reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', metrics.get('policy/kl_seq', 0.0)):.4f}",
-                    clip=f"{metrics['policy/clipfrac']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}", refresh=False,
-                )
                 if on_step is not None:
                     on_step(self.step, metrics)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
