@@ -168,7 +168,7 @@ if HAS_TRITON:
                 lp = tl.load(logp_ptr + b * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
                 old = tl.load(old_ptr + b * stride_old + t, mask=inb, other=0.0).to(tl.float32)
                 m = tl.load(mask_ptr + b * stride_mask + t, mask=inb, other=0).to(tl.float32)
-                acc_d += (lp - old) * m
+                acc_d += tl.where(m != 0, lp - old, 0.0) * m  # never 0·inf: padding may hold -inf
                 acc_m += m
             inv_n = 1.0 / tl.maximum(_total(acc_m), 1.0)
             s_row = tl.exp(_total(acc_d) * inv_n)
@@ -189,6 +189,12 @@ if HAS_TRITON:
             old = tl.load(old_ptr + b * stride_old + t, mask=inb, other=0.0).to(tl.float32)
             adv = tl.load(adv_ptr + b * stride_adv_b + t * stride_adv_t, mask=inb, other=0.0).to(tl.float32)
             m = tl.load(mask_ptr + b * stride_mask + t, mask=inb, other=0).to(tl.float32)
+            # masked-out inputs become 0 before any arithmetic: nothing there (NaN, ±inf) reaches an output
+            # or a gradient, where a multiply by m would give 0·inf = NaN
+            keep = m != 0
+            lp = tl.where(keep, lp, 0.0)
+            old = tl.where(keep, old, 0.0)
+            adv = tl.where(keep, adv, 0.0)
             log_ratio = lp - old
             if SEQ_RATIO:
                 r = tl.full([BLOCK], 0.0, tl.float32) + s_row
@@ -198,7 +204,7 @@ if HAS_TRITON:
             x = pg
             g = dpg * r  # d pg / d logp (token ratio)
             if HAS_REF:
-                rf = tl.load(ref_ptr + b * stride_ref + t, mask=inb, other=0.0).to(tl.float32)
+                rf = tl.where(keep, tl.load(ref_ptr + b * stride_ref + t, mask=inb, other=0.0).to(tl.float32), 0.0)
                 kl, dkl = _kl_and_grad(lp - rf, KL_EST)
                 x += kl_coef * kl
                 g_kl = kl_coef * dkl * m
@@ -206,7 +212,7 @@ if HAS_TRITON:
                 if not SEQ_RATIO:
                     tl.store(g_ref_ptr + b * T + t, -g_kl, mask=inb)
             if HAS_ENT:
-                ent = tl.load(ent_ptr + b * stride_ent + t, mask=inb, other=0.0).to(tl.float32)
+                ent = tl.where(keep, tl.load(ent_ptr + b * stride_ent + t, mask=inb, other=0.0).to(tl.float32), 0.0)
                 x -= ent_coef * ent
                 acc_ent += ent * m
                 if not SEQ_RATIO:
@@ -235,7 +241,7 @@ if HAS_TRITON:
                 if HAS_REF:
                     lp = tl.load(logp_ptr + b * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
                     rf = tl.load(ref_ptr + b * stride_ref + t, mask=inb, other=0.0).to(tl.float32)
-                    kl, dkl = _kl_and_grad(lp - rf, KL_EST)
+                    kl, dkl = _kl_and_grad(tl.where(m != 0, lp - rf, 0.0), KL_EST)
                     g_kl = kl_coef * dkl * m
                     g += g_kl
                     tl.store(g_ref_ptr + b * T + t, -g_kl, mask=inb)
@@ -277,12 +283,15 @@ if HAS_TRITON:
         v = tl.load(v_ptr + b * stride_v + t, mask=inb, other=0.0).to(tl.float32)
         ret = tl.load(ret_ptr + b * stride_ret + t, mask=inb, other=0.0).to(tl.float32)
         m = tl.load(mask_ptr + b * stride_mask + t, mask=inb, other=0).to(tl.float32)
+        keep = m != 0  # masked-out inputs become 0 first: NaN/±inf there never reach an output (0·inf)
+        v = tl.where(keep, v, 0.0)
+        ret = tl.where(keep, ret, 0.0)
         err = v - ret
         per_token = 0.5 * err * err
         g = err
         clipped = tl.full([BLOCK], 0.0, tl.float32)
         if HAS_CLIP:
-            old = tl.load(old_ptr + b * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+            old = tl.where(keep, tl.load(old_ptr + b * stride_old + t, mask=inb, other=0.0).to(tl.float32), 0.0)
             # clamp(v, old ± clip) equals v exactly inside the range, so "clipped wins" implies v is
             # outside it, where the clamp passes no gradient
             err_c = tl.minimum(tl.maximum(v, old - clip), old + clip) - ret
@@ -408,16 +417,21 @@ def _validate_policy(logp, old_logp, advantages, mask, ref_logp, entropy, clip_l
     _checks.choice(ratio, "ratio", RATIO_MODES)
     _checks.choice(kl_estimator, "kl_estimator", KL_ESTIMATORS)
     _checks.choice(agg, "agg", AGG_MODES)
-    high = clip_low if clip_high is None else clip_high
-    for value, name in ((clip_low, "clip_low"), (high, "clip_high")) + (((dual_clip, "dual_clip"),) if dual_clip is not None else ()):
-        if not value >= 0:  # also rejects NaN
-            raise ValueError(f"{name} must be >= 0, got {value}")
+    clip_low = _checks.non_negative(clip_low, "clip_low")
+    high = clip_low if clip_high is None else _checks.non_negative(clip_high, "clip_high")
+    if dual_clip is not None:
+        # c <= 1 would cap every negative-advantage token at -A·c, a constant: no gradient from A < 0
+        dual_clip = _checks.finite(dual_clip, "dual_clip")
+        if not dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 (typically 3), got {dual_clip}")
+    kl_coef = _checks.finite(kl_coef, "kl_coef")
+    entropy_coef = _checks.finite(entropy_coef, "entropy_coef")
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's log-probs), got ref_logp=None")
     if entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs entropy, got entropy=None")
     if norm_length is not None:
-        _checks.positive(norm_length, "norm_length")
+        _checks.positive(_checks.finite(norm_length, "norm_length"), "norm_length")
     return PolicyOptions(
         clip_low=float(clip_low),
         clip_high=float(high),
@@ -442,8 +456,8 @@ def _validate_value(values, old_values, returns, mask, clip, agg) -> ValueOption
     _checks.same_shape(values, "values", mask, "mask")
     _checks.same_device((values, "values"), (old_values, "old_values"), (returns, "returns"), (mask, "mask"))
     _checks.choice(agg, "agg", AGG_MODES)
-    if clip is not None and not clip >= 0:
-        raise ValueError(f"clip must be >= 0, got {clip}")
+    if clip is not None:
+        clip = _checks.non_negative(clip, "clip")
     return ValueOptions(clip=math.inf if clip is None else float(clip), agg=AGG_MODES.index(agg))
 
 
@@ -465,7 +479,8 @@ def _reduce(partials: torch.Tensor, agg: int, T: int, norm_length: float):
         w = torch.full((B,), 1.0 / max(B, 1), dtype=torch.float32, device=partials.device)
     else:
         length = T if norm_length == 0 else norm_length
-        w = torch.full((B,), 1.0 / (max(B, 1) * length), dtype=torch.float32, device=partials.device)
+        denom = B * length  # 0 only for an empty batch (B = 0 or T = 0), whose sums are all 0
+        w = torch.full((B,), 1.0 / (denom if denom > 0 else 1), dtype=torch.float32, device=partials.device)
     loss = (w * rows[:, SLOT_LOSS]).sum()
     return w.contiguous(), loss, rows.sum(0)
 
@@ -495,7 +510,7 @@ def _policy_triton(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Pol
     g_logp = torch.empty((B, T), dtype=torch.float32, device=logp.device)  # [B, T]
     g_ref = _empty_like_rows(logp, has_ref)  # [B, T] or [0]
     g_ent = _empty_like_rows(logp, has_ent)  # [B, T] or [0]
-    chunk = T if opt.seq_ratio else BLOCK_T
+    chunk = max(T, 1) if opt.seq_ratio else BLOCK_T  # one chunk per row in sequence mode (T = 0: nothing to do)
     n_chunks = max(1, cdiv(T, chunk))
     partials = torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=logp.device)  # [B, C, NSLOTS]
     if B == 0 or T == 0:
@@ -528,10 +543,13 @@ def _kl_torch(d: torch.Tensor, est: int):
 def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: PolicyOptions):
     """The same outputs as :func:`_policy_triton`, vectorized PyTorch in float32 (partials [B, 1, NSLOTS])."""
     B, T = logp.shape
-    lp, old = logp.float(), old_logp.float()  # [B, T]
+    # masked-out inputs become 0 before any arithmetic: NaN/±inf there never reach an output (0·inf)
+    keep = mask != 0  # [B, T]
+    lp = torch.where(keep, logp.float(), 0.0)  # [B, T]
+    old = torch.where(keep, old_logp.float(), 0.0)  # [B, T]
     m = mask.float()  # [B, T]
     adv = advantages.float()
-    adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).expand(B, T)  # [B, T]
+    adv = torch.where(keep, (adv.unsqueeze(-1) if adv.dim() == 1 else adv).expand(B, T), 0.0)  # [B, T]
     log_ratio = lp - old  # [B, T]
     tokens = m.sum(-1)  # [B]
     if opt.seq_ratio:
@@ -558,14 +576,14 @@ def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Poli
     g_ref, g_ent = _empty_like_rows(lp, False), _empty_like_rows(lp, False)  # [0] each (outputs may not alias)
     kl_rows = ent_rows = zeros_b
     if ref_logp is not None:
-        kl, dkl = _kl_torch(lp - ref_logp.float(), opt.kl_est)  # [B, T]
+        kl, dkl = _kl_torch(lp - torch.where(keep, ref_logp.float(), 0.0), opt.kl_est)  # [B, T]
         x = x + opt.kl_coef * kl
         g_kl = opt.kl_coef * dkl * m
         g_logp = g_logp + g_kl
         g_ref = -g_kl
         kl_rows = (kl * m).sum(-1)
     if entropy is not None:
-        ent = entropy.float()  # [B, T]
+        ent = torch.where(keep, entropy.float(), 0.0)  # [B, T]
         x = x - opt.entropy_coef * ent
         g_ent = (-opt.entropy_coef) * m
         ent_rows = (ent * m).sum(-1)
@@ -597,14 +615,15 @@ def _value_triton(values, old_values, returns, mask, opt: ValueOptions):
 
 def _value_torch(values, old_values, returns, mask, opt: ValueOptions):
     """The same outputs as :func:`_value_triton` in vectorized PyTorch (partials [B, 1, NSLOTS])."""
-    v, ret = values.float(), returns.float()  # [B, T]
+    keep = mask != 0  # [B, T]: masked-out inputs become 0 first, so NaN/±inf there never reach an output
+    v, ret = torch.where(keep, values.float(), 0.0), torch.where(keep, returns.float(), 0.0)  # [B, T]
     m = mask.float()  # [B, T]
     err = v - ret
     per_token = 0.5 * err * err
     g = err
     clipped = torch.zeros_like(v)
     if opt.clip != math.inf:
-        old = old_values.float()
+        old = torch.where(keep, old_values.float(), 0.0)  # [B, T]
         err_c = torch.clamp(v, old - opt.clip, old + opt.clip) - ret
         loss_c = 0.5 * err_c * err_c
         use_c = loss_c > per_token
@@ -787,10 +806,11 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     _checks.same_shape(logp, "logp", ref_logp, "ref_logp")
     _checks.same_device((logp, "logp"), (ref_logp, "ref_logp"))
     _checks.choice(estimator, "estimator", KL_ESTIMATORS)
-    if _reference_backend():
-        return _ref.kl_penalty(logp, ref_logp, estimator)
-    need_grad = torch.is_grad_enabled() and (logp.requires_grad or ref_logp.requires_grad)
-    kl, _ = _kl_op(logp, ref_logp, KL_ESTIMATORS.index(estimator), need_grad)
+    with _backend.float32_compute(logp.device):
+        if _reference_backend():
+            return _ref.kl_penalty(logp, ref_logp, estimator)
+        need_grad = torch.is_grad_enabled() and (logp.requires_grad or ref_logp.requires_grad)
+        kl, _ = _kl_op(logp, ref_logp, KL_ESTIMATORS.index(estimator), need_grad)  # [...] fp32
     return kl
 
 
@@ -851,16 +871,17 @@ def policy_loss(
     """
     opt = _validate_policy(logp, old_logp, advantages, mask, ref_logp, entropy, clip_low, clip_high, dual_clip, ratio,
                            kl_coef, kl_estimator, entropy_coef, agg, norm_length)
-    if _reference_backend():
-        return _ref.policy_loss(logp, old_logp.detach(), advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high,
-                                dual_clip=dual_clip, ratio=ratio, ref_logp=ref_logp, kl_coef=kl_coef,
-                                kl_estimator=kl_estimator, entropy=entropy, entropy_coef=entropy_coef, agg=agg,
-                                norm_length=norm_length)
-    loss, metrics, *_ = _policy_op(
-        logp, old_logp.detach(), advantages.detach(), mask.detach(), ref_logp, entropy,
-        opt.clip_low, opt.clip_high, opt.dual_clip, opt.seq_ratio, opt.kl_coef, opt.kl_est, opt.entropy_coef,
-        opt.agg, opt.norm_length,
-    )
+    with _backend.float32_compute(logp.device):
+        if _reference_backend():
+            return _ref.policy_loss(logp, old_logp.detach(), advantages.detach(), mask, clip_low=opt.clip_low,
+                                    clip_high=opt.clip_high, dual_clip=dual_clip, ratio=ratio, ref_logp=ref_logp,
+                                    kl_coef=opt.kl_coef, kl_estimator=kl_estimator, entropy=entropy,
+                                    entropy_coef=opt.entropy_coef, agg=agg, norm_length=norm_length)
+        loss, metrics, *_ = _policy_op(
+            logp, old_logp.detach(), advantages.detach(), mask.detach(), ref_logp, entropy,
+            opt.clip_low, opt.clip_high, opt.dual_clip, opt.seq_ratio, opt.kl_coef, opt.kl_est, opt.entropy_coef,
+            opt.agg, opt.norm_length,
+        )  # loss [], metrics [5]
     metrics = metrics.detach()
     out = {"clipfrac": metrics[0], "approx_kl": metrics[1], "ratio_mean": metrics[2]}
     if ref_logp is not None:
@@ -895,8 +916,10 @@ def value_loss(
         wins; 0 without ``clip``) and ``values_mean`` (masked mean of ``values``).
     """
     opt = _validate_value(values, old_values, returns, mask, clip, agg)
-    if _reference_backend():
-        return _ref.value_loss(values, old_values.detach(), returns.detach(), mask, clip=clip, agg=agg)
-    loss, metrics, _, _ = _value_op(values, old_values.detach(), returns.detach(), mask.detach(), opt.clip, opt.agg)
+    with _backend.float32_compute(values.device):
+        if _reference_backend():
+            return _ref.value_loss(values, old_values.detach(), returns.detach(), mask, clip=clip, agg=agg)
+        loss, metrics, _, _ = _value_op(values, old_values.detach(), returns.detach(), mask.detach(), opt.clip,
+                                        opt.agg)  # loss [], metrics [2]
     metrics = metrics.detach()
     return loss, {"clipfrac": metrics[0], "values_mean": metrics[1]}

@@ -8,7 +8,7 @@ import torch
 import rlkernels
 from rlkernels import losses
 from rlkernels import reference as ref
-from tests.helpers import DTYPES, assert_close_to_truth, backends, forced_backend, noncontiguous
+from tests.helpers import DTYPES, assert_close_to_truth, backends, devices, forced_backend, noncontiguous
 
 BACKENDS = backends("cpu")
 SHAPES = [(5, 37), (3, 1100)]  # odd sizes; T = 1100 spans two blocks of the Triton kernels
@@ -162,6 +162,111 @@ def test_policy_fully_empty_mask(backend, ratio, agg):
         assert torch.count_nonzero(g) == 0, k
 
 
+HOSTILE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _poison(x: torch.Tensor | None, keep: torch.Tensor, offset: int) -> torch.Tensor | None:
+    """``x`` with every position where ``keep`` is False replaced by NaN, +inf or -inf in turn."""
+    if x is None:
+        return None
+    cycle = (torch.arange(x.numel()) + offset) % len(HOSTILE)  # [numel]
+    bad = torch.tensor(HOSTILE, dtype=x.dtype)[cycle].view(x.shape)  # like x
+    return torch.where(keep, x, bad)
+
+
+def _poison_policy(inputs: dict) -> dict:
+    """The same inputs with NaN/±inf at every masked-out position of every tensor (per-sequence advantages
+    of fully masked rows included)."""
+    keep = inputs["mask"] != 0  # [B, T]
+    out = dict(inputs)
+    for offset, k in enumerate(("logp", "old_logp", "advantages", "ref_logp", "entropy")):
+        row_keep = keep.any(-1) if k == "advantages" and inputs[k].dim() == 1 else keep  # [B] or [B, T]
+        out[k] = _poison(inputs[k], row_keep, offset)
+    return out
+
+
+def _assert_masked_grads_zero(grads: dict, keep: torch.Tensor) -> None:
+    for k, g in grads.items():
+        assert torch.isfinite(g).all(), f"grad {k} not finite"
+        assert torch.count_nonzero(g[~keep]) == 0, f"grad {k} nonzero at masked-out positions"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+@pytest.mark.parametrize("variant", ["bool-mask/adv[B,T]", "float-mask/adv[B]"])
+def test_policy_masked_positions_never_reach_outputs(backend, ratio, agg, variant):
+    """NaN/±inf at masked-out positions (logp = -inf in GSPO's masked sum was a NaN loss): loss, metrics and
+    gradients equal the float64 truth of the clean inputs, and masked positions get exactly 0 gradient."""
+    mask_kind, adv_kind = variant.split("/")
+    inputs = _policy_inputs(6, 37, torch.float32, seed=16, adv_per_seq=adv_kind == "adv[B]",
+                            mask_kind=mask_kind.removesuffix("-mask"))
+    hostile = _poison_policy(inputs)
+    options = dict(ratio=ratio, agg=agg, kl_coef=0.1, entropy_coef=0.01, dual_clip=2.0)
+    upstream = 1.5
+    truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), upstream, **options)
+    with forced_backend(backend):
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, hostile, lambda t: t, upstream, **options)
+    assert_scalar_close(loss, truth_loss, "loss")
+    for k, v in metrics.items():
+        assert_scalar_close(v, truth_metrics[k], f"metric {k}")
+    _assert_masked_grads_zero(grads, inputs["mask"] != 0)
+    for k, gr in grads.items():
+        assert_close_to_truth(gr, truth_grads[k], torch.float32, name=f"grad {k}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_policy_hostile_masked_positions_without_terms(backend, ratio):
+    """Only logp/old_logp/advantages, -inf log-probs at padding (the GSPO report): finite and exact."""
+    inputs = _policy_inputs(4, 37, torch.bfloat16, seed=17, with_ref=False, with_ent=False)
+    keep = inputs["mask"] != 0  # [B, T]
+    hostile = dict(inputs, logp=inputs["logp"].masked_fill(~keep, float("-inf")),
+                   old_logp=inputs["old_logp"].masked_fill(~keep, float("-inf")))
+    truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), 1.0, ratio=ratio)
+    with forced_backend(backend):
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, hostile, lambda t: t, 1.0, ratio=ratio)
+    assert_scalar_close(loss, truth_loss, "loss")
+    for k, v in metrics.items():
+        assert_scalar_close(v, truth_metrics[k], f"metric {k}")
+    _assert_masked_grads_zero(grads, keep)
+    assert_close_to_truth(grads["logp"], truth_grads["logp"], torch.bfloat16, name="grad logp")
+
+
+EMPTY_SHAPES = [(0, 37), (4, 0), (0, 0)]
+AGG_CASES = [(a, None) for a in losses.AGG_MODES] + [("seq-mean-token-sum-norm", 16)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("agg,norm_length", AGG_CASES)
+@pytest.mark.parametrize("terms", ["plain", "kl+entropy"])
+def test_policy_empty_batch(backend, shape, ratio, agg, norm_length, terms):
+    """B = 0 or T = 0: loss 0, zero gradients, metrics 0 (was NaN on the reference path for B = 0 and
+    ZeroDivisionError for T = 0 with seq-mean-token-sum-norm, and in Triton with ratio="sequence")."""
+    B, T = shape
+    full = terms == "kl+entropy"
+    inputs = {
+        "logp": -torch.rand(B, T), "old_logp": -torch.rand(B, T),
+        "advantages": torch.randn(B) if full else torch.randn(B, T),
+        "mask": torch.ones(B, T, dtype=torch.bool),
+        "ref_logp": -torch.rand(B, T) if full else None, "entropy": torch.rand(B, T) if full else None,
+    }
+    options = dict(ratio=ratio, agg=agg, norm_length=norm_length)
+    if full:
+        options.update(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0)
+    with forced_backend(backend):
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: t, 1.0, **options)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and loss.item() == 0.0
+    expected = {"clipfrac", "approx_kl", "ratio_mean"} | ({"kl", "entropy"} if full else set())
+    assert set(metrics) == expected
+    for k, v in metrics.items():
+        assert v.dtype == torch.float32 and v.dim() == 0 and v.item() == 0.0, (k, v)
+    for k, g in grads.items():
+        assert g.shape == (B, T) and torch.count_nonzero(g) == 0, k
+
+
 # ---------------------------------------------------------------- value_loss
 
 
@@ -219,6 +324,41 @@ def test_value_loss_sum_aggs_and_empty(backend, agg):
     assert all(v.item() == 0.0 for v in empty[1].values())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+def test_value_masked_positions_never_reach_outputs(backend, clip, agg):
+    """NaN/±inf in values/old_values/returns at masked-out positions: the float64 truth of the clean inputs,
+    exactly 0 gradient there."""
+    inputs = _value_inputs(5, 37, torch.float32, seed=18)
+    keep = inputs[3] != 0  # [B, T]
+    hostile = tuple(_poison(x, keep, i) for i, x in enumerate(inputs[:3])) + (inputs[3].float(),)
+    truth = _run_value(ref.value_loss, inputs, lambda t: t.double(), 0.8, clip=clip, agg=agg)
+    with forced_backend(backend):
+        loss, metrics, grad = _run_value(rlkernels.value_loss, hostile, lambda t: t, 0.8, clip=clip, agg=agg)
+    assert_scalar_close(loss, truth[0], "loss")
+    for k in metrics:
+        assert_scalar_close(metrics[k], truth[1][k], k)
+    _assert_masked_grads_zero({"values": grad}, keep)
+    assert_close_to_truth(grad, truth[2], torch.float32, name="grad values")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+def test_value_empty_batch(backend, shape, clip, agg):
+    """B = 0 or T = 0: loss 0, zero gradient, metrics 0 (T = 0 with seq-mean-token-sum-norm divided by zero)."""
+    inputs = (torch.randn(shape), torch.randn(shape), torch.randn(shape), torch.ones(shape, dtype=torch.bool))
+    with forced_backend(backend):
+        loss, metrics, grad = _run_value(rlkernels.value_loss, inputs, lambda t: t, 1.0, clip=clip, agg=agg)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and loss.item() == 0.0
+    assert set(metrics) == {"clipfrac", "values_mean"}
+    for k, v in metrics.items():
+        assert v.dtype == torch.float32 and v.dim() == 0 and v.item() == 0.0, (k, v)
+    assert grad.shape == shape and torch.count_nonzero(grad) == 0
+
+
 def test_reference_value_clipfrac_counts_only_clipped_tokens():
     """The reference's clipfrac is 0 when the clip range is wider than any change (no rounding noise)."""
     v, old, ret, m = _value_inputs(8, 100, torch.float64, seed=9)
@@ -264,6 +404,36 @@ def test_kl_penalty_noncontiguous_and_empty(backend):
         empty = rlkernels.kl_penalty(torch.empty(0, 3), torch.empty(0, 3))
     assert_close_to_truth(out, ref.kl_penalty(logp.double(), ref_lp.double(), "k3"), torch.float32)
     assert empty.shape == (0, 3) and empty.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- autocast
+
+DEVICE_BACKENDS = [(d, b) for d in devices() for b in backends(d)]
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_autocast_computes_in_float32(device, backend, dtype, ratio):
+    """Under torch.autocast(bfloat16) every op returns exactly what it returns without autocast."""
+    inputs = {k: (None if v is None else v.to(device)) for k, v in _policy_inputs(5, 37, dtype, seed=19).items()}
+    vin = tuple(x.to(device) for x in _value_inputs(5, 37, dtype, seed=20))
+    options = dict(ratio=ratio, kl_coef=0.1, entropy_coef=0.01, dual_clip=2.0, agg="seq-mean-token-mean")
+
+    def run_all():
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: t, 1.3, **options)
+        v_loss, v_metrics, v_grad = _run_value(rlkernels.value_loss, vin, lambda t: t, 0.7, clip=0.2)
+        lp = inputs["logp"].detach().requires_grad_()
+        kl = rlkernels.kl_penalty(lp, inputs["ref_logp"], "k3")
+        (kl_grad,) = torch.autograd.grad(kl, [lp], torch.ones_like(kl))
+        return [loss, *metrics.values(), *grads.values(), v_loss, *v_metrics.values(), v_grad, kl, kl_grad]
+
+    with forced_backend(backend):
+        plain = run_all()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            autocast = run_all()
+    for i, (a, b) in enumerate(zip(plain, autocast)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"output {i} differs under autocast"
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -312,9 +482,19 @@ def test_torch_compile_fullgraph(backend):
 # ---------------------------------------------------------------- validation
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 def _valid():
     inputs = _policy_inputs(3, 8, torch.float32, seed=14)
     return inputs
+
+
+def _change_id(x):
+    """Test id of a validation case: the changed arguments, with their value when it is not a tensor."""
+    if not isinstance(x, dict):
+        return str(x)[:40]
+    return ",".join(k if isinstance(v, torch.Tensor) or v is None else f"{k}={v}" for k, v in x.items())
 
 
 @pytest.mark.parametrize(
@@ -340,13 +520,32 @@ def _valid():
         (dict(dual_clip=-3.0), ValueError, "dual_clip"),
         (dict(norm_length=0, agg="seq-mean-token-sum-norm"), ValueError, "norm_length"),
         (dict(norm_length=-5), ValueError, "norm_length"),
+        # dual_clip <= 1 made every negative-advantage token's loss a constant (no gradient)
+        (dict(dual_clip=0.0), ValueError, "dual_clip must be > 1"),
+        (dict(dual_clip=0.5), ValueError, "dual_clip must be > 1"),
+        (dict(dual_clip=1.0), ValueError, "dual_clip must be > 1"),
+        (dict(dual_clip=NAN), ValueError, "dual_clip"),
+        (dict(dual_clip=INF), ValueError, "dual_clip"),
+        (dict(clip_low=NAN), ValueError, "clip_low"),
+        (dict(clip_low=INF), ValueError, "clip_low"),
+        (dict(clip_high=NAN), ValueError, "clip_high"),
+        (dict(clip_high=INF), ValueError, "clip_high"),
+        (dict(kl_coef=NAN), ValueError, "kl_coef"),
+        (dict(kl_coef=INF), ValueError, "kl_coef"),
+        (dict(kl_coef=-INF), ValueError, "kl_coef"),
+        (dict(entropy_coef=NAN), ValueError, "entropy_coef"),
+        (dict(entropy_coef=INF), ValueError, "entropy_coef"),
+        (dict(norm_length=NAN, agg="seq-mean-token-sum-norm"), ValueError, "norm_length"),
+        (dict(norm_length=INF, agg="seq-mean-token-sum-norm"), ValueError, "norm_length"),
+        (dict(kl_coef="0.1"), TypeError, "kl_coef"),
     ],
-    ids=lambda x: str(x)[:40] if not isinstance(x, dict) else ",".join(x),
+    ids=_change_id,
 )
-def test_policy_validation(change, error, match):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_validation(change, error, match, backend):
     kwargs = {**_valid(), **change}
     positional = [kwargs.pop(k) for k in ("logp", "old_logp", "advantages", "mask")]
-    with pytest.raises(error, match=match):
+    with forced_backend(backend), pytest.raises(error, match=match):
         rlkernels.policy_loss(*positional, **kwargs)
 
 
@@ -360,13 +559,16 @@ def test_policy_validation(change, error, match):
         (dict(returns=torch.zeros(3, 8, device="meta")), ValueError, "returns"),
         (dict(clip=-0.2), ValueError, "clip"),
         (dict(agg="sum"), ValueError, "agg"),
+        (dict(clip=NAN), ValueError, "clip"),
+        (dict(clip=INF), ValueError, "clip"),
     ],
-    ids=lambda x: ",".join(x) if isinstance(x, dict) else str(x)[:30],
+    ids=_change_id,
 )
-def test_value_validation(change, error, match):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_validation(change, error, match, backend):
     v, old, ret, m = _value_inputs(3, 8, torch.float32, seed=15)
     kwargs = {"values": v, "old_values": old, "returns": ret, "mask": m, **change}
-    with pytest.raises(error, match=match):
+    with forced_backend(backend), pytest.raises(error, match=match):
         rlkernels.value_loss(**kwargs)
 
 
@@ -379,8 +581,9 @@ def test_value_validation(change, error, match):
         ((torch.zeros(3, 4), torch.zeros(3, 4, device="meta"), "k3"), ValueError, "ref_logp"),
     ],
 )
-def test_kl_validation(args, error, match):
-    with pytest.raises(error, match=match):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_validation(args, error, match, backend):
+    with forced_backend(backend), pytest.raises(error, match=match):
         rlkernels.kl_penalty(*args)
 
 
