@@ -88,31 +88,35 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``Σ x·m / Σ m``; 0 when the mask is empty."""
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+    """``Σ x·m / Σ m``; 0 when the mask is empty. Masked-out entries of ``x`` (NaN, ±inf) never reach it."""
+    m = mask.to(x.dtype)  # like mask
+    xm = torch.where(mask != 0, x * m, 0.0)  # broadcast shape: exactly 0 where m = 0, never 0·inf
+    return xm.sum() / m.sum().clamp(min=1.0)
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_length: int | None = None) -> torch.Tensor:
     """Reduce per-token ``x`` [B, T] to a scalar; see README's table of ``agg`` modes.
 
-    Empty masks give 0, never NaN: ``token-mean`` divides by ``max(Σ m, 1)`` and
-    ``seq-mean-token-mean`` averages only the sequences that have a token.
+    Empty masks and empty batches (B = 0 or T = 0) give 0, never NaN: ``token-mean`` divides by
+    ``max(Σ m, 1)``, ``seq-mean-token-mean`` averages only the sequences that have a token and the
+    token-sum modes divide an empty sum by 1. Masked-out entries of ``x`` (NaN, ±inf) never reach it.
     """
     m = mask.to(x.dtype)  # [B, T]
+    xm = torch.where(mask != 0, x * m, 0.0)  # [B, T]: exactly 0 where m = 0, never 0·inf
     B, T = x.shape
     if agg == "token-mean":
-        return (x * m).sum() / m.sum().clamp(min=1.0)
+        return xm.sum() / m.sum().clamp(min=1.0)
     if agg == "seq-mean-token-mean":
         tokens = m.sum(-1)  # [B]
-        per_seq = (x * m).sum(-1) / tokens.clamp(min=1.0)  # [B]
+        per_seq = xm.sum(-1) / tokens.clamp(min=1.0)  # [B]
         has_tokens = (tokens > 0).to(x.dtype)  # [B]
         return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
     if agg == "seq-mean-token-sum":
-        return (x * m).sum(-1).mean()
+        return xm.sum() / max(B, 1)
     if agg == "seq-mean-token-sum-norm":
         length = T if norm_length is None else norm_length
-        return (x * m).sum() / (B * length)
+        denom = B * length
+        return xm.sum() / (denom if denom > 0 else 1)  # denom = 0 only for an empty batch (sum 0)
     raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
 
 
@@ -138,12 +142,16 @@ def policy_loss(
 
     Returns ``(loss, metrics)``; metrics are detached 0-d tensors.
     """
-    logp, old_logp = _up(logp), _up(old_logp)
+    # Masked-out positions are replaced by 0 before any arithmetic, so nothing there (NaN, ±inf) reaches
+    # an output or a gradient (a mask multiply alone would give 0·inf = NaN, e.g. GSPO's masked sum).
+    keep = mask != 0  # [B, T]
+    logp = torch.where(keep, _up(logp), 0.0)  # [B, T]
+    old_logp = torch.where(keep, _up(old_logp), 0.0)  # [B, T]
     m = mask.to(logp.dtype)  # [B, T]
     adv = _up(advantages)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # [B, 1]
-    adv = adv.expand_as(logp)  # [B, T]
+    adv = torch.where(keep, adv.expand_as(logp), 0.0)  # [B, T]
     log_ratio = logp - old_logp  # [B, T]
     if ratio == "token":
         r = torch.exp(log_ratio)  # [B, T]
@@ -161,11 +169,11 @@ def policy_loss(
     x = pg
     metrics = {}
     if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)  # [B, T]
+        kl = kl_penalty(logp, torch.where(keep, _up(ref_logp), 0.0), kl_estimator)  # [B, T]
         x = x + kl_coef * kl
         metrics["kl"] = masked_mean(kl, m)
     if entropy is not None:
-        ent = _up(entropy)
+        ent = torch.where(keep, _up(entropy), 0.0)  # [B, T]
         x = x - entropy_coef * ent
         metrics["entropy"] = masked_mean(ent, m)
     loss = aggregate(x, m, agg, norm_length)
@@ -185,8 +193,9 @@ def value_loss(
     agg: str = "token-mean",
 ):
     """Clipped (or plain) squared-error value loss. Returns ``(loss, metrics)``."""
-    v, old, ret = _up(values), _up(old_values), _up(returns)
-    m = mask.to(v.dtype)
+    keep = mask != 0  # [B, T]: masked-out entries become 0 before any arithmetic (NaN/±inf never reach outputs)
+    v, old, ret = (torch.where(keep, _up(t), 0.0) for t in (values, old_values, returns))  # [B, T] each
+    m = mask.to(v.dtype)  # [B, T]
     unclipped = (v - ret).square()  # [B, T]
     metrics = {}
     if clip is None:
