@@ -848,19 +848,21 @@ def policy_loss(
         logp: ``[B, T]`` log-probabilities of the sampled tokens under the current policy (fp32/bf16/fp16).
         old_logp: ``[B, T]`` the same under the policy that sampled them. Treated as a constant.
         advantages: ``[B, T]`` per token or ``[B]`` per sequence. Treated as a constant.
-        mask: ``[B, T]`` bool or 0/1 float; 1 where a token counts. Empty rows and masks are fine (0, not NaN).
-        clip_low: lower clip range ``ε_low >= 0``.
+        mask: ``[B, T]`` bool or 0/1 float; 1 where a token counts. Empty rows, masks and batches (B = 0 or
+            T = 0) give loss 0 and zero gradients. Whatever masked-out positions of any input hold (NaN,
+            ±inf) never reaches the loss, the metrics or a gradient (theirs is exactly 0).
+        clip_low: lower clip range ``ε_low >= 0``, finite.
         clip_high: upper clip range (DAPO's clip-higher); defaults to ``clip_low``.
-        dual_clip: dual-clip bound ``c`` for negative advantages (typically 3), or None.
+        dual_clip: dual-clip bound ``c > 1`` (finite) for negative advantages (typically 3), or None.
         ratio: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
         ref_logp: ``[B, T]`` reference-policy log-probs, for the KL term and the ``kl`` metric.
-        kl_coef: weight of the KL term (needs ``ref_logp`` when nonzero).
+        kl_coef: weight of the KL term, finite (needs ``ref_logp`` when nonzero).
         kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         entropy: ``[B, T]`` per-token entropy, for the entropy bonus and the ``entropy`` metric.
-        entropy_coef: weight of the entropy bonus (needs ``entropy`` when nonzero).
+        entropy_coef: weight of the entropy bonus, finite (needs ``entropy`` when nonzero).
         agg: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
             ``"seq-mean-token-sum-norm"``.
-        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), > 0.
+        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), finite and > 0.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar, differentiable in ``logp``, ``ref_logp`` and
@@ -906,8 +908,9 @@ def value_loss(
         values: ``[B, T]`` current value predictions (fp32/bf16/fp16).
         old_values: ``[B, T]`` value predictions at rollout time (the clip centre). Treated as a constant.
         returns: ``[B, T]`` value targets. Treated as a constant.
-        mask: ``[B, T]`` bool or 0/1 float.
-        clip: clip range ``>= 0``, or None for the plain squared error.
+        mask: ``[B, T]`` bool or 0/1 float. Empty masks and batches give loss 0; masked-out positions (NaN,
+            ±inf included) never reach the loss, the metrics or the gradient (exactly 0 there).
+        clip: clip range ``>= 0`` and finite, or None for the plain squared error.
         agg: aggregation mode, as in :func:`policy_loss` (``seq-mean-token-sum-norm`` divides by ``B·T``).
 
     Returns:
