@@ -5,6 +5,7 @@ Every check here is a host-side look at shapes, dtypes and devices: none syncs t
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -72,7 +73,10 @@ def rank(x: torch.Tensor, name: str, dims: int) -> torch.Tensor:
 
 def finite(value, name: str) -> float:
     """A real, finite Python number (coefficients: ``kl_coef``, ``entropy_coef``...)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # any real number: Python and NumPy scalars, and one-element tensors (read once on the host)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
