@@ -74,8 +74,13 @@ def test_ppo_smoke(tmp_path, losses):
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.critic.parameters()))
 
 
-def test_no_reference_model_without_kl(tmp_path):
-    assert Trainer(tiny(tmp_path, losses="eager", kl_coef=0.0)).ref is None
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_no_reference_model_without_kl(tmp_path, algo):
+    tr = Trainer(tiny(tmp_path, losses="eager", kl_coef=0.0, algo=algo, steps=1))
+    assert tr.ref is None
+    tr.run()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert "policy/kl" not in row and "policy/kl_seq" not in row  # no reference, no KL (rather than a false 0)
 
 
 def test_fused_and_eager_agree(tmp_path):
@@ -323,6 +328,10 @@ def test_two_process_gloo_ppo_matches_one(tmp_path):
         (["--model", "/no/such/model"], "model"),
         (["--reward", "nosuchmodule_xyz:fn"], "reward"),
         (["--minibatches", "3"], "minibatches"),
+        (["--device", "cuda:99"], "device"),
+        (["--device", "cuda:x"], "device"),
+        (["--resume", "--overwrite"], "overwrite"),
+        (["--resume"], "resume"),  # an empty folder: nothing to resume
     ],
 )
 def test_bad_config_names_field_before_compute(argv, field, monkeypatch, capsys, tmp_path):
@@ -335,6 +344,81 @@ def test_bad_config_names_field_before_compute(argv, field, monkeypatch, capsys,
     err = capsys.readouterr().err
     assert f"invalid configuration: {field}:" in err, err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cuda_device_without_cuda_is_a_config_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("rlkernels.trainer.loop.load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["--device", "cuda", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlkernels-train: invalid configuration: device:") and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------ output folders: fresh, overwrite, resume
+
+CLI = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--tiny-hidden", "32", "--save-every", "0",
+       "--losses", "eager", "--no-progress", "--no-plot"]
+
+
+def _one_line_error(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlkernels-train: invalid configuration: {prefix}") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_fresh_run_refuses_a_used_folder_unless_overwrite(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path)]
+    assert main(CLI + out) == 0
+    capsys.readouterr()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert main(CLI + out + ["--steps", "1"]) == 2  # a fresh run would mix with the old one's files
+    err = _one_line_error(capsys, "output_dir:")
+    assert "--overwrite" in err and "--resume" in err
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step_000002"
+    assert main(CLI + out + ["--steps", "1", "--overwrite"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]  # the old run's are gone
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(CLI + out + ["--steps", "1", "--overwrite"]) == 0
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only the run's own files are cleared
+    assert main(CLI + ["--output-dir", str(tmp_path / "other")]) == 0  # a folder with only unrelated files is fine
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "notes.txt").write_text("mine")
+    assert main(CLI + ["--output-dir", str(tmp_path / "fresh")]) == 0
+
+
+def test_resume_reports_its_step_and_changed_fields(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path)]
+    assert main(CLI + out) == 0
+    capsys.readouterr()
+    assert main(CLI + out + ["--resume", "--steps", "3", "--lr", "0.001"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert "resumed from step 2" in lines[0], lines
+    assert "resume: steps changed: 2 -> 3" in lines and "resume: lr changed: 0.003 -> 0.001" in lines, lines
+    assert len([ln for ln in lines if " changed: " in ln]) == 2, lines
+    summary = json.loads(captured.out)
+    assert summary["steps"] == 3 and summary["resumed_from"] == 2 and summary["steps_run"] == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert main(CLI + out + ["--resume", "--steps", "3", "--lr", "0.001"]) == 0  # nothing left: says so, runs 0
+    captured = capsys.readouterr()
+    assert "resumed from step 3" in captured.err and json.loads(captured.out)["steps_run"] == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_with_another_algo_or_model_is_a_config_error(tmp_path, capsys, monkeypatch):
+    out = ["--output-dir", str(tmp_path)]
+    assert main(CLI + out) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("rlkernels.trainer.loop.load_policy", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(CLI + out + ["--resume", "--algo", "ppo"]) == 2
+    assert "'grpo'" in _one_line_error(capsys, "algo:")
+    assert main(CLI + out + ["--resume", "--tiny-hidden", "64"]) == 2
+    _one_line_error(capsys, "tiny_hidden:")
+    assert main(CLI + ["--output-dir", str(tmp_path / "empty"), "--resume"]) == 2
+    _one_line_error(capsys, "resume:")
 
 
 def test_config_file_and_flags(tmp_path):
@@ -358,7 +442,12 @@ def test_every_field_documented():
 
     docs = field_docs()
     assert set(docs) == {f.name for f in dataclasses.fields(TrainConfig)}
-    assert "--kl-target" in build_parser().format_help()
+    text = " ".join(build_parser().format_help().split())  # argparse wraps lines
+    for f in dataclasses.fields(TrainConfig):
+        assert docs[f.name], f.name
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+        assert " ".join(docs[f.name].split()[:6]) in text, f.name  # its documentation, not just the flag
+    assert "--overwrite" in text and "--no-overwrite" in text
 
 
 # ------------------------------------------------------------------ NaN guard
@@ -476,3 +565,35 @@ def test_progress_bar_shows_the_current_step(tmp_path, monkeypatch, capsys, algo
         assert ("clip=" in text) == (epochs > 1), text
     if epochs == 1:
         assert all(seen[n]["policy/clipfrac"] == 0.0 for n in seen)  # structurally zero, as the bar assumes
+
+
+# ------------------------------------------------------------------ plot
+
+
+def test_centred_smoothing_does_not_lag():
+    from rlkernels.trainer.loop import smooth_centred
+
+    ramp = [float(i) for i in range(60)]
+    assert smooth_centred(ramp, 7) == pytest.approx(ramp)  # a trailing mean of 7 would sit 3 steps behind
+    assert smooth_centred([1.0, float("nan"), 3.0, 5.0], 3) == pytest.approx([1.0, 2.0, 4.0, 5.0])
+    assert math.isnan(smooth_centred([float("nan")] * 3, 3)[1])
+
+
+@pytest.mark.parametrize("algo, kl_key", [("grpo", "policy/kl"), ("ppo", "policy/kl_seq")])
+def test_plot_panels_have_data_labels_and_legends(tmp_path, algo, kl_key):
+    from rlkernels.trainer.loop import figure
+
+    Trainer(tiny(tmp_path, losses="eager", algo=algo, steps=3, plot=True)).run()
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert kl_key in rows[0]
+    fig = figure(rows)
+    for ax, key in zip(fig.axes, ("reward/mean", kl_key, "policy/entropy")):
+        raw = ax.get_lines()[0].get_ydata()
+        assert [float(y) for y in raw] == pytest.approx([r[key] for r in rows]), key  # this run's logged values
+        assert ax.get_ylabel() and ax.get_xlabel() == "step"
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels[0] == "raw" and "centred" in labels[1], labels
+    # no reference model: the KL panel says so instead of staying empty
+    fig = figure([{k: v for k, v in r.items() if not k.startswith("policy/kl")} for r in rows])
+    assert "no reference" in " ".join(t.get_text() for t in fig.axes[1].texts)

@@ -37,7 +37,11 @@ def main(argv=None) -> int:
 
     distributed = _init_distributed(cfg)
     try:
-        summary = Trainer(cfg).run()
+        summary = Trainer(cfg).run()  # checks the output folder (fresh, overwrite, resume) before loading models
+    except ConfigError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"rlkernels-train: invalid configuration: {error}", file=sys.stderr)
+        return 2
     except NonFiniteError as error:
         print(f"rlkernels-train: stopped: {error}", file=sys.stderr)
         return 3

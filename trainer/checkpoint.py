@@ -68,6 +68,34 @@ def latest(root: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
+# what a run writes into its output_dir besides checkpoints/ (other files there are the user's)
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "plot.png")
+
+
+def run_files(out: str | os.PathLike) -> list[str]:
+    """Names of an earlier run's files in ``out``: its metrics, plot, summary, config, a non-empty checkpoints/."""
+    out = Path(out)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    ckpt = out / "checkpoints"
+    if ckpt.is_dir() and any(ckpt.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def clear_run(out: str | os.PathLike) -> None:
+    """Delete an earlier run's files from ``out`` (those :func:`run_files` lists), nothing else."""
+    out = Path(out)
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    if (out / "checkpoints").is_dir():
+        shutil.rmtree(out / "checkpoints")
+
+
+def saved_config(path: Path) -> dict:
+    """The configuration a checkpoint was written with ({} if it predates that record)."""
+    return json.loads((Path(path) / "state.json").read_text()).get("config", {})
+
+
 def load(path: Path, modules: dict[str, torch.nn.Module], optimizer) -> dict:
     from safetensors.torch import load_file
 

@@ -47,7 +47,7 @@ class TrainConfig:
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template (for instruction-tuned models)."""
     output_dir: str = "runs/default"
-    """Directory for metrics.jsonl, the plot, the summary and checkpoints."""
+    """Directory for metrics.jsonl, plot.png, summary.json, config.json and checkpoints/. A fresh run refuses one that already holds a run (see resume and overwrite)."""
     seed: int = 0
     """Seed of everything (model init, prompts, sampling); each step reseeds from (seed, step), so runs are reproducible and resumable."""
 
@@ -117,13 +117,15 @@ class TrainConfig:
     save_every: int = 100
     """Checkpoint every N steps (0 = only at the end and on Ctrl-C)."""
     resume: bool = False
-    """Continue from the newest checkpoint in output_dir."""
+    """Continue from the newest checkpoint in output_dir: prints the step it resumes from and one line per field changed since; an error if there is no checkpoint or it was trained with another algo, model or model size."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds an earlier run, deleting that run's checkpoints, metrics, plot, summary and config (other files stay). Without it (or resume) such a folder is refused."""
     log_every: int = 1
     """Write metrics every N steps."""
     plot: bool = True
-    """Write plot.png (reward, KL, entropy) at the end."""
+    """Write plot.png at the end: reward, KL to the reference, entropy per step, raw and as a centred moving mean."""
     progress: bool = True
-    """Show the tqdm progress bar."""
+    """Show the tqdm progress bar: reward, KL to the reference, entropy, tokens/s, and the clip fraction when epochs * minibatches > 1 (with one of each the ratio is exactly 1)."""
     threads: int = 0
     """torch CPU threads (0 = automatic: 1 for the tiny model, whose ops are too small to split, else torch's default)."""
     dtype: str = "float32"
@@ -204,8 +206,18 @@ class TrainConfig:
         why = check_reward_spec(self.reward)
         if why:
             bad("reward", why)
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+        if not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
+        if self.device != "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                why = "this torch has no CUDA support" if torch.version.cuda is None else "torch sees no GPU"
+                bad("device", f"CUDA is not available ({why}, torch {torch.__version__}); use --device cpu")
+            if ":" in self.device and int(self.device[5:]) >= torch.cuda.device_count():
+                bad("device", f"only {torch.cuda.device_count()} CUDA device(s) visible")
+        if self.resume and self.overwrite:
+            bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
         return self
 
     def to_dict(self) -> dict:

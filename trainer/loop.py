@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, backbone_of, frozen_copy, load_critic, load_policy, ops_provider
 from .rewards import load_reward
@@ -83,6 +84,37 @@ def masked_whiten_global(x, mask, eps: float = 1e-8) -> torch.Tensor:
     return (xf - mean.float()) * torch.rsqrt(var.float() + eps)
 
 
+# fields a checkpoint cannot be resumed under once changed: other models, another optimizer layout
+RESUME_FIXED = ("algo", "model", "critic_model", "tiny_hidden", "tiny_layers")
+
+
+def check_output_dir(cfg: TrainConfig) -> list[str]:
+    """Check ``cfg.output_dir`` against ``resume``/``overwrite`` before anything is loaded.
+
+    Raises :class:`ConfigError` (naming the field) for a fresh run into a folder that holds an
+    earlier run without ``overwrite``, a resume with no checkpoint, or a resume whose checkpoint
+    was trained with another value of a field in :data:`RESUME_FIXED`. Returns, for a resume,
+    one line per other field that changed since the checkpoint was written.
+    """
+    out = Path(cfg.output_dir)
+    if cfg.resume:
+        path = checkpoint.latest(out / "checkpoints")
+        if path is None:
+            raise ConfigError(f"resume: no checkpoint under {out / 'checkpoints'} (start without --resume)")
+        saved, now = checkpoint.saved_config(path), cfg.to_dict()
+        for name in RESUME_FIXED:
+            if name in saved and saved[name] != now[name]:
+                raise ConfigError(f"{name}: {path} was trained with {saved[name]!r}; resume with that, or start a new "
+                                  f"run in another output_dir (got {now[name]!r})")
+        return [f"resume: {name} changed: {saved[name]!r} -> {value!r}" for name, value in now.items()
+                if name in saved and name not in ("resume", "overwrite") and saved[name] != value]
+    used = checkpoint.run_files(out)
+    if used and not cfg.overwrite:
+        raise ConfigError(f"output_dir: {out} holds an earlier run ({', '.join(used)}); --resume continues it, "
+                          "--overwrite deletes it, or choose another --output-dir")
+    return []
+
+
 def _masked_mean(x, mask):
     m = mask.float()
     return float((x.float() * m).sum() / m.sum().clamp(min=1))
@@ -91,6 +123,7 @@ def _masked_mean(x, mask):
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self._resume_notes = check_output_dir(cfg)  # before anything is loaded: a config error, not a traceback
         self.ops = ops_provider(cfg.losses)
         if cfg.losses == "fused":
             # build (or load) the compiled extension now: a first build takes ~40 s, which inside the first
@@ -291,7 +324,8 @@ class Trainer:
         metrics["reward/solved"] = float((batch.scores >= 1.0).float().mean())
         metrics["response/length"] = float(batch.mask.float().sum(-1).mean())
         if cfg.algo == "ppo":
-            metrics["policy/kl_seq"] = self._seq_kl
+            if self.ref is not None:  # without a reference model there is no KL to report (it is not 0)
+                metrics["policy/kl_seq"] = self._seq_kl
             metrics["policy/kl_coef"] = self.kl_coef
             self.adapt_kl(self._seq_kl)
         if self.distributed:  # average the logged scalars over processes
@@ -327,10 +361,15 @@ class Trainer:
             return
         path = checkpoint.latest(self.out / "checkpoints")
         if path is None:
-            raise FileNotFoundError(f"resume: no checkpoint under {self.out / 'checkpoints'}")
+            raise ConfigError(f"resume: no checkpoint under {self.out / 'checkpoints'} (start without --resume)")
         state = checkpoint.load(path, self._modules(), self.optimizer)
         self.step = int(state["step"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
+        if self.rank == 0:
+            left = "" if self.step < self.cfg.steps else f": nothing left to run (steps = {self.cfg.steps})"
+            print(f"resumed from step {self.step} ({path}){left}", file=sys.stderr, flush=True)
+            for line in self._resume_notes:
+                print(line, file=sys.stderr, flush=True)
         if self.rank == 0:  # drop metrics logged after the checkpoint
             log = self.out / "metrics.jsonl"
             if log.exists():
@@ -378,8 +417,13 @@ class Trainer:
     def run(self, on_step=None) -> dict:
         """Train to ``cfg.steps``; returns the summary. ``on_step(step, metrics)`` is called after each step."""
         cfg = self.cfg
+        if cfg.overwrite and self.rank == 0:
+            checkpoint.clear_run(self.out)  # the earlier run's files: its checkpoints must not be resumed later
+        if self.distributed:
+            dist.barrier()
         self.out.mkdir(parents=True, exist_ok=True)
         self.maybe_resume()
+        self._resumed_from = self.step
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         previous = self._install_sigint()
@@ -408,7 +452,8 @@ class Trainer:
                 if self._should_stop():
                     interrupted = True
                     break
-            self.save()
+            if self.step > self._resumed_from:  # a resume with nothing left to run keeps its checkpoint as is
+                self.save()
         finally:
             bar.close()
             if log is not None:
@@ -426,6 +471,8 @@ class Trainer:
             "algo": self.cfg.algo,
             "losses": self.cfg.losses,
             "steps": self.step,
+            "resumed_from": self._resumed_from,
+            "steps_run": self.step - self._resumed_from,
             "interrupted": interrupted,
             "wall_s": round(wall_s, 2),
             "reward_first_fifth": sum(rewards[:fifth]) / fifth if rewards else float("nan"),
@@ -436,7 +483,7 @@ class Trainer:
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
             if self.cfg.plot and rows:
-                plot(rows, self.out / "plot.png")
+                plot(rows, self.out / "plot.png", self.cfg.kl_estimator)
         return summary
 
 
@@ -447,25 +494,54 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def plot(rows: list[dict], path) -> None:
+def smooth_centred(ys: list[float], window: int) -> list[float]:
+    """Centred moving mean of the finite values: point i averages ``ys[i-h : i+h+1]`` with
+    ``h = min(window // 2, i, n-1-i)``, so the window stays symmetric at the ends and a trend
+    is not shifted (a trailing mean lags by half its window). NaN where a window has no finite value."""
+    n, half = len(ys), max(0, window // 2)
+    out = []
+    for i in range(n):
+        h = min(half, i, n - 1 - i)
+        vals = [y for y in ys[i - h : i + h + 1] if math.isfinite(y)]
+        out.append(sum(vals) / len(vals) if vals else float("nan"))
+    return out
+
+
+def figure(rows: list[dict], kl_estimator: str = "k3"):
+    """The run's figure: reward, KL to the reference, entropy per step, raw and smoothed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    panels = [("reward/mean", "reward"), ("policy/kl", "KL to reference"), ("policy/entropy", "entropy")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    for ax, (key, title) in zip(axes, panels):
-        ys = [r.get(key, float("nan")) for r in rows]
-        ax.plot(steps, ys, lw=0.8, alpha=0.5)
-        k = max(1, len(ys) // 20)
-        if len(ys) >= k:
-            smooth = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
-            ax.plot(steps, smooth, lw=1.8)
+    # GRPO logs the per-token KL of its loss; PPO the per-sequence k1 KL it puts into the rewards
+    kl_key = next((k for k in ("policy/kl", "policy/kl_seq") if any(k in r for r in rows)), None)
+    kl_label = {"policy/kl": f"KL per token ({kl_estimator})", "policy/kl_seq": "KL per sequence (k1)"}.get(kl_key, "KL")
+    panels = [("reward/mean", "reward", "mean reward"), (kl_key, "KL to reference", kl_label),
+              ("policy/entropy", "entropy", "entropy per token (nats)")]
+    window = 2 * max(1, len(rows) // 40) + 1  # 21 steps for 400
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, (key, title, ylabel) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if key is None:
+            ax.text(0.5, 0.5, "no reference model (kl_coef = 0)", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ys = [float(r.get(key, float("nan"))) for r in rows]
+        ax.plot(steps, ys, lw=0.8, alpha=0.45, color="tab:blue", label="raw")
+        ax.plot(steps, smooth_centred(ys, window), lw=1.8, color="tab:orange", label=f"centred mean of {window} steps")
+        ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], path, kl_estimator: str = "k3") -> None:
+    """Write :func:`figure` of ``rows`` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, kl_estimator)
     fig.savefig(path, dpi=110)
     plt.close(fig)
