@@ -1,0 +1,24 @@
+"""Host-side helpers shared by the launchers of every op family: dtype names, strides, masks.
+
+(Validation lives in ``rlkernels._checks``, backend choice in ``rlkernels._backend``.)
+"""
+from __future__ import annotations
+
+import torch
+
+# Triton's names for the tensor dtypes the kernels load (ahead-of-time signatures use them).
+TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with stride 1 along its last dimension (a copy only when it has none): kernels then read
+    contiguous runs (vector loads, ``cp.async`` staging)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def mask_u8(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as uint8 0/1 for a kernel: a bool mask is reinterpreted (no copy), a numeric one is
+    compared with 0 (any nonzero value counts as 1)."""
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return (mask != 0).view(torch.uint8)
