@@ -1,8 +1,10 @@
 """response_logprobs on Hugging Face causal LMs matches log_softmax of the model's own logits."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rlkernels.hf import response_logprobs, smollm2_gguf  # noqa: E402
-from tests.helpers import forced_backend  # noqa: E402
+from tests.helpers import assert_close_to_truth, forced_backend  # noqa: E402
 
 V = 97  # odd vocabulary
 
@@ -51,14 +53,83 @@ def _batch(T=11, B=3, seed=1):
 
 
 def _truth(model, input_ids, attention_mask, response_mask, temperature):
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature  # [B, T, V]
+    """Eager log-probabilities and entropies from the model's own logits, in the model's dtype."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits / temperature  # [B, T, V]
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, T-1, V]
     logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    m = response_mask[:, 1:].bool()
+    ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
+    m = response_mask[:, 1:].bool()  # [B, T-1]
     zero = torch.zeros_like(logp)
-    pad = lambda x: torch.cat([torch.zeros_like(x[:, :1]), x], 1)  # noqa: E731
+    pad = lambda x: torch.cat([torch.zeros_like(x[:, :1]), x], 1)  # noqa: E731  [B, T-1] -> [B, T]
     return pad(torch.where(m, logp, zero)), pad(torch.where(m, ent, zero))
+
+
+U = 2.0**-24  # float32 unit roundoff
+
+
+def _assert_within(name, ours, truth, bound):
+    """|ours - truth| <= bound elementwise; on failure name the worst element (by |diff| / bound)."""
+    diff = (ours.detach().double() - truth.detach().double()).abs()  # same shape as truth
+    bad = diff > bound
+    if bad.any():
+        ratio = torch.where(bad, diff / bound.clamp_min(1e-300), torch.zeros_like(diff))
+        i = tuple(int(k) for k in torch.unravel_index(ratio.argmax(), ratio.shape))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {diff.numel()} elements outside the float32 error bound; worst at "
+            f"index {i}: ours {ours[i].item():.9g}, float64 truth {truth[i].item():.9g}, "
+            f"|diff| {diff[i].item():.3g} > bound {bound[i].item():.3g}"
+        )
+
+
+def _head_truth(model, input_ids, attention_mask, response_mask, temperature):
+    """Float64 log-probabilities and entropies of the model's head applied to the model's own float32
+    hidden states, with an elementwise bound on the float32 error any correct head may make.
+
+    Both response_logprobs and the model's logits run the same float32 backbone on the same input, so
+    the float64 head on those hidden states is the exact answer for what response_logprobs adds.
+
+    Derivation, per scored token with hidden state h [H] (exact in float64), weight W [V, H], bias b:
+    - z_j = (h . W_j + b_j) / temperature: a sum of H products, the bias, the division; in float32,
+      in any summation order (chunks, GEMM blocking), |dz_j| <= (H + 2) u a_j, a_j = (sum_h |h_h W_jh|
+      + |b_j|) / temperature (the sum of the absolute values of its terms).
+    - logp_y = z_y - lse(z): lse is 1-Lipschitz in the max-norm, so the logits' errors move logp_y by at
+      most |dz_y| + max_j |dz_j|. Computing lse = c + log sum_j exp(z_j - c) (c = max z) from exact z
+      rounds each positive term by at most u (|z_j - c| + 2), the V-term sum by V u, the log and the
+      final additions by u (1 + |lse| + |logp|): together <= (V + 8) u (1 + 2 max|z| + |lse|).
+    - entropy = -sum_j p_j log p_j: d entropy / d z_j = -p_j (z_j - zbar), zbar = sum_j p_j z_j, so the
+      logits' errors move it by at most (H + 2) u sum_j p_j |z_j - zbar| a_j; the V-term sum of
+      p_j log p_j (each log p_j carrying the lse rounding above) adds (V + 8) u (sum_j p_j |log p_j| +
+      1 + 2 max|z| + |lse|).
+    Returns ``(logp, entropy, logp_bound, entropy_bound)``, each ``[B, T]`` float64, 0 where unscored.
+    """
+    weight = model.get_output_embeddings().weight  # [V, H]
+    bias = getattr(model.get_output_embeddings(), "bias", None)  # [V] or None
+    with torch.no_grad():
+        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state[:, :-1].to(weight.dtype).double()  # [B, T-1, H]
+        W = weight.double()  # [V, H]
+        V, H = W.shape
+        z = h @ W.T  # [B, T-1, V]
+        a = h.abs() @ W.abs().T  # [B, T-1, V]
+        if bias is not None:
+            z = z + bias.double()
+            a = a + bias.double().abs()
+        z, a = z / temperature, a / temperature
+        logp_all = torch.log_softmax(z, dim=-1)  # [B, T-1, V]
+        p = logp_all.exp()  # [B, T-1, V]
+        lse = torch.logsumexp(z, dim=-1)  # [B, T-1]
+        y = input_ids[:, 1:, None]  # [B, T-1, 1]
+        logp = logp_all.gather(-1, y).squeeze(-1)  # [B, T-1]
+        ent = -(p * logp_all).sum(-1)  # [B, T-1]
+        zbar = (p * z).sum(-1, keepdim=True)  # [B, T-1, 1]
+        lse_rounding = (V + 8) * U * (1 + 2 * z.abs().amax(-1) + lse.abs())  # [B, T-1]
+        logp_bound = (H + 2) * U * (a.gather(-1, y).squeeze(-1) + a.amax(-1)) + lse_rounding + U * logp.abs()
+        ent_bound = (H + 2) * U * (p * (z - zbar).abs() * a).sum(-1) + lse_rounding + (V + 8) * U * (
+            p * logp_all.abs()
+        ).sum(-1)
+    m = response_mask[:, 1:].bool()  # [B, T-1]
+    pad = lambda x: torch.cat([torch.zeros_like(x[:, :1]), torch.where(m, x, torch.zeros_like(x))], 1)  # noqa: E731
+    return pad(logp), pad(ent), pad(logp_bound), pad(ent_bound)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -69,35 +140,142 @@ def test_matches_model_logits(kind, tied, backend):
     model = _tiny(kind, tied)
     ids, am, rm = _batch()
     with torch.no_grad():
-        want_lp, want_ent = _truth(model, ids, am, rm, 0.8)
+        want_lp, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 0.8)
         with forced_backend(backend):
             logp, ent = response_logprobs(model, ids, am, rm, temperature=0.8, return_entropy=True)
     assert logp.shape == ids.shape and ent.shape == ids.shape
+    assert logp.dtype == ent.dtype == torch.float32
     assert torch.all(logp[rm == 0] == 0) and torch.all(ent[rm == 0] == 0)
-    torch.testing.assert_close(logp, want_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, want_ent, rtol=1e-5, atol=1e-5)
+    _assert_within("logp", logp, want_lp, lp_bound)
+    _assert_within("entropy", ent, want_ent, ent_bound)
+    # the head's truth is the model's own logits: its float32 logits agree within the same bounds
+    with torch.no_grad():
+        eager_lp, eager_ent = _truth(model, ids, am, rm, 0.8)
+    _assert_within("eager logp", eager_lp, want_lp, lp_bound)
+    _assert_within("eager entropy", eager_ent, want_ent, ent_bound)
 
 
+def _rmsnorm_float64(self, x):  # x [..., H]
+    # transformers' Llama/Qwen2 RMSNorm upcasts to float32 (a rounding in a float64 model): keep the input dtype
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _float64_twin(model):
+    """A float64 copy of a tiny Llama whose arithmetic is all float64 (the rotary cos/sin tables stay the
+    float32 values both models use: the same inputs, not a rounding of the computation)."""
+    twin = copy.deepcopy(model).double()
+    for module in twin.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rmsnorm_float64, module)
+    return twin
+
+
+def _gradient_magnitudes(model, loss_fn):
+    """For every parameter, the magnitude ``A`` its float32 gradient's error is proportional to (see
+    test_gradient_reaches_model_parameters), evaluated in float64 during ``loss_fn().backward()``.
+
+    A parameter's gradient is a last reduction over tokens k: Linear ``dW = sum_k dy_k x_k^T``, Embedding
+    ``dE[v] = sum_{ids_k = v} dy_k``, RMSNorm ``dw = sum_k dy_k * xhat_k``. With the token vectors' norms
+    ``|dy_k|_inf`` and ``|x_k|_inf``, A = sum_k (|dy_k|_inf |x_kj| + |dy_ki| |x_k|_inf + |dy_ki| |x_kj|)
+    (Embedding: the x factor is exact). A tied weight adds up both uses."""
+    acc = {id(p): torch.zeros_like(p) for p in model.parameters()}
+
+    def hook(module, inputs, output):
+        x = inputs[0].detach()  # [B, T, in] (Embedding: ids [B, T])
+
+        def on_grad(dy):  # [B, T, out]
+            dy = dy.abs().reshape(-1, dy.shape[-1])  # [B*T, out]
+            dy_norm = dy.amax(-1, keepdim=True).expand_as(dy)  # [B*T, out]: |dy_k|_inf
+            if isinstance(module, torch.nn.Embedding):
+                acc[id(module.weight)].index_add_(0, x.reshape(-1), dy_norm + dy)
+                return
+            if isinstance(module, torch.nn.Linear):
+                xs = x.abs().reshape(-1, x.shape[-1])  # [B*T, in]
+            else:  # RMSNorm: the weight multiplies the normalized input
+                xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)  # [B, T, H]
+                xs = xhat.abs().reshape(dy.shape)  # [B*T, H]
+            x_norm = xs.amax(-1, keepdim=True).expand_as(xs)  # [B*T, in]: |x_k|_inf
+            if isinstance(module, torch.nn.Linear):
+                acc[id(module.weight)] += dy_norm.T @ xs + dy.T @ x_norm + dy.T @ xs
+                if module.bias is not None:
+                    acc[id(module.bias)] += (dy_norm + dy).sum(0)
+            else:
+                acc[id(module.weight)] += (dy_norm * xs + dy * x_norm + dy * xs).sum(0)
+
+        output.register_hook(on_grad)
+
+    handles = [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or hasattr(m, "variance_epsilon")
+    ]
+    try:
+        model.zero_grad()
+        loss_fn().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: acc[id(p)] for n, p in model.named_parameters()}
+
+
+def _llama_chain_length(cfg, B: int, T: int) -> int:
+    """The number of float32 roundings on the longest path from the input to a parameter's gradient:
+    every reduction's length, forward and (mirrored) backward, plus the final reduction over tokens."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    head_dim = H // cfg.num_attention_heads
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads  # repeat_kv sums over them in the backward
+    # RMSNorm mean, q/k/v, scores, softmax sum, probs @ v, o_proj, RMSNorm, gate/up, down
+    layer = H + H + head_dim + T + T + groups + H + H + H + I
+    forward = cfg.num_hidden_layers * layer + H + H + V  # final norm, head, log-softmax
+    return 2 * forward + B * T
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_gradient_reaches_model_parameters(tied):
+def test_gradient_reaches_model_parameters(tied, backend):
+    """Gradients through response_logprobs equal the float64 model's (eager head) within the float32 error
+    bound of every gradient element, and are no further from it than eager float32 PyTorch's.
+
+    Bound: a sum of n float32 terms has error <= n u sum|terms| (u = 2^-24), whatever the order. A
+    parameter's gradient is a last reduction over tokens of products dy_k x_k (_gradient_magnitudes); the
+    factors arrive with the errors of every earlier stage, forward and backward. Each stage is a reduction
+    rounding by at most (its length) u times what it sums, and its error spreads over a token's whole
+    vector (RMSNorm's backward subtracts xhat mean(xhat g) from every component), so it is bounded by the
+    token's vector norm: first order, the stages' errors add, |d dy_ki| <= n_chain u |dy_k|_inf and
+    |d x_kj| <= n_chain u |x_k|_inf, n_chain = the summed reduction lengths along the chain
+    (_llama_chain_length, 1740 here). Hence |ours - truth| <= n_chain u A, with
+    A = sum_k (|dy_k|_inf |x_kj| + |dy_ki| |x_k|_inf + |dy_ki| |x_kj|) in float64. (Eager float32 and
+    both backends land within 11 u A: the worst case is loose, so the eager comparison follows.)
+    """
+    if backend == "triton":
+        pytest.importorskip("triton")
     model = _tiny("llama", tied)
     ids, am, rm = _batch(T=9, B=2)
-    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))  # [B, T]
 
-    def grads(fn):
-        model.zero_grad()
-        (fn() * g).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with forced_backend(backend):
+        (response_logprobs(model, ids, am, rm) * g).sum().backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    with forced_backend("torch"):
-        ours = grads(lambda: response_logprobs(model, ids, am, rm))
-    theirs = grads(lambda: _truth(model, ids, am, rm, 1.0)[0])
-    assert set(ours) == set(theirs)
+    model.zero_grad()
+    (_truth(model, ids, am, rm, 1.0)[0] * g).sum().backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    twin = _float64_twin(model)
+    magnitude = _gradient_magnitudes(twin, lambda: (_truth(twin, ids, am, rm, 1.0)[0] * g.double()).sum())
+    truth = {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+    assert set(ours) == set(truth) == set(eager)
     head = "lm_head.weight" if not tied else "model.embed_tokens.weight"
     assert head in ours and ours[head].abs().sum() > 0
     assert ours["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-6, msg=name)
+    n_chain = _llama_chain_length(model.config, *ids.shape)
+    for name in truth:
+        assert ours[name].dtype == torch.float32
+        assert bool((magnitude[name] >= truth[name].abs() * (1 - 1e-12)).all()), f"{name}: A < |gradient|"
+        _assert_within(name, ours[name], truth[name], n_chain * U * magnitude[name])
+    flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(truth)])  # noqa: E731
+    assert_close_to_truth(flat(ours), flat(truth), torch.float32, eager=flat(eager), name="all gradients")
 
 
 def test_never_applies_lm_head_to_the_sequence():
@@ -143,9 +321,9 @@ def test_smollm2_135m_instruct_gguf():
     rm = torch.zeros_like(ids)
     rm[:, prompt.shape[1]:] = 1
     with torch.no_grad():
-        want, want_ent = _truth(model, ids, am, rm, 1.0)
+        want, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 1.0)  # H = 576, V = 49152
         with forced_backend("torch"):
             logp, ent = response_logprobs(model, ids, am, rm, return_entropy=True)
-    torch.testing.assert_close(logp, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ent, want_ent, rtol=1e-4, atol=1e-4)
+    _assert_within("logp", logp, want, lp_bound)
+    _assert_within("entropy", ent, want_ent, ent_bound)
     assert logp[0, prompt.shape[1]] < 0  # a real log-probability was scored
