@@ -4,11 +4,13 @@ Public functions (see README's table and ``rlkernels.reference`` for their exact
 ``logprobs``, ``linear_logprobs``, ``kl_penalty``, ``policy_loss``, ``value_loss``,
 ``gae``, ``group_advantages``, ``masked_whiten``.
 
-Importing the package is cheap: each op family loads on first use.
-"""
-from __future__ import annotations
+Submodules reachable as attributes, imported on first access: ``rlkernels.hf`` (Hugging Face
+models: ``response_logprobs``, the bundled SmolLM2), ``rlkernels.integrations`` (TRL, verl),
+``rlkernels.trainer`` (the bundled PPO/GRPO trainer).
 
-import importlib
+Importing the package is cheap: each op family loads on first use, and nothing here imports
+transformers, trl or triton.
+"""
 
 __version__ = "0.1.0"
 
@@ -23,17 +25,24 @@ _EXPORTS = {
     "masked_whiten": "rlkernels.advantages",
 }
 
+# submodules a user reaches as ``rlkernels.<name>`` after a bare ``import rlkernels``
+_LAZY_SUBMODULES = ("hf", "integrations", "trainer")
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    import importlib  # here, not at module level: the namespace holds only the public API
+
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlkernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import also binds it here
+    raise AttributeError(f"module 'rlkernels' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + __all__)
+    return sorted([*__all__, "__version__", *_LAZY_SUBMODULES])

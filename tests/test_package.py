@@ -1,4 +1,5 @@
-"""Package-level behaviour: cheap import, backend selection, the CPU memory meter."""
+"""Package-level behaviour: cheap import, a clean namespace, backend selection, the CPU memory meter."""
+import os
 import subprocess
 import sys
 
@@ -12,6 +13,37 @@ def test_import_is_cheap():
     code = "import sys, rlkernels; bad = [m for m in ('transformers', 'triton') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, f"import rlkernels imported {result.stdout.strip()}"
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (nothing imported yet), from the repository root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+
+
+def test_lazy_submodules_are_attributes_after_a_bare_import():
+    code = (
+        "import sys, rlkernels\n"
+        "assert 'transformers' not in sys.modules and 'rlkernels.hf' not in sys.modules\n"
+        "assert callable(rlkernels.hf.response_logprobs) and callable(rlkernels.hf.smollm2_gguf)\n"
+        "assert rlkernels.integrations.__name__ == 'rlkernels.integrations'\n"
+        "assert 'trl' not in sys.modules  # the integrations package imports no trainer library\n"
+        "assert rlkernels.trainer.__name__ == 'rlkernels.trainer'\n"
+        "assert 'transformers' not in sys.modules  # rlkernels.hf uses the model duck-typed\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_namespace_is_the_public_api():
+    code = "import rlkernels; print(' '.join(dir(rlkernels)))"
+    result = _run(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import rlkernels
+
+    want = sorted([*rlkernels.__all__, "__version__", "hf", "integrations", "trainer"])
+    assert result.stdout.split() == want  # no annotations, importlib, or other helpers
+    assert sorted(dir(rlkernels)) == want  # the same after this process imported the op modules
 
 
 def test_public_names_resolve():
