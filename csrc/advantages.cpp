@@ -171,14 +171,16 @@ at::Tensor masked_whiten_impl(const at::Tensor& x, const at::Tensor& mask, bool 
   Moments total;
   for (const auto& p : partial) total.merge(p);
   const double var = total.n > 1.0 ? total.m2 / (total.n - 1.0) : 0.0;
-  const float mean = static_cast<float>(total.mean);
-  const float rstd = static_cast<float>(1.0 / std::sqrt(var + eps));
+  // The mean stays in double: rounded to float32 first (x - float(mean)), shifted data
+  // (1e6 + noise) would lose up to half an ulp of 1e6 (0.03) in every output.
+  const double mean = total.mean;
+  const double rstd = 1.0 / std::sqrt(var + eps);
   at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, kChunk, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float y = (static_cast<float>(xp[i]) - mean) * rstd;
-      op[i] = shift_mean ? y : y + mean;
+      const double y = (static_cast<double>(static_cast<float>(xp[i])) - mean) * rstd;
+      op[i] = static_cast<float>(shift_mean ? y : y + mean);
     }
   });
   return out;

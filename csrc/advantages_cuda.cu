@@ -8,8 +8,8 @@
 // tokens from its incoming state. The state (A, V) = (advantage, value) of the next
 // valid token carries from tile to tile.
 // group_advantages: one warp per group, three passes over the (L1-resident) group.
-// masked_whiten: per-block (count, mean, M2) by Chan merges, then every block of a
-// second kernel merges the partials and normalizes its share.
+// masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, then every
+// block of a second kernel merges the partials and normalizes its share.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -174,16 +174,23 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
   }
 }
 
+// Moments of a share of the masked-in values, relative to a pivot k (a masked-in value of
+// the share): mean = k + mu, m2 = sum of squared deviations. Shifted data (1e6 + noise)
+// would otherwise keep its mean as a float32 near 1e6, rounded to ~0.03 at every Welford
+// step and merge, and every deviation and output would inherit that error; x - k is exact
+// (Sterbenz) for data near k, and a shift of all data only moves k.
 struct Moments {
-  float n, mean, m2;
+  float n, k, mu, m2;
 };
 
+// Chan et al.'s merge; y's mean is re-expressed relative to x's pivot: (y.k - x.k) + y.mu.
 __device__ __forceinline__ Moments merge(const Moments& x, const Moments& y) {
+  if (y.n == 0.f) return x;
+  if (x.n == 0.f) return y;
   const float n = x.n + y.n;
-  if (n == 0.f) return {0.f, 0.f, 0.f};
-  const float delta = y.mean - x.mean;
+  const float delta = (y.k - x.k) + (y.mu - x.mu);
   const float frac = y.n / n;
-  return {n, x.mean + delta * frac, x.m2 + y.m2 + delta * delta * x.n * frac};
+  return {n, x.k, x.mu + delta * frac, x.m2 + y.m2 + delta * delta * x.n * frac};
 }
 
 __device__ Moments block_merge(Moments mo) {
@@ -191,13 +198,13 @@ __device__ Moments block_merge(Moments mo) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) {
-    Moments o{__shfl_xor_sync(0xffffffffu, mo.n, d), __shfl_xor_sync(0xffffffffu, mo.mean, d),
-              __shfl_xor_sync(0xffffffffu, mo.m2, d)};
+    Moments o{__shfl_xor_sync(0xffffffffu, mo.n, d), __shfl_xor_sync(0xffffffffu, mo.k, d),
+              __shfl_xor_sync(0xffffffffu, mo.mu, d), __shfl_xor_sync(0xffffffffu, mo.m2, d)};
     mo = merge(mo, o);
   }
   if (lane == 0) per_warp[warp] = mo;
   __syncthreads();
-  Moments total{0.f, 0.f, 0.f};
+  Moments total{0.f, 0.f, 0.f, 0.f};
   for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total = merge(total, per_warp[w]);
   __syncthreads();
   return total;
@@ -206,22 +213,25 @@ __device__ Moments block_merge(Moments mo) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part, int64_t N) {
-  Moments mo{0.f, 0.f, 0.f};
+  Moments mo{0.f, 0.f, 0.f, 0.f};
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
-    if (mask[i]) {  // Welford's update per thread
+    if (mask[i]) {  // Welford's update per thread, on x - k (k: the thread's first masked-in value)
       const float xi = to_float(x[i]);
+      if (mo.n == 0.f) mo.k = xi;
+      const float yi = xi - mo.k;
       mo.n += 1.f;
-      const float delta = xi - mo.mean;
-      mo.mean += delta / mo.n;
-      mo.m2 += delta * (xi - mo.mean);
+      const float delta = yi - mo.mu;
+      mo.mu += delta / mo.n;
+      mo.m2 += delta * (yi - mo.mu);
     }
   }
   mo = block_merge(mo);
   if (threadIdx.x == 0) {
-    part[3 * blockIdx.x + 0] = mo.n;
-    part[3 * blockIdx.x + 1] = mo.mean;
-    part[3 * blockIdx.x + 2] = mo.m2;
+    part[4 * blockIdx.x + 0] = mo.n;
+    part[4 * blockIdx.x + 1] = mo.k;
+    part[4 * blockIdx.x + 2] = mo.mu;
+    part[4 * blockIdx.x + 3] = mo.m2;
   }
 }
 
@@ -229,15 +239,17 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     whiten_apply_kernel(const T* __restrict__ x, float* __restrict__ out, const float* __restrict__ part, int num_parts,
                         int64_t N, float eps, bool shift_mean) {
-  Moments mo{0.f, 0.f, 0.f};
-  for (int j = threadIdx.x; j < num_parts; j += blockDim.x) mo = merge(mo, Moments{part[3 * j], part[3 * j + 1], part[3 * j + 2]});
+  Moments mo{0.f, 0.f, 0.f, 0.f};
+  for (int j = threadIdx.x; j < num_parts; j += blockDim.x)
+    mo = merge(mo, Moments{part[4 * j], part[4 * j + 1], part[4 * j + 2], part[4 * j + 3]});
   mo = block_merge(mo);
   const float var = mo.n > 1.f ? mo.m2 / (mo.n - 1.f) : 0.f;
   const float rstd = rsqrtf(var + eps);
+  const float mean = mo.k + mo.mu;  // rounded only for shift_mean = false, where it is added back
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
-    const float y = (to_float(x[i]) - mo.mean) * rstd;
-    out[i] = shift_mean ? y : y + mo.mean;
+    const float y = ((to_float(x[i]) - mo.k) - mo.mu) * rstd;
+    out[i] = shift_mean ? y : y + mean;
   }
 }
 

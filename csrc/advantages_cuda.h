@@ -17,7 +17,8 @@ int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask,
 int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G, int mode,
                      float eps, cudaStream_t stream);
 
-// number of partial moments masked_whiten uses for N elements (the size of `part` is 3 * that)
+// number of partial moments masked_whiten uses for N elements (the size of `part` is 4 * that:
+// count, pivot, mean - pivot, M2 of each share)
 int whiten_partials(int64_t N);
 
 int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,

@@ -152,56 +152,85 @@ if HAS_TRITON:
             tl.store(out_ptr + src, y, mask=ok)
 
     @jit
+    def _add2(a1, b1, a2, b2):
+        return a1 + a2, b1 + b2
+
+    @jit
+    def _min(a, b):
+        return tl.minimum(a, b)
+
+    @jit
     def _whiten_partial_kernel(
         x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
-        part_ptr,  # [P, 3] float32: count, mean, M2 of each program's share
+        part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
         N,
         BLOCK: tl.constexpr,
     ):
+        # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
+        # around it (and Chan merges of such means) carry that error into M2 and the output.
+        # Everything is therefore kept relative to a pivot K, the program's first masked-in
+        # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
+        # no rounding of K + ..., and a shift of all data only shifts K.
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK)  # [BLOCK]
         cnt = 0.0
-        mean = 0.0
+        piv = 0.0
+        mean = 0.0  # of (x - piv)
         m2 = 0.0
         for start in range(pid * BLOCK, N, nprog * BLOCK):
-            i = start + offs
+            i = start + offs  # [BLOCK]
             ok = i < N
-            x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-            w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)
-            c_b = tl.reduce(w.to(tl.float32), 0, _add)
-            mean_b = tl.reduce(tl.where(w, x, 0.0), 0, _add) / tl.maximum(c_b, 1.0)
-            d = x - mean_b
-            m2_b = tl.reduce(tl.where(w, d * d, 0.0), 0, _add)
-            # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b)
+            x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
+            w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
+            if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
+                first = tl.reduce(tl.where(w, offs, BLOCK), 0, _min)
+                piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
+            y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
+            c_b, s_b = tl.reduce((w.to(tl.float32), y), 0, _add2)
+            mean_b = s_b / tl.maximum(c_b, 1.0)
+            d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
+            sd, sdd = tl.reduce((d, d * d), 0, _add2)
+            # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
+            m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
+            # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
             total = cnt + c_b
             delta = mean_b - mean
             frac = c_b / tl.maximum(total, 1.0)
             mean = mean + delta * frac
             m2 = m2 + m2_b + delta * delta * cnt * frac
             cnt = total
-        tl.store(part_ptr + pid * 3 + 0, cnt)
-        tl.store(part_ptr + pid * 3 + 1, mean)
-        tl.store(part_ptr + pid * 3 + 2, m2)
+        tl.store(part_ptr + pid * 4 + 0, cnt)
+        tl.store(part_ptr + pid * 4 + 1, piv)
+        tl.store(part_ptr + pid * 4 + 2, mean)
+        tl.store(part_ptr + pid * 4 + 3, m2)
 
     @jit
     def _whiten_apply_kernel(
         x_ptr, out_ptr,  # [N] in, [N] float32 out
-        part_ptr,  # [P, 3]
+        part_ptr,  # [P, 4]
         N, P, eps,
         SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
     ):
         # Every program merges the P partial moments itself: P is small, and it saves a launch.
-        j = tl.arange(0, P_BLOCK)
+        # The partials have their own pivots; all are re-expressed relative to K0, the pivot of
+        # the first non-empty partial (K_j - K0 is a difference of two data values: exact
+        # or nearly so), so the global mean is K0 + mean and is never rounded to float32.
+        j = tl.arange(0, P_BLOCK)  # [P_BLOCK]
         pj = j < P
-        cnt_j = tl.load(part_ptr + j * 3 + 0, mask=pj, other=0.0)
-        mean_j = tl.load(part_ptr + j * 3 + 1, mask=pj, other=0.0)
-        m2_j = tl.load(part_ptr + j * 3 + 2, mask=pj, other=0.0)
-        cnt = tl.reduce(cnt_j, 0, _add)
-        mean = tl.reduce(cnt_j * mean_j, 0, _add) / tl.maximum(cnt, 1.0)
-        dm = tl.where(cnt_j > 0, mean_j - mean, 0.0)
-        m2 = tl.reduce(m2_j, 0, _add) + tl.reduce(cnt_j * dm * dm, 0, _add)
-        var = m2 / tl.maximum(cnt - 1.0, 1.0)
+        cnt_j = tl.load(part_ptr + j * 4 + 0, mask=pj, other=0.0)  # [P_BLOCK]
+        piv_j = tl.load(part_ptr + j * 4 + 1, mask=pj, other=0.0)
+        mean_j = tl.load(part_ptr + j * 4 + 2, mask=pj, other=0.0)
+        m2_j = tl.load(part_ptr + j * 4 + 3, mask=pj, other=0.0)
+        has = cnt_j > 0
+        j0 = tl.reduce(tl.where(has, j, P_BLOCK), 0, _min)
+        k0 = tl.reduce(tl.where(j == j0, piv_j, 0.0), 0, _add)  # 0 when no entry is masked in
+        off_j = tl.where(has, (piv_j - k0) + mean_j, 0.0)  # [P_BLOCK]: each share's mean - K0
+        cnt, s = tl.reduce((cnt_j, cnt_j * off_j), 0, _add2)
+        mean = s / tl.maximum(cnt, 1.0)
+        dm = tl.where(has, off_j - mean, 0.0)
+        m2a, m2b = tl.reduce((m2_j, cnt_j * dm * dm), 0, _add2)
+        var = (m2a + m2b) / tl.maximum(cnt - 1.0, 1.0)
         rstd = 1.0 / tl.sqrt(var + eps)
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -210,9 +239,9 @@ if HAS_TRITON:
             i = start + offs
             ok = i < N
             x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-            y = (x - mean) * rstd
+            y = ((x - k0) - mean) * rstd
             if not SHIFT_MEAN:
-                y = y + mean
+                y = y + (k0 + mean)
             tl.store(out_ptr + i, y, mask=ok)
 
 
@@ -321,7 +350,7 @@ def _whiten_triton(x, mask, shift_mean, eps):
     blocks = cdiv(N, _WHITEN_BLOCK)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
     P = min(blocks, _WHITEN_P_BLOCK if x.is_cuda else 4)
-    part = torch.empty(P, 3, dtype=torch.float32, device=x.device)
+    part = torch.empty(P, 4, dtype=torch.float32, device=x.device)  # [P, 4]: count, pivot, mean - pivot, M2
     kwargs = {"num_warps": _WHITEN_WARPS} if x.is_cuda else {}
     _whiten_partial_kernel.launch((P,), xf, m, part, N, BLOCK=_WHITEN_BLOCK, **kwargs)
     _whiten_apply_kernel.launch(
@@ -445,14 +474,25 @@ def _group_torch(scores, group_size, index, mode, eps):
 
 
 def _whiten_torch(x, mask, shift_mean, eps):
-    xf = x.float()
-    m = mask.bool()
+    """Statistics of ``x - K`` with ``K`` the first masked-in value (found without a device
+    sync): exact for shifted data (``1e6 + noise``), where a float32 mean of ``x`` itself is
+    only known to ~ulp(1e6) and the output inherits that error. The mean is never rounded
+    to float32 as ``K + mean``: the output is ``((x - K) - mean)·rstd``."""
+    xf = x.float().reshape(-1)  # [N]
+    m = mask.bool().reshape(-1)  # [N]
+    if xf.numel() == 0:
+        return xf.view(x.shape).clone()
     n = m.sum().float()
-    mean = torch.where(m, xf, torch.zeros_like(xf)).sum() / n.clamp(min=1.0)
-    d = torch.where(m, xf - mean, torch.zeros_like(xf))
+    first = m.to(torch.uint8).argmax().view(1)  # [1]: the first masked-in position (0 if none)
+    zero = torch.zeros((), device=xf.device)
+    piv = torch.where(n > 0, xf.gather(0, first).squeeze(0), zero)  # where: a NaN at position 0 stays out
+    y = torch.where(m, xf - piv, zero)  # [N]
+    mean = y.sum() / n.clamp(min=1.0)
+    d = torch.where(m, y - mean, zero)  # [N]
     var = (d * d).sum() / (n - 1.0).clamp(min=1.0)
-    out = (xf - mean) * torch.rsqrt(var + eps)
-    return out if shift_mean else out + mean
+    out = ((xf - piv) - mean) * torch.rsqrt(var + eps)  # [N]
+    out = out if shift_mean else out + (piv + mean)
+    return out.view(x.shape)
 
 
 # ---------------------------------------------------------------- csrc
@@ -535,10 +575,13 @@ def _resolve(backend: str, device: torch.device) -> str:
     return _pick_backend(device) if backend == "auto" else backend
 
 
+# Every op body runs with autocast off for its device: under torch.autocast("cpu", bfloat16)
+# the torch backend's chunk matmul would otherwise run in bf16 (advantages off by ~0.05).
 @torch.library.custom_op("rlkernels::gae", mutates_args=())
 def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    adv, ret = _GAE_IMPLS[_resolve(backend, rewards.device)](rewards, values, mask, gamma, lam)
-    return adv.float().contiguous(), ret.float().contiguous()
+    with backends.float32_compute(rewards.device):
+        adv, ret = _GAE_IMPLS[_resolve(backend, rewards.device)](rewards, values, mask, gamma, lam)  # [B, T] x2
+        return adv.float().contiguous(), ret.float().contiguous()
 
 
 @_gae_op.register_fake
@@ -548,7 +591,9 @@ def _(rewards, values, mask, gamma, lam, backend):
 
 @torch.library.custom_op("rlkernels::group_advantages", mutates_args=())
 def _group_op(scores: torch.Tensor, group_size: int, index: torch.Tensor | None, mode: str, eps: float, backend: str) -> torch.Tensor:
-    return _GROUP_IMPLS[_resolve(backend, scores.device)](scores, group_size if index is None else None, index, mode, eps).float().contiguous()
+    with backends.float32_compute(scores.device):
+        impl = _GROUP_IMPLS[_resolve(backend, scores.device)]
+        return impl(scores, group_size if index is None else None, index, mode, eps).float().contiguous()  # [N]
 
 
 @_group_op.register_fake
@@ -558,7 +603,8 @@ def _(scores, group_size, index, mode, eps, backend):
 
 @torch.library.custom_op("rlkernels::masked_whiten", mutates_args=())
 def _whiten_op(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float, backend: str) -> torch.Tensor:
-    return _WHITEN_IMPLS[_resolve(backend, x.device)](x, mask, shift_mean, eps).float().contiguous()
+    with backends.float32_compute(x.device):
+        return _WHITEN_IMPLS[_resolve(backend, x.device)](x, mask, shift_mean, eps).float().contiguous()  # [...]
 
 
 @_whiten_op.register_fake
@@ -583,9 +629,34 @@ def gae(
     Masked tokens are transparent (``V_next``/``A_next`` carry across them; past
     the last valid token ``V_next = 0``); they get advantage 0 and return
     ``values``, but only masked-in positions are specified. ``returns = advantages + values``.
-    Computed in float32 for any float input dtype, as a parallel scan over ``T``
-    (Triton/CUDA) or a per-row loop (C++ on CPU). No gradient: the outputs are
-    constants (inputs are detached).
+    Computed in float32 for any float input dtype (and under any ``torch.autocast``
+    context), as a parallel scan over ``T`` (Triton/CUDA) or a per-row loop (C++ on
+    CPU). No gradient: the outputs are constants (inputs are detached).
+
+    Args:
+        rewards: ``[B, T]`` float tensor (float16/bfloat16/float32/float64), the
+            per-token rewards (e.g. a score at the last valid token plus per-token
+            KL penalties). Values at masked-out positions are never read into an output.
+        values: ``[B, T]`` float tensor, the critic's value of each token, same shape
+            and device as ``rewards``.
+        mask: ``[B, T]``, bool or 0/1 numeric (float or integer); nonzero marks a
+            valid (response) token. A row with no valid token gets all-zero advantages.
+        gamma: discount ``γ`` in ``[0, 1]``.
+        lam: GAE ``λ`` in ``[0, 1]``. The default ``1.0`` (with ``gamma=1.0``) is the
+            contract's default: the unbiased Monte-Carlo advantage ``Σ_{s≥t} r_s - V_t``,
+            which needs no trust in the critic. The bundled trainer passes
+            ``lam=0.95``, the usual PPO choice that trades a little bias (it leans on
+            the critic's values) for much lower variance on long responses.
+
+    Returns:
+        ``(advantages, returns)``, both float32 ``[B, T]`` on the device of ``rewards``;
+        ``returns = advantages + values`` (the critic's regression target).
+
+    Raises:
+        TypeError: a non-tensor or non-float ``rewards``/``values``, a mask of another
+            dtype, a non-number ``gamma``/``lam``.
+        ValueError: mismatched shapes or devices, ``rewards`` not 2-D, ``gamma`` or
+            ``lam`` outside ``[0, 1]`` or NaN/inf.
     """
     _checks.floating(rewards, "rewards")
     _checks.floating(values, "values")
@@ -594,10 +665,9 @@ def gae(
     _checks.same_shape(rewards, "rewards", values, "values")
     _checks.same_shape(rewards, "rewards", mask, "mask")
     _checks.same_device((rewards, "rewards"), (values, "values"), (mask, "mask"))
-    for name, value in (("gamma", gamma), ("lam", lam)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    return _gae_op(rewards.detach(), values.detach(), mask.detach(), float(gamma), float(lam), "auto")
+    gamma = _checks.unit_interval(gamma, "gamma")
+    lam = _checks.unit_interval(lam, "lam")
+    return _gae_op(rewards.detach(), values.detach(), mask.detach(), gamma, lam, "auto")
 
 
 def group_advantages(
@@ -615,10 +685,33 @@ def group_advantages(
     (unbiased std); ``dr_grpo``: ``s - mean``; ``rloo``: ``s - mean of the
     others``. A group of one, and every member of a group whose scores are all
     equal, gets exactly 0. NaN stays inside its group. No gradient.
+
+    Args:
+        scores: ``[N]`` float tensor, one score (reward) per sequence.
+        group_size: the number of samples per prompt: sequences ``[g·group_size,
+            (g+1)·group_size)`` form group ``g``. Must be a positive int that divides
+            ``N``. Give it or ``index``, not both.
+        index: ``[N]`` integer tensor (any integer dtype) of group ids, e.g. the
+            prompt id of each sequence: sequences with equal ids form a group,
+            wherever they sit; ids need not be contiguous, sorted or small.
+        mode: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"``.
+        eps: added to the std in ``grpo`` mode; finite and ``>= 0`` (checked in
+            every mode).
+
+    Returns:
+        float32 ``[N]`` advantages on the device of ``scores``.
+
+    Raises:
+        TypeError: non-float ``scores``, non-integer ``index``, non-int ``group_size``,
+            non-number ``eps``.
+        ValueError: both or neither of ``group_size``/``index``, ``group_size`` <= 0 or
+            not dividing ``N``, ``index`` of another shape or device, an unknown
+            ``mode``, a negative, NaN or infinite ``eps``.
     """
     _checks.floating(scores, "scores")
     _checks.rank(scores, "scores", 1)
     _checks.choice(mode, "mode", GROUP_MODES)
+    eps = _checks.non_negative(eps, "eps")
     N = scores.shape[0]
     if (group_size is None) == (index is None):
         raise ValueError("give exactly one of group_size or index")
@@ -637,7 +730,7 @@ def group_advantages(
         if N % group_size != 0:
             raise ValueError(f"group_size {group_size} does not divide the number of scores {N}")
         group_size_arg = group_size
-    return _group_op(scores.detach(), group_size_arg, index, mode, float(eps), "auto")
+    return _group_op(scores.detach(), group_size_arg, index, mode, eps, "auto")
 
 
 def masked_whiten(
@@ -651,10 +744,26 @@ def masked_whiten(
 
     Every position is transformed; only masked-in ones (``mask != 0``) enter the
     statistics (values elsewhere, even NaN, are ignored by them). With
-    ``shift_mean=False`` the mean is added back. No gradient.
+    ``shift_mean=False`` the mean is added back. With fewer than two masked entries
+    the variance is taken as 0. No gradient.
+
+    Args:
+        x: float tensor of any shape ``[...]`` (e.g. ``[B, T]`` advantages).
+        mask: bool or 0/1 numeric tensor of the shape and device of ``x``; nonzero
+            marks the entries that enter the mean and variance.
+        shift_mean: keep the whitened values centred (``True``) or add ``μ`` back.
+        eps: added to the variance; finite and ``>= 0``.
+
+    Returns:
+        float32 tensor of the shape of ``x``.
+
+    Raises:
+        TypeError: non-float ``x``, a mask of another dtype, non-number ``eps``.
+        ValueError: mismatched shapes or devices, a negative, NaN or infinite ``eps``.
     """
     _checks.floating(x, "x")
     _checks.mask(mask, "mask")
     _checks.same_shape(x, "x", mask, "mask")
     _checks.same_device((x, "x"), (mask, "mask"))
-    return _whiten_op(x.detach(), mask.detach(), bool(shift_mean), float(eps), "auto")
+    eps = _checks.non_negative(eps, "eps")
+    return _whiten_op(x.detach(), mask.detach(), bool(shift_mean), eps, "auto")

@@ -260,6 +260,8 @@ def group_advantages(
     ``rloo``: ``s - mean of the other members``. A group of one sample, and every
     member of a group whose scores are all equal, gets exactly 0.
     """
+    if mode not in GROUP_MODES:  # checked up front: a batch of constant groups never reaches the mode branch
+        raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
     s = _up(scores)
     N = s.shape[0]
     if (group_size is None) == (index is None):
@@ -280,10 +282,8 @@ def group_advantages(
             out[members] = (g - mean) / (g.std(unbiased=True) + eps)
         elif mode == "dr_grpo":
             out[members] = g - mean
-        elif mode == "rloo":
+        else:  # rloo
             out[members] = g - (g.sum() - g) / (n - 1)
-        else:
-            raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 import rlkernels
 from rlkernels import _extension, reference
 from rlkernels import advantages as adv_mod
-from tests.helpers import REL_TOL, backends, forced_backend, rel_error
+from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, rel_error
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
@@ -317,6 +317,172 @@ def test_fallback_without_extension(monkeypatch, csrc_ops):
     finally:
         _extension._state.clear()
         _extension._state.update(saved)
+
+
+# ---------------------------------------------------------------- hostile inputs
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("name", ["gamma", "lam"])
+@pytest.mark.parametrize("bad", [-0.1, 1.5, -1, 2, float("nan"), float("inf"), -float("inf")])
+def test_gae_rejects_gamma_lam_outside_unit_interval(backend, name, bad, csrc_ops):
+    r, v, m = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool)  # [B, T] x3
+    kwargs = {"gamma": 0.9, "lam": 0.95, name: bad}
+    with pytest.raises(ValueError, match=name):
+        run(backend, rlkernels.gae, r, v, m, **kwargs)
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_gae_accepts_unit_interval_ends(backend, csrc_ops):
+    # 0 and 1 are legal for both (γ = 0: one-step TD; λ = 0: TD(0); λ = 1: Monte Carlo)
+    gen = torch.Generator().manual_seed(12)
+    r, v, m = gae_inputs(3, 9, "gaps", "per-token", torch.float32, gen)  # [B, T] x3
+    for gamma, lam in ((0, 0), (1, 1), (0.0, 1.0), (1.0, 0.0)):
+        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf"), -float("inf")])
+def test_eps_must_be_finite_and_non_negative(backend, bad, csrc_ops):
+    s = torch.randn(8)  # [N]
+    for mode in adv_mod.GROUP_MODES:  # checked in every mode, also those that do not use it
+        with pytest.raises(ValueError, match="eps"):
+            run(backend, rlkernels.group_advantages, s, 4, mode=mode, eps=bad)
+        with pytest.raises(ValueError, match="eps"):
+            run(backend, rlkernels.group_advantages, s, index=torch.arange(8) % 3, mode=mode, eps=bad)
+    for shift_mean in (True, False):
+        with pytest.raises(ValueError, match="eps"):
+            run(backend, rlkernels.masked_whiten, torch.randn(3, 4), torch.ones(3, 4), shift_mean=shift_mean, eps=bad)
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_eps_zero_allowed(backend, csrc_ops):
+    gen = torch.Generator().manual_seed(13)
+    s = torch.randn(12, generator=gen)  # [N]
+    truth = reference.group_advantages(s.double(), 4, eps=0.0)  # [N]
+    assert rel_error(run(backend, rlkernels.group_advantages, s, 4, eps=0), truth) <= REL_TOL[torch.float32]
+    x, m = torch.randn(3, 7, generator=gen), torch.rand(3, 7, generator=gen) < 0.7  # [B, T] x2
+    truth = reference.masked_whiten(x.double(), m, eps=0.0)  # [B, T]
+    assert rel_error(run(backend, rlkernels.masked_whiten, x, m, eps=0.0), truth) <= REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", all_backends())
+def test_bad_input_list_raises_naming_the_argument(backend, csrc_ops):
+    """DESIGN.md's bad-input list for these ops, on every backend (validation precedes dispatch)."""
+    s = torch.randn(12)  # [N]
+    for gs in (5, 7, 24):  # does not divide N = 12
+        with pytest.raises(ValueError, match="group_size"):
+            run(backend, rlkernels.group_advantages, s, gs)
+    for mode in ("ppo", "GRPO", ""):
+        with pytest.raises(ValueError, match="mode"):
+            run(backend, rlkernels.group_advantages, s, 4, mode=mode)
+        with pytest.raises(ValueError, match="mode"):
+            run(backend, rlkernels.group_advantages, s, index=torch.zeros(12, dtype=torch.int64), mode=mode)
+    with pytest.raises(ValueError, match="eps"):
+        run(backend, rlkernels.group_advantages, s, 4, eps=-1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        run(backend, rlkernels.masked_whiten, s, torch.ones(12), eps=float("nan"))
+    r, v, m = torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3)  # [B, T] x3
+    with pytest.raises(ValueError, match="gamma"):
+        run(backend, rlkernels.gae, r, v, m, gamma=1.01)
+    with pytest.raises(ValueError, match="lam"):
+        run(backend, rlkernels.gae, r, v, m, lam=-0.5)
+    with pytest.raises(TypeError, match="gamma"):
+        run(backend, rlkernels.gae, r, v, m, gamma="0.9")
+
+
+def test_reference_group_advantages_checks_mode_up_front():
+    # every group constant: the per-group loop never reaches a mode branch, yet the mode is wrong
+    with pytest.raises(ValueError, match="mode"):
+        reference.group_advantages(torch.ones(6, dtype=torch.float64), 3, mode="ppo")
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_empty_batches(backend, mask_dtype, csrc_ops):
+    for B, T in ((0, 5), (3, 0), (0, 0)):
+        r, v, m = torch.randn(B, T), torch.randn(B, T), torch.ones(B, T, dtype=mask_dtype)  # [B, T] x3
+        a, ret = run(backend, rlkernels.gae, r, v, m, gamma=0.9, lam=0.95)
+        assert a.shape == (B, T) and ret.shape == (B, T) and a.dtype == ret.dtype == torch.float32
+        for shift_mean in (True, False):
+            w = run(backend, rlkernels.masked_whiten, r, m, shift_mean=shift_mean)
+            assert w.shape == (B, T) and w.dtype == torch.float32
+    for mode in adv_mod.GROUP_MODES:
+        for kwargs in ({"group_size": 4}, {"index": torch.zeros(0, dtype=torch.int64)}):
+            g = run(backend, rlkernels.group_advantages, torch.randn(0), mode=mode, **kwargs)
+            assert g.shape == (0,) and g.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_ops_compute_in_float32_under_autocast(backend, autocast_dtype, csrc_ops):
+    """Every op gives the no-autocast result inside torch.autocast (values near 8.7: a bf16
+    matmul in the torch GAE path was off by ~0.05 there)."""
+    gen = torch.Generator().manual_seed(14)
+    r, v, m = gae_inputs(4, 70, "gaps", "per-token", torch.float32, gen)  # [B, T] x3
+    v = v + 8.7  # [B, T]
+    s = torch.randn(16, generator=gen) + 8.7  # [N]
+    x = torch.randn(4, 70, generator=gen) + 8.7  # [B, T]
+
+    def ops():
+        a, ret = rlkernels.gae(r, v, m, gamma=0.99, lam=0.95)
+        return a, ret, rlkernels.group_advantages(s, 4), rlkernels.masked_whiten(x, m)
+
+    with forced_backend(backend):
+        plain = ops()
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            autocast = ops()
+    for name, p, q in zip(("advantages", "returns", "group_advantages", "masked_whiten"), plain, autocast):
+        assert q.dtype == torch.float32, name
+        assert torch.equal(torch.nan_to_num(p), torch.nan_to_num(q)), f"{backend} {name}: max diff {(p - q).abs().max()}"
+    truth_a, _ = reference.gae(r.double(), v.double(), m, gamma=0.99, lam=0.95)
+    assert rel_error(autocast[0][m], truth_a[m]) <= REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+@pytest.mark.parametrize("shift", [1e6, -3.0e5, 0.0])
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_shifted_data(backend, shift, shift_mean, csrc_ops):
+    """1e6 + N(0, 3): float32 inputs near 1e6 are exact, but a float32 mean of them is only
+    known to ~ulp(1e6)/2 = 0.03, i.e. 1% of the spread. Eager PyTorch (the reference in the
+    inputs' dtype) pays that; the kernels shift by a pivot (or keep the mean in double) and must
+    stay within the ordinary float32 tolerance of the float64 truth, and no worse than eager.
+    N = 20000 gives the Triton launcher several programs of several blocks each; the first
+    blocks are all masked out (they must not leave a bad pivot) and hold huge values."""
+    gen = torch.Generator().manual_seed(15)
+    N = 20000
+    x = (torch.randn(N, generator=gen, dtype=torch.float64) * 3 + shift).float()  # [N]: exact in float32
+    mask = torch.rand(N, generator=gen) < 0.8  # [N]
+    mask[:5000] = False
+    x[:2500] = -1e30
+    x[2500:5000] = float("nan")
+    x = x.view(40, 500)  # [40, 500]
+    mask = mask.view(40, 500)
+    truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # float64 truth of the float32 inputs
+    eager = reference.masked_whiten(x, mask, shift_mean=shift_mean)  # eager PyTorch in float32
+    out = run(backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
+    assert_close_to_truth(out[mask], truth[mask], torch.float32, eager=eager[mask], name=f"{backend} masked_whiten")
+
+
+def test_masked_whiten_shifted_data_is_hard_for_eager():
+    """The data above is a real test: eager float32 misses the truth by far more than float32 tolerance."""
+    gen = torch.Generator().manual_seed(16)
+    x = (torch.randn(20000, generator=gen, dtype=torch.float64) * 3 + 1e6).float()  # [N]
+    mask = torch.ones(20000, dtype=torch.bool)
+    err = rel_error(reference.masked_whiten(x, mask), reference.masked_whiten(x.double(), mask))
+    assert err > 10 * REL_TOL[torch.float32]
+
+
+def test_public_docstrings_document_arguments():
+    for fn in (rlkernels.gae, rlkernels.group_advantages, rlkernels.masked_whiten):
+        doc = fn.__doc__
+        assert "Args:" in doc and "Returns:" in doc and "Raises:" in doc, fn.__name__
+        assert "mask" in doc or "group_size" in doc
+    doc = rlkernels.gae.__doc__
+    assert "bool or 0/1" in doc and "[B, T]" in doc and "0.95" in doc and "Monte-Carlo" in doc
+    doc = rlkernels.group_advantages.__doc__
+    assert "divides" in doc and "index" in doc and "[N]" in doc
+    assert "bool or 0/1" in rlkernels.masked_whiten.__doc__
 
 
 # ---------------------------------------------------------------- ahead-of-time builds
