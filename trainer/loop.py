@@ -86,6 +86,8 @@ def masked_whiten_global(x, mask, eps: float = 1e-8) -> torch.Tensor:
 
 # fields a checkpoint cannot be resumed under once changed: other models, another optimizer layout
 RESUME_FIXED = ("algo", "model", "critic_model", "tiny_hidden", "tiny_layers")
+# fields whose change on resume is not worth a line: how this invocation starts and displays, not what it trains
+_NOT_HYPERPARAMETERS = ("resume", "overwrite", "progress", "plot")
 
 
 def check_output_dir(cfg: TrainConfig) -> list[str]:
@@ -107,7 +109,7 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
                 raise ConfigError(f"{name}: {path} was trained with {saved[name]!r}; resume with that, or start a new "
                                   f"run in another output_dir (got {now[name]!r})")
         return [f"resume: {name} changed: {saved[name]!r} -> {value!r}" for name, value in now.items()
-                if name in saved and name not in ("resume", "overwrite") and saved[name] != value]
+                if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
     used = checkpoint.run_files(out)
     if used and not cfg.overwrite:
         raise ConfigError(f"output_dir: {out} holds an earlier run ({', '.join(used)}); --resume continues it, "
