@@ -155,11 +155,12 @@ def test_resume_equals_uninterrupted(tmp_path):
 def _designed_batch(tr, step: int = 1):
     """A rollout built by design, not sampled: the same in every process and on every machine.
 
-    The step's real prompts (left-padded by the tokenizer) with four kinds of completion,
-    cycling over the batch: the answer then EOS (exact_format reward 1), a wrong digit then
-    EOS (0.1), the answer amid other tokens with no EOS (0.5), no digit (0). Every group of
-    2 or 4 therefore holds different rewards (nonzero GRPO advantages, nonzero PPO returns)
-    and the response lengths differ (2 and 3 tokens), whatever sampling would have given.
+    The step's real prompts (left-padded by the tokenizer) with four kinds of completion: the
+    answer then EOS (exact_format reward 1), a wrong digit then EOS (0.1), the answer amid other
+    tokens with no EOS (0.5), no digit (0). The first half of the batch cycles over all four, the
+    second half over the first two only. Every group of 2 or 4 therefore holds different rewards
+    (nonzero GRPO advantages, nonzero PPO returns), and the two halves (the two processes' shards)
+    hold different numbers of tokens, whatever sampling would have given.
     """
     cfg, tok = tr.cfg, tr.tokenizer
     R = 3
@@ -174,9 +175,9 @@ def _designed_batch(tr, step: int = 1):
     rows, lengths = [], []
     for i, a in enumerate(answers):
         wrong = str((int(a) + 1) % 10)
-        kind = [[a, "<eos>", "<pad>"], [wrong, "<eos>", "<pad>"], [a, "+", "="], ["+", "=", "+"]][i % 4]
-        rows.append(ids_of(kind))
-        lengths.append(2 if i % 4 < 2 else 3)
+        k = i % 4 if i < len(answers) // 2 else i % 2
+        rows.append(ids_of([[a, "<eos>", "<pad>"], [wrong, "<eos>", "<pad>"], [a, "+", "="], ["+", "=", "+"]][k]))
+        lengths.append(2 if k < 2 else 3)
     response = torch.tensor(rows)  # [B, R]
     mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]  # [B, R]
     batch = Rollout(
@@ -266,7 +267,9 @@ def _ddp_matches_single(tmp_path, **over):
     single = Trainer(from_dict(cfg_dict))
     start = [p.detach().clone() for p in _trained(single)]
     batch = _global_batch(single)
-    assert int(batch.mask.sum(-1).min()) != int(batch.mask.sum(-1).max())  # uneven lengths: token-mean rescaling matters
+    half = batch.ids.shape[0] // 2
+    # the processes hold different numbers of tokens (by design): the global token-mean rescaling matters
+    assert int(batch.mask[:half].sum()) != int(batch.mask[half:].sum())
     single.update(batch, 1)
     want, want_grads = _params_and_grads(single)
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict), nprocs=2, join=True)
