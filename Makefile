@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(LOCK) tools/constraints.sh
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/rlkernels-train
+	$(VENV)/bin/rlkernels-train --overwrite  # the default output folder runs/default is reused
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
