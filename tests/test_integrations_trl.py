@@ -236,3 +236,32 @@ def test_two_optimizer_steps_end_to_end(tokenizer, base_model, dataset, tmp_path
     assert "reward" in logged[0] and "completions/mean_length" in logged[0]
     changed = [n for n, p in tr.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed, "no parameter moved in two optimizer steps"
+
+
+def test_grpo_on_the_bundled_smollm2(smollm2_dir, dataset, tmp_path):
+    """The README's path for the SmolLM2 this package ships: TRL refuses the GGUF itself (quantized), so
+    rlkernels.hf.dequantized_smollm2() saves a plain copy once; TRL loads the policy and, with beta != 0, the
+    reference model from that path, and two optimizer steps run through the rlkernels head and loss."""
+    args = make_args(tmp_path, loss_type="dapo", beta=0.04, per_device_train_batch_size=2, num_generations=2,
+                     max_completion_length=4, learning_rate=1e-5,
+                     gradient_checkpointing=False)  # TRL's default recomputes the 30-layer forward: slower on CPU
+    tr = RLKernelsGRPOTrainer(model=smollm2_dir, reward_funcs=reward_len, args=args, train_dataset=dataset)
+    assert tr.ref_model is not None and tr.model.config.vocab_size == 49152
+    watched = ("model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight")
+    params = dict(tr.model.named_parameters())
+    before = {n: params[n].detach().clone() for n in watched}
+    out = tr.train()
+    assert tr.state.global_step == 2
+    assert torch.isfinite(torch.tensor(out.training_loss))
+    logged = [h for h in tr.state.log_history if "kl" in h]
+    assert len(logged) == 2 and all(h["kl"] == h["kl"] and h["entropy"] == h["entropy"] for h in logged)
+    assert any(not torch.equal(params[n].detach(), before[n]) for n in watched), "no parameter moved"
+
+
+def test_lazy_attribute_reaches_the_adapter():
+    import subprocess
+    import sys
+
+    code = "import rlkernels; assert rlkernels.integrations.trl.RLKernelsGRPOTrainer.__name__ == 'RLKernelsGRPOTrainer'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

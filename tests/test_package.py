@@ -99,3 +99,40 @@ def test_public_functions_survive_importing_their_modules():
     for name, module in rlkernels._EXPORTS.items():
         importlib.import_module(module)
         assert callable(getattr(rlkernels, name)) and not isinstance(getattr(rlkernels, name), type(rlkernels)), name
+
+
+def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
+    """`make test` ends with one summary line; the per-configuration table is in the file it names."""
+    import types
+
+    import rlkernels
+    from tests import conftest
+
+    def report(label, arch, spill):
+        return types.SimpleNamespace(label=label, arch=arch, aligned=False, registers=64, spill_bytes=spill,
+                                     shared_bytes=1024, widest_load_bytes=16)
+
+    fake = types.SimpleNamespace(COMPILED=[report("softmax fwd", 90, 0), report("softmax fwd", 80, 0),
+                                           report("linear bwd", 90, 8)])
+    monkeypatch.setitem(sys.modules, "rlkernels._aot", fake)
+    monkeypatch.setattr(rlkernels, "_aot", fake, raising=False)
+    path = tmp_path / "reports" / "aot.txt"
+    monkeypatch.setenv("RLKERNELS_AOT_REPORT", str(path))
+
+    class Reporter:
+        def __init__(self):
+            self.lines = []
+
+        def write_line(self, line, **kw):
+            self.lines.append(line)
+
+        def section(self, title, **kw):
+            self.lines.append(title)
+
+    screen = Reporter()
+    conftest.pytest_terminal_summary(screen)
+    assert screen.lines == [f"3 Triton configurations compiled (sm_80/sm_90), 1 spill; table: {path}"]
+    table = path.read_text().splitlines()
+    assert len(table) == 5 and table[-1] == "1 of 3 spill"
+    assert [line.split()[0] for line in table[1:4]] == ["sm_90", "sm_80", "sm_90"]  # sorted by label, then arch
+    assert "8 B spilled" in table[1] and table[1].endswith("linear bwd")

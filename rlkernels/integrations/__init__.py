@@ -7,3 +7,18 @@
 
 Nothing is imported here: importing this package never imports trl, verl or transformers.
 """
+
+_ADAPTERS = ("trl", "verl")
+
+
+def __getattr__(name: str):
+    """``rlkernels.integrations.trl`` / ``.verl`` without an explicit import (imported on first access)."""
+    if name in _ADAPTERS:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(_ADAPTERS)
