@@ -35,20 +35,39 @@ def logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
 ):
-    """``log_softmax(logits / T)[labels]`` (and the entropy of that softmax); 0 where ``labels == ignore_index``."""
-    z = _up(logits) / temperature  # [..., V]
-    logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
-    valid = labels != ignore_index  # [...]
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [...]
-    logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [...]
-    logp = torch.where(valid, logp, torch.zeros_like(logp))
-    if not return_entropy:
-        return logp
-    # p log p -> 0 where p = 0 (a -inf logit, e.g. a masked vocabulary entry), never 0 * -inf = NaN
-    finite_logp = logp_all.clamp(min=torch.finfo(logp_all.dtype).min)  # [..., V]
-    entropy = -(logp_all.exp() * finite_logp).sum(-1)  # [...]
-    entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
-    return logp, entropy
+    """``log_softmax(logits / T)[labels]`` (and the entropy of that softmax); 0 where ``labels == ignore_index``.
+
+    - Positions with ``labels == ignore_index`` give 0 in both outputs and exactly zero gradient, whatever
+      their logits hold (NaN, ±inf).
+    - A ``-inf`` logit is a token of probability 0: its ``p log p`` is 0 (never ``0 · -inf``), in the value
+      and in the gradient.
+    - A label outside ``[0, V)`` gives NaN for that position (outputs and its row's gradient), as the kernels
+      do on a GPU, where nothing can raise; ``rlkernels.logprobs`` raises for it on the CPU.
+    - Labels of any integer dtype; computes in float32 (float64 for float64 logits) under any autocast.
+    """
+    from rlkernels._backend import float32_compute
+
+    with float32_compute(logits.device):
+        labels = labels.long()  # [...]: gather reads int64; widening first keeps narrow dtypes' values
+        valid = labels != ignore_index  # [...]
+        in_range = (labels >= 0) & (labels < logits.shape[-1])  # [...]
+        # an ignored position's logits are replaced before any arithmetic: nothing there reaches an output or a gradient
+        z = torch.where(valid.unsqueeze(-1), _up(logits) / temperature, 0.0)  # [..., V]
+        # a label out of range adds NaN to its row: NaN outputs and NaN gradients for that row only
+        z = z + torch.where(valid & ~in_range, float("nan"), 0.0).unsqueeze(-1).to(z.dtype)  # [..., V]
+        logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
+        safe = torch.where(valid & in_range, labels, 0)  # [...]
+        logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # [...]
+        logp = torch.where(valid, logp, 0.0)  # [...]
+        if not return_entropy:
+            return logp
+        p = logp_all.exp()  # [..., V]
+        # p log p = 0 where p = 0 (a -inf logit). Both wheres are needed: the inner one keeps -inf out of the
+        # product, so its gradient is never 0 · -inf either. NaN compares != 0, so NaN propagates.
+        nonzero = p != 0  # [..., V]
+        p_log_p = torch.where(nonzero, p * torch.where(nonzero, logp_all, 0.0), 0.0)  # [..., V]
+        entropy = torch.where(valid, -p_log_p.sum(-1), 0.0)  # [...]
+        return logp, entropy
 
 
 def linear_logprobs(
@@ -61,11 +80,15 @@ def linear_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
 ):
-    """:func:`logprobs` of ``hidden @ weight.T + bias``, with the product accumulated in the compute dtype."""
+    """:func:`logprobs` of ``hidden @ weight.T + bias``, with the product accumulated in the compute dtype
+    (also under ``torch.autocast``, which would otherwise run the matmul in 16 bits)."""
+    from rlkernels._backend import float32_compute
+
     dtype = compute_dtype(hidden)
-    logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
-    if bias is not None:
-        logits = logits + bias.to(dtype)
+    with float32_compute(hidden.device):
+        logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
+        if bias is not None:
+            logits = logits + bias.to(dtype)  # [..., V]
     return logprobs(logits, labels, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index)
 
 

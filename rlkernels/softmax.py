@@ -7,11 +7,21 @@ here each row is reduced in vocabulary blocks:
 
 - forward: one read of the row, an online log-sum-exp and an online
   ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``), giving
-  ``lse = m + log s`` and ``H = log s - w / s``. Only ``lse`` and ``H`` (O(N))
-  are kept for the backward.
+  ``log p_y = (z_y - m) - log s`` and ``H = log s - w / s`` (``z = logits/T``).
+  Each row's max logit ``x_max`` (``m = x_max/T``) and shifted sum
+  ``s = Σ e^(z-m)`` (``stats`` ``[..., 2]``, the same layout and values in
+  every backend) and ``H`` are kept for the backward: O(N).
 - backward: one more read of the row, one write of ``dlogits`` in the logits
   dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T``, with
-  ``1 - p_y`` formed as ``-expm1(log p_y)``.
+  ``p_j = e^(z_j - m) / s`` (never ``e^(z_j - lse)`` from one float32 ``lse``,
+  which loses ``ulp(|lse|)`` at large logits) and ``1 - p_y`` formed as
+  ``-expm1(log p_y)``; ``p log p`` is 0 where ``p = 0`` (a -inf logit).
+
+Returned values lie in their valid range (``log p <= 0``, ``H >= 0``; round-off
+on confident rows could leave them a few ulps outside); the backward uses the
+unclamped formulas. Ignored positions give 0 and zero gradient whatever their
+logits hold; a label out of ``[0, V)`` raises on the CPU and gives NaN on a GPU.
+Everything computes in float32 (float64 for float64 logits) under any autocast.
 
 Backends: ``triton`` (CUDA; Triton's interpreter on CPU tensors), ``torch``
 (chunked over rows so a chunk's float32 workspace stays small), ``reference``
@@ -25,6 +35,8 @@ the backward is the same multiply-add, ``exp2``, and a multiply into ``dlogits``
 (plus a multiply-add for the entropy term, which it skips when the entropy's
 upstream gradient is None or zero). It keeps each row's shift and sum rather
 than their log-sum-exp, so ``log p`` keeps the relative precision of ``z - max``.
+Where ``max·log2(e)`` would overflow float32 (``|logits/T| > 2.4e38``) the rows
+are shifted in natural units first.
 """
 from __future__ import annotations
 
@@ -74,7 +86,7 @@ if HAS_TRITON:
         labels_ptr,  # [N] int64, N = O * I
         logp_ptr,  # [N] fp32
         entropy_ptr,  # [N] fp32
-        lse_ptr,  # [N] fp32, saved for the backward
+        stats_ptr,  # [N, 2] fp32, saved for the backward: (max logit, Σ e^(z - max z)); (0, 1) on ignored rows
         stride_outer,
         stride_inner,
         inner,  # I: rows per outer index
@@ -91,13 +103,16 @@ if HAS_TRITON:
         # ignored rows run zero iterations: their logits are never read
         v_end = tl.where(valid, V, 0)
         cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        m = tl.full([], float("-inf"), tl.float32)  # running max of z
+        x_max = tl.full([], float("-inf"), tl.float32)  # running max logit (saved: the torch backend's shift)
+        m = tl.full([], float("-inf"), tl.float32)  # running max of z = x / T
         s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m)
         w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
         for start in range(0, v_end, BLOCK_V):
             offs = start + cols  # [BLOCK_V]
-            z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_temp  # [BLOCK_V]
-            m_new = tl.maximum(m, _block_max(z))
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+            z = x * inv_temp  # [BLOCK_V]
+            x_max = tl.maximum(x_max, _block_max(x))
+            m_new = x_max * inv_temp  # = the max of z: rounding is monotone
             # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
@@ -110,9 +125,11 @@ if HAS_TRITON:
             s = alpha * s + _block_sum(e)
             m = m_new
         s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
-        m = tl.where(valid, m, 0.0)
+        # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
+        keep = valid & (x_max != float("-inf"))
+        x_max = tl.where(keep, x_max, 0.0)
+        m = tl.where(keep, m, 0.0)
         log_s = tl.log(s)
-        lse = m + log_s
         entropy = log_s - w / s
         # the chosen logit, read in float32 from the row itself; never read out of bounds
         safe_label = tl.where(valid & in_range, label, 0)
@@ -120,21 +137,36 @@ if HAS_TRITON:
         # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
         # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
         logp = (z_y - m) - log_s
+        # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
+        # valid range; comparisons are false for NaN, so NaN stays NaN
+        logp = tl.where(logp > 0, 0.0, logp)
+        entropy = tl.where(entropy < 0, 0.0, entropy)
         bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
         logp = tl.where(bad, float("nan"), logp)
         entropy = tl.where(bad, float("nan"), entropy)
-        lse = tl.where(bad, float("nan"), lse)
+        x_max = tl.where(bad, float("nan"), x_max)
+        s = tl.where(bad, float("nan"), s)
         tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
         tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
-        tl.store(lse_ptr + row, tl.where(valid, lse, 0.0))
+        tl.store(stats_ptr + 2 * row, x_max)
+        tl.store(stats_ptr + 2 * row + 1, s)
+
+    @jit
+    def _bf16_round_bits(x):
+        """float32 ``x`` rounded to the nearest bfloat16 (ties to even), still as float32, so that a
+        truncating cast to bf16 is exact: the interpreter's cast truncates (2x the GPU's error). A carry
+        may reach inf, as the GPU's rounding does; NaN of any payload (the GPU's canonical 0x7FFFFFFF
+        would carry into the sign bit and become -0.0) is returned as a NaN that truncates to NaN."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(x != x, float("nan"), rounded)
 
     @jit
     def _logprobs_bwd_kernel(
         logits_ptr,  # [O, I, V] as in the forward
         labels_ptr,  # [N] int64
-        lse_ptr,  # [N] fp32
+        stats_ptr,  # [N, 2] fp32 from the forward: (max logit, Σ e^(z - max z))
         entropy_ptr,  # [N] fp32
-        logp_ptr,  # [N] fp32, the forward's output log p_y
         g_logp_ptr,  # [N] fp32
         g_entropy_ptr,  # [N] fp32
         dlogits_ptr,  # [N, V] contiguous, the logits dtype
@@ -145,36 +177,43 @@ if HAS_TRITON:
         inv_temp,
         ignore_index,
         BLOCK_V: tl.constexpr,
+        INTERPRETED: tl.constexpr,  # running under Triton's interpreter (CPU tensors)
     ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
         out_ptr = dlogits_ptr + row * V
         label = tl.load(labels_ptr + row)
         valid = label != ignore_index
-        lse = tl.load(lse_ptr + row)
+        in_range = (label >= 0) & (label < V)
+        m = tl.load(stats_ptr + 2 * row) * inv_temp  # the max of z, as the forward formed it
+        s = tl.load(stats_ptr + 2 * row + 1)
+        log_s = tl.log(s)
+        inv_s = 1.0 / s
         ent = tl.load(entropy_ptr + row)
         g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
         g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
-        one_minus_p_y = -_expm1(tl.load(logp_ptr + row))  # 1 - p_y without cancellation when p_y ≈ 1
+        # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
+        safe_label = tl.where(valid & in_range, label, 0)
+        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
+        one_minus_p_y = -_expm1((z_y - m) - log_s)
         v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
         cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
             offs = start + cols  # [BLOCK_V]
             mask = offs < V
-            x = tl.load(row_ptr + offs, mask=offs < v_read, other=0.0).to(tl.float32)  # [BLOCK_V]
-            logp = x * inv_temp - lse  # [BLOCK_V]
-            p = tl.exp(logp)  # [BLOCK_V]
-            # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf)
+            # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
+            x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+            # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
+            d = x * inv_temp - m  # [BLOCK_V]
+            p = tl.exp(d) * inv_s  # [BLOCK_V]
+            logp = d - log_s  # [BLOCK_V]
+            # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
             d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
-            d = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent
-            d = tl.where(valid, d * inv_temp, 0.0)
-            if dlogits_ptr.dtype.element_ty == tl.bfloat16:
-                # round to nearest even in the bits, so the cast below is exact: the GPU
-                # rounds that way anyway, Triton's interpreter would truncate (2x the error)
-                bits = d.to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                d = bits.to(tl.float32, bitcast=True)
-            tl.store(out_ptr + offs, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+            g = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent  # [BLOCK_V]
+            g = tl.where(valid, g * inv_temp, 0.0)
+            if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
+                g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
+            tl.store(out_ptr + offs, g.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- launcher
@@ -225,27 +264,29 @@ def _launch_config(V: int) -> _LaunchConfig:
 def _fwd_signature(dtype: str) -> dict:
     return {
         "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
-        "lse_ptr": "*fp32", "stride_outer": "i64", "stride_inner": "i64", "inner": "i32", "V": "i32",
+        "stats_ptr": "*fp32", "stride_outer": "i64", "stride_inner": "i64", "inner": "i32", "V": "i32",
         "inv_temp": "fp32", "ignore_index": "i64", "BLOCK_V": "constexpr",
     }  # fmt: skip
 
 
 def _bwd_signature(dtype: str) -> dict:
     return {
-        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "lse_ptr": "*fp32", "entropy_ptr": "*fp32",
-        "logp_ptr": "*fp32", "g_logp_ptr": "*fp32", "g_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "stride_outer": "i64",
+        "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "stats_ptr": "*fp32", "entropy_ptr": "*fp32",
+        "g_logp_ptr": "*fp32", "g_entropy_ptr": "*fp32", "dlogits_ptr": f"*{dtype}", "stride_outer": "i64",
         "stride_inner": "i64", "inner": "i32", "V": "i32", "inv_temp": "fp32", "ignore_index": "i64",
-        "BLOCK_V": "constexpr",
+        "BLOCK_V": "constexpr", "INTERPRETED": "constexpr",
     }  # fmt: skip
 
 
 def aot_configs() -> list[KernelConfig]:
-    """Every (kernel, dtype, BLOCK_V, warps, stages) the launcher can pick."""
+    """Every (kernel, dtype, BLOCK_V, warps, stages) the launcher can pick on a GPU (compiled, so the
+    backward's ``INTERPRETED`` is False)."""
     out = []
     for dtype in _TRITON_DTYPES.values():
         for cfg in _LAUNCH_CONFIGS:
-            for kernel, signature in ((_logprobs_fwd_kernel, _fwd_signature(dtype)), (_logprobs_bwd_kernel, _bwd_signature(dtype))):
-                out.append(KernelConfig(kernel, signature, {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
+            out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
+            constexprs = {"BLOCK_V": cfg.block_v, "INTERPRETED": False}
+            out.append(KernelConfig(_logprobs_bwd_kernel, _bwd_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages))
     return out
 
 
@@ -279,16 +320,6 @@ def _row_chunks(rows: torch.Tensor, chunk: int):
             yield o * I + i, rows[o, i : i + chunk]  # [c, V]
 
 
-def _check_labels_cpu(labels: torch.Tensor, V: int, ignore_index: int) -> None:
-    """On the CPU a label out of [0, V) raises (no device sync to pay); on a GPU it gives NaN."""
-    if labels.device.type != "cpu" or labels.numel() == 0:
-        return
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))  # [...]
-    if bool(bad.any()):
-        first = labels[bad][0].item()
-        raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}; found {first}")
-
-
 def _out_dtype(logits: torch.Tensor) -> torch.dtype:
     return reference.compute_dtype(logits)
 
@@ -297,16 +328,41 @@ def _chunk_rows(V: int, dtype: torch.dtype) -> int:
     return max(1, _CHUNK_BYTES // (V * dtype.itemsize))
 
 
+def _base2_exponents(x, m, temperature: float, out):
+    """``out = (x - m)·log2(e)/T`` [c, V]: each logit's base-2 exponent ``u`` (``p = 2^u / s``), from the rows
+    ``x`` [c, V] in the compute dtype (``out`` itself may hold them) and each row's max logit ``m`` [c, 1].
+
+    Subtracting the max first makes ``u`` exactly 0 at the max and exact near it (as eager's ``z - max``),
+    at any magnitude: a fused ``x·(log2e/T) - m·log2e`` leaves its rounding residual at the max, up to
+    ``ulp(m·log2e/T)``, which ``2^u`` cannot absorb once ``|m/T|`` passes ~1e9, and ``m·log2e`` itself
+    overflows float32 past 2.4e38 (bf16 logits reach 3.4e38). A difference that overflows is a
+    probability that is exactly 0. The forward and the backward call this one function, so both see
+    the same exponents bit for bit."""
+    torch.sub(x, m, out=out)  # [c, V] <= 0
+    return out.mul_(_LOG2E / temperature)
+
+
+def _finish(logp, entropy, stats, valid, bad):
+    """The values every backend returns: ``log p <= 0`` and ``H >= 0`` (round-off on confident rows can leave
+    them a few ulps outside; ``clamp`` keeps NaN), NaN for a label out of range, 0 and statistics (0, 1) on
+    ignored rows. ``logp``, ``entropy``, ``valid``, ``bad`` [N]; ``stats`` [N, 2]."""
+    nan = torch.full_like(logp, float("nan"))  # [N]
+    zero = torch.zeros_like(logp)  # [N]
+    logp = torch.where(valid, torch.where(bad, nan, logp.clamp(max=0.0)), zero)  # [N]
+    entropy = torch.where(valid, torch.where(bad, nan, entropy.clamp(min=0.0)), zero)  # [N]
+    ignored_stats = torch.tensor([0.0, 1.0], dtype=stats.dtype, device=stats.device)  # [2]
+    stats = torch.where(valid[:, None], torch.where(bad[:, None], nan[:, None], stats), ignored_stats)  # [N, 2]
+    return logp, entropy, stats
+
+
 def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_entropy: bool):
     """Chunked over rows; a chunk's workspace is two [c, V] buffers of <= _CHUNK_BYTES each,
-    allocated once. Per chunk: max, one fused scale-and-shift, exp2, sum (+ multiply, sum for H).
+    allocated once. Per chunk: max, shift, scale, exp2, sum (+ multiply, sum for H).
 
-    Returns ``(logp, entropy, stats, floor)``: ``stats`` [..., 2] holds each row's shift
-    ``m = max(z)·log2e`` and ``s = Σ 2^(z·log2e - m)`` (so ``lse = (m + log2 s)·ln 2``), which the
-    backward uses as they are: it subtracts ``m`` and divides by ``s`` separately, so log p keeps
-    the relative precision of ``z - max`` rather than the absolute one of ``lse``. ``floor`` marks
-    rows with a zero probability (a -inf logit): the only rows whose ``p log p`` needs the
-    0 · -inf guard.
+    Returns ``(logp, entropy, stats)``: ``stats`` [..., 2] holds each row's max logit ``m`` and shifted
+    sum ``s = Σ e^((x - m)/T)``, which the backward uses as they are: it shifts by ``m`` and divides by
+    ``s`` separately, so log p keeps the relative precision of ``z - max`` rather than the absolute one
+    of a log-sum-exp. Without ``with_entropy`` the entropy is zeros (not computed).
     """
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
@@ -321,25 +377,21 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
     logp = torch.empty(N, dtype=cdt, device=dev)  # [N]
     entropy = torch.empty(N, dtype=cdt, device=dev) if with_entropy else torch.zeros(N, dtype=cdt, device=dev)  # [N]
     stats = torch.empty(N, 2, dtype=cdt, device=dev)  # [N, 2] (m, s)
-    # without the entropy nothing looks for -inf logits: every row is marked (its backward has no p log p term)
-    floor = torch.zeros(N, dtype=torch.bool, device=dev) if with_entropy and on_cpu else torch.ones(N, dtype=torch.bool, device=dev)  # [N]
-    scale = _LOG2E / temperature  # z·log2e = x·log2e / T
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
     z_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
     e_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
-    for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
-        c = x.shape[0]
+    for r0, x_in in _row_chunks(rows, chunk):  # x_in: [c, V]
+        c = x_in.shape[0]
         r1 = r0 + c
         z, e = z_ws[:c], e_ws[:c]  # [c, V]
-        if x.dtype != cdt:
-            x = z.copy_(x)  # one upcast; everything below reads the compute dtype
-        m = x.amax(dim=-1, keepdim=True).mul_(scale)  # [c, 1] the shift: max(z)·log2e, up to one rounding
+        x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] one upcast; everything below reads the compute dtype
+        m = x.amax(dim=-1, keepdim=True)  # [c, 1] the max logit
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: no -inf - -inf
-        torch.add(m.neg(), x, alpha=scale, out=z)  # [c, V] z·log2e - m in one fused multiply-add, <= ~0
+        _base2_exponents(x, m, temperature, z)  # [c, V] u = (x - m)·log2e/T <= 0
         torch.exp2(z, out=e)  # [c, V] unnormalized probabilities
         s = e.sum(-1)  # [c]
         log_s = torch.log(s)  # [c]
-        # log p_y = (z_y - max) - log s: exactly -log s when y is the max at T = 1, as in the Triton kernel
+        # log p_y = (z_y - max) - log s: the backward forms it the same way (_torch_backward)
         logp[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1).mul_(_LN2).sub_(log_s)
         stats[r0:r1, 0] = m.squeeze(-1)
         stats[r0:r1, 1] = s
@@ -347,30 +399,25 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
             continue
         if not on_cpu:
             z.clamp_(min=_LOG_P_FLOOR)  # p (z - m) = 0 where p = 0; NaN stays NaN (no device sync to decide)
-        w = torch.mul(e, z, out=e).sum(-1)  # [c] Σ 2^z z
+        w = torch.mul(e, z, out=e).sum(-1)  # [c] Σ 2^u u
         zero_p = torch.isnan(w)  # [c] a -inf logit gave 0 · -inf (or the row has a NaN: it stays NaN)
         if on_cpu and bool(zero_p.any()):
-            floor[r0:r1] = zero_p
             zf = z[zero_p].clamp_(min=_LOG_P_FLOOR)  # [k, V] only the rows that need it, recomputed
             w[zero_p] = torch.exp2(zf).mul_(zf).sum(-1)
         entropy[r0:r1] = log_s - w.div_(s).mul_(_LN2)  # H = log s - Σ p (z - max)
-    bad = valid & ~in_range  # [N]
-    nan = torch.full_like(logp, float("nan"))  # [N]
-    stats = torch.where(bad[:, None], nan[:, None], stats)
-    logp = torch.where(valid, torch.where(bad, nan, logp), torch.zeros_like(logp))
-    entropy = torch.where(valid, torch.where(bad, nan, entropy), torch.zeros_like(entropy))
+    logp, entropy, stats = _finish(logp, entropy, stats, valid, valid & ~in_range)
     shape = labels.shape
-    return logp.view(shape), entropy.view(shape), stats.view(*shape, 2), floor.view(shape)
+    return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
 
 
-def _torch_backward(logits, labels, stats, entropy, logp, floor, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
     """dz = p (a + b log p) per row with a = -(g_logp + g_H H)/T, b = -g_H/T (a = -g_logp/T, b = 0
     without an entropy gradient); the label's entry then replaced by
-    [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y).
+    [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y) (its entropy term 0 where p_y = 0).
 
-    With u = z·log2e - m (``stats``), p = 2^u / s and log p = u ln 2 - log s, so
-    dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: one fused
-    scale-and-shift to u, exp2, (a multiply and an add), one multiply into dlogits."""
+    With u = (x - m)·log2e/T (the forward's :func:`_base2_exponents`), p = 2^u / s and log p = u ln 2 - log s,
+    so dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: a shift and a scale
+    to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -389,37 +436,43 @@ def _torch_backward(logits, labels, stats, entropy, logp, floor, g_logp, g_entro
     g_h = None if g_entropy is None else torch.where(valid, g_entropy.reshape(-1).to(cdt), zero)  # [N]
     if g_h is not None and on_cpu and not bool(g_h.any()):
         g_h = None  # an all-zero entropy gradient (e.g. the entropy was unused): the cheaper formula
-    stats, ent, lp, floor = stats.reshape(N, 2), entropy.reshape(-1), logp.reshape(-1).to(cdt), floor.reshape(-1)
-    neg_m, s = stats[:, 0].neg(), stats[:, 1]  # [N]
-    one_minus_p_y = -torch.expm1(lp)  # [N] without cancellation when p_y ≈ 1
+    stats, ent = stats.reshape(N, 2), entropy.reshape(-1).to(cdt)  # [N, 2], [N]
+    m, s = stats[:, 0:1], stats[:, 1]  # [N, 1] max logit, [N] shifted sum
+    log_s = torch.log(s)  # [N]
     if g_h is None:
         a = g_l / (-temperature * s)  # [N] a'
         b = None
-        d_y = g_l * one_minus_p_y / temperature  # [N]
     else:
-        log_s = torch.log(s)  # [N]
         a = (g_l + g_h * (ent - log_s)) / (-temperature * s)  # [N] a' = (a - b log s)/s
         b = g_h * (_LN2 / -temperature) / s  # [N] b'
-        d_y = (g_l * one_minus_p_y - g_h * torch.exp(lp) * (lp + ent)) / temperature  # [N]
-    scale = _LOG2E / temperature
+    u_y = torch.empty(N, dtype=cdt, device=dev)  # [N] the label's exponent, as the forward had it
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
     z_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
     e_ws = torch.empty(chunk, V, dtype=cdt, device=dev) if dlogits.dtype != cdt and b is not None else None
-    for r0, x in _row_chunks(rows, chunk):  # x: [c, V]
-        c = x.shape[0]
+    for r0, x_in in _row_chunks(rows, chunk):  # x_in: [c, V]
+        c = x_in.shape[0]
         r1 = r0 + c
         out = d_rows[r0:r1]  # [c, V]
         z = z_ws[:c]  # [c, V]
-        torch.add(neg_m[r0:r1, None], x, alpha=scale, out=z)  # [c, V] u, one fused multiply-add
+        x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] as in the forward (a vectorized upcast)
+        _base2_exponents(x, m[r0:r1], temperature, z)  # [c, V] u
+        u_y[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1)
         if b is None:
             torch.mul(z.exp2_(), a[r0:r1, None], out=out)  # [c, V] -g p / T, cast once into dlogits
             continue
         e = out if e_ws is None else e_ws[:c]  # [c, V] 2^u, in dlogits itself when it has the compute dtype
         torch.exp2(z, out=e)
-        if not on_cpu or bool(floor[r0:r1].any()):
-            z.clamp_(min=_LOG_P_FLOOR)  # p log p = 0 where p = 0 (a -inf logit); NaN stays NaN
+        z.clamp_(min=_LOG_P_FLOOR)  # p log p = 0 where p = 0 (a -inf logit); NaN stays NaN
         z.mul_(b[r0:r1, None]).add_(a[r0:r1, None])  # [c, V] a' + b' u
         torch.mul(z, e, out=out)  # [c, V] cast once into dlogits
+    # the label entries: log p_y bit for bit as the forward formed it (before its clamp to <= 0)
+    lp = u_y.mul_(_LN2).sub_(log_s)  # [N]
+    d_y = g_l * -torch.expm1(lp)  # [N] g (1 - p_y), without cancellation when p_y ≈ 1
+    if g_h is not None:
+        p_y = torch.exp(lp)  # [N]
+        # p_y (log p_y + H) is 0 where p_y = 0 (a -inf label logit), never 0 · -inf; NaN stays NaN
+        d_y = d_y - g_h * torch.where(p_y == 0, zero, p_y * (lp + ent))
+    d_y = d_y / temperature  # [N]
     # the label entries, then the ignored rows (exactly 0, even where their logits are NaN): one indexed write each
     flat = torch.arange(N, device=dev) * V + safe  # [N]
     d_rows.view(-1).index_put_((flat,), torch.where(valid, d_y, zero).to(dlogits.dtype))
@@ -432,25 +485,28 @@ def _torch_backward(logits, labels, stats, entropy, logp, floor, g_logp, g_entro
     return dlogits
 
 
-def _triton_forward(logits, labels, temperature: float, ignore_index: int):
+def _triton_forward(logits, labels, temperature: float, ignore_index: int, with_entropy: bool):
+    """The forward kernel; returns ``(logp, entropy, stats)`` as :func:`_torch_forward` does."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
     lab = labels.reshape(-1).to(torch.int64).contiguous()  # [N]
     logp = torch.empty(N, dtype=torch.float32, device=logits.device)  # [N]
     entropy = torch.empty_like(logp)  # [N]
-    lse = torch.empty_like(logp)  # [N]
+    stats = torch.empty(N, 2, dtype=torch.float32, device=logits.device)  # [N, 2] (m, s)
     if N:
         cfg = _launch_config(V)
         _logprobs_fwd_kernel.launch(
-            (N,), rows, lab, logp, entropy, lse, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            (N,), rows, lab, logp, entropy, stats, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
             BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+    if not with_entropy:
+        entropy.zero_()  # as the torch backend: the op's outputs do not depend on the backend
     shape = labels.shape
-    return logp.view(shape), entropy.view(shape), lse.view(shape)
+    return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
 
 
-def _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _triton_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -458,11 +514,12 @@ def _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temp
     if N:
         lab = labels.reshape(-1).to(torch.int64).contiguous()  # [N]
         flat = lambda t: t.reshape(-1).to(torch.float32).contiguous()  # noqa: E731  [N]
+        g_entropy = torch.zeros_like(g_logp) if g_entropy is None else g_entropy  # [...]
         cfg = _launch_config(V)
         _logprobs_bwd_kernel.launch(
-            (N,), rows, lab, flat(lse), flat(entropy), flat(logp), flat(g_logp), flat(g_entropy), dlogits,
-            rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            (N,), rows, lab, stats.reshape(N, 2).to(torch.float32).contiguous(), flat(entropy), flat(g_logp),
+            flat(g_entropy), dlogits, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            BLOCK_V=cfg.block_v, INTERPRETED=logits.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return dlogits
 
@@ -473,44 +530,39 @@ def _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temp
 @torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=())
 def _logprobs_fwd_op(
     logits: torch.Tensor,  # [..., V]
-    labels: torch.Tensor,  # [...]
+    labels: torch.Tensor,  # [...] int64
     temperature: float,
     ignore_index: int,
     backend: str,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(logp, entropy, stats, floor)``: ``logp``, ``entropy`` [...]; ``stats`` [..., k] and
-    ``floor`` [...] (bool) are what the same backend's backward needs: triton keeps the log-sum-exp
-    (k = 1), torch a row's shift and sum (k = 2) and its rows with a zero probability (see
-    :func:`_torch_forward`). Without ``with_entropy`` the torch backend skips the entropy (zeros)
-    and its backward ignores an entropy gradient."""
-    _check_labels_cpu(labels, logits.shape[-1], ignore_index)
-    if backend == "triton":
-        logp, entropy, lse = _triton_forward(logits, labels, temperature, ignore_index)
-        return logp, entropy, lse.unsqueeze(-1), torch.ones(labels.shape, dtype=torch.bool, device=logits.device)
-    return _torch_forward(logits, labels, temperature, ignore_index, with_entropy)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(logp, entropy, stats)``: ``logp``, ``entropy`` [...] and ``stats`` [..., 2], each row's
+    max logit and shifted sum ``Σ e^((x - max)/T)`` ((0, 1) on ignored rows, NaN for a label out
+    of range), the same layout and values (to float32 rounding) for every backend; the backward needs
+    only ``stats`` and ``entropy``. Without ``with_entropy`` the entropy is zeros and the backward ignores
+    an entropy gradient. On the CPU a label out of ``[0, V)`` raises here (inside the op, so also when
+    compiled)."""
+    _checks.labels(labels, logits.shape[-1], ignore_index)
+    forward = _triton_forward if backend == "triton" else _torch_forward
+    return forward(logits, labels, temperature, ignore_index, with_entropy)
 
 
 @_logprobs_fwd_op.register_fake
 def _(logits, labels, temperature, ignore_index, backend, with_entropy):
     dtype = _out_dtype(logits)
-    k = 1 if backend == "triton" else 2
     return (
         logits.new_empty(labels.shape, dtype=dtype),
         logits.new_empty(labels.shape, dtype=dtype),
-        logits.new_empty((*labels.shape, k), dtype=dtype),
-        logits.new_empty(labels.shape, dtype=torch.bool),
+        logits.new_empty((*labels.shape, 2), dtype=dtype),
     )
 
 
 @torch.library.custom_op("rlkernels::logprobs_bwd", mutates_args=())
 def _logprobs_bwd_op(
     logits: torch.Tensor,  # [..., V]
-    labels: torch.Tensor,  # [...]
-    stats: torch.Tensor,  # [..., k] from the forward
-    entropy: torch.Tensor,  # [...]
-    logp: torch.Tensor,  # [...]
-    floor: torch.Tensor,  # [...] bool
+    labels: torch.Tensor,  # [...] int64
+    stats: torch.Tensor,  # [..., 2] from the forward
+    entropy: torch.Tensor,  # [...] from the forward
     g_logp: torch.Tensor,  # [...]
     g_entropy: torch.Tensor | None,  # [...]; None: no entropy gradient
     temperature: float,
@@ -518,32 +570,30 @@ def _logprobs_bwd_op(
     backend: str,
 ) -> torch.Tensor:
     """Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
-    if backend == "triton":
-        g_entropy = torch.zeros_like(g_logp) if g_entropy is None else g_entropy
-        lse = stats[..., 0]  # [...]
-        return _triton_backward(logits, labels, lse, entropy, logp, g_logp, g_entropy, temperature, ignore_index)
-    return _torch_backward(logits, labels, stats, entropy, logp, floor, g_logp, g_entropy, temperature, ignore_index)
+    backward = _triton_backward if backend == "triton" else _torch_backward
+    return backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature, ignore_index)
 
 
 @_logprobs_bwd_op.register_fake
-def _(logits, labels, stats, entropy, logp, floor, g_logp, g_entropy, temperature, ignore_index, backend):
+def _(logits, labels, stats, entropy, g_logp, g_entropy, temperature, ignore_index, backend):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _setup_context(ctx, inputs, output):
     logits, labels, temperature, ignore_index, backend, with_entropy = inputs
-    logp, entropy, stats, floor = output
-    ctx.save_for_backward(logits, labels, stats, entropy, logp, floor)
+    logp, entropy, stats = output
+    ctx.save_for_backward(logits, labels, stats, entropy)
     ctx.options = (temperature, ignore_index, backend)
     ctx.with_entropy = with_entropy
 
 
-def _backward(ctx, g_logp, g_entropy, _g_stats, _g_floor):
-    logits, labels, stats, entropy, logp, floor = ctx.saved_tensors
-    g_logp = torch.zeros_like(logp) if g_logp is None else g_logp
+def _backward(ctx, g_logp, g_entropy, _g_stats):
+    logits, labels, stats, entropy = ctx.saved_tensors
+    g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp
     if not ctx.with_entropy:
         g_entropy = None  # the entropy output was zeros, not a function of the logits
-    dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, logp, floor, g_logp, g_entropy, *ctx.options)
+    with _backend.float32_compute(logits.device):
+        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *ctx.options)
     return dlogits, None, None, None, None, None
 
 
@@ -585,7 +635,7 @@ def logprobs(
         logits: ``[..., V]`` float32, bfloat16 or float16 (float64 computes in
             float64). Any leading shape; rows may be strided (``logits[:, :-1]``
             costs no copy); a last dim with stride != 1 is copied first.
-        labels: ``[...]`` integer token ids in ``[0, V)``, or ``ignore_index``.
+        labels: ``[...]`` integer token ids in ``[0, V)``, or ``ignore_index``; any integer dtype.
         temperature: divides the logits before the softmax; must be > 0.
         return_entropy: also return ``H = -Σ_j p_j log p_j`` of the same softmax.
         ignore_index: label value whose positions give 0 in both outputs and no gradient.
@@ -604,20 +654,23 @@ def logprobs(
             device sync, never an out-of-bounds read).
 
     Backend: ``RLKERNELS_BACKEND=triton|torch|reference`` forces one; by default
-    Triton on CUDA, chunked PyTorch on the CPU. NaN in ``logits`` propagates.
+    Triton on CUDA, chunked PyTorch on the CPU. NaN in ``logits`` propagates (to that
+    row only); ignored positions give 0 and zero gradient whatever their logits hold;
+    ``log p <= 0`` and ``H >= 0`` always. Computes in float32 under any ``torch.autocast``.
     """
     options = LogprobsOptions(temperature=temperature, ignore_index=int(ignore_index), return_entropy=bool(return_entropy))
     _validate(logits, labels, options)
-    backend = _backend.select(logits.device, supported=("reference", "torch", "triton"))
-    if backend == "reference":
-        if not torch.compiler.is_compiling():
-            _check_labels_cpu(labels, logits.shape[-1], options.ignore_index)
-        return reference.logprobs(
-            logits, labels, temperature=options.temperature, return_entropy=options.return_entropy, ignore_index=options.ignore_index
+    # float64 logits never reach Triton (float64 means float64 compute: the chunked PyTorch path does that)
+    backend = _backend.resolve(logits.device, ("reference", "torch", "triton"), logits.dtype)
+    with _backend.float32_compute(logits.device):
+        if backend == "reference":
+            if not torch.compiler.is_compiling():  # compiled, a bad label gives NaN there, as on a GPU
+                _checks.labels(labels, logits.shape[-1], options.ignore_index)
+            return reference.logprobs(
+                logits, labels, temperature=options.temperature, return_entropy=options.return_entropy, ignore_index=options.ignore_index
+            )
+        # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
+        logp, entropy, _ = torch.ops.rlkernels.logprobs_fwd(
+            logits, labels.long(), float(options.temperature), options.ignore_index, backend, options.return_entropy
         )
-    if backend == "triton" and logits.dtype not in _TRITON_DTYPES:
-        backend = "torch"  # float64 means float64 compute: the chunked PyTorch path does that
-    logp, entropy, _, _ = torch.ops.rlkernels.logprobs_fwd(
-        logits, labels, float(options.temperature), options.ignore_index, backend, options.return_entropy
-    )
     return (logp, entropy) if options.return_entropy else logp

@@ -4,13 +4,15 @@ Triton kernels run under the interpreter on CPU tensors, so shapes stay small.
 """
 from __future__ import annotations
 
+import math
+import re
 
 import pytest
 import torch
 
 import rlkernels
 from rlkernels import _memory, reference
-from tests.helpers import DTYPES, EAGER_SLACK, assert_close_to_truth, backends, forced_backend, noncontiguous
+from tests.helpers import DTYPES, EAGER_SLACK, REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
 
 from rlkernels import softmax as lp_module  # noqa: E402
 
@@ -106,7 +108,7 @@ def test_float64_computes_in_float64(backend):
         assert_close_to_truth(o, t, torch.float64, name=name)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 @pytest.mark.parametrize("peak", [4.0, 8.0])
 def test_peaked_distribution_label_gradient(backend, peak):
     """p_y close to 1 (1 - p_y ≈ 2e-4 and 5e-6): the label's gradient 1 - p_y is as precise
@@ -129,7 +131,7 @@ def test_peaked_distribution_label_gradient(backend, peak):
     assert rel <= EAGER_SLACK * eager_rel, (rel, eager_rel)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 def test_nan_propagates_and_empty_input(backend):
     logits, labels, _, _ = _make_inputs(600, (3,), torch.float32, "contiguous", seed=3)
     labels[1] = 5
@@ -142,7 +144,7 @@ def test_nan_propagates_and_empty_input(backend):
     assert empty[0].shape == (0,) and empty[1].shape == (0,)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 def test_masked_vocabulary_minus_inf(backend):
     """-inf logits (a masked vocabulary) are tokens of probability 0: finite entropy and gradient."""
     logits, labels, g_logp, _ = _make_inputs(5000, (3,), torch.float32, "contiguous", seed=4)
@@ -185,7 +187,7 @@ def test_torch_backend_many_chunks(monkeypatch, dtype, chunk_rows):
     assert torch.equal(out[2][ignored], torch.zeros_like(out[2][ignored]))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
     """Rows with -inf logits share chunks with ordinary rows: the p log p = 0 guard applies to them
     (finite entropy and gradient) and the other rows stay as exact as eager's."""
@@ -215,7 +217,7 @@ def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
     assert torch.equal(out[2][masked, :300], torch.zeros(2, 300))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 @pytest.mark.parametrize("unused", ["none", "zero"])
 def test_entropy_returned_but_not_differentiated(backend, unused):
     """With return_entropy=True and the entropy left out of the loss (upstream gradient None) or
@@ -236,7 +238,7 @@ def test_entropy_returned_but_not_differentiated(backend, unused):
     assert_close_to_truth(grad, ref_grad, torch.float32, name="dlogits")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 def test_ignored_row_with_nan_logits_is_exactly_zero(backend):
     logits, labels, g_logp, g_ent = _make_inputs(300, (4,), torch.float32, "contiguous", seed=14)
     logits[1] = float("nan")
@@ -257,6 +259,218 @@ def test_strided_rows_are_read_in_place():
     assert torch.equal(lp_module._as_rows(y).reshape(-1, 10), y.reshape(-1, 10))
 
 
+# ---------------------------------------------------------------- hostile input: every backend agrees with the math
+
+
+def _math(logits, labels, g_logp, g_ent, temperature=1.0, ignore_index=IGNORE):
+    """``(logp, entropy, dlogits)`` in float64 from DESIGN.md's formulas, written out here rather than through
+    any implementation: ``p = softmax(z/T)`` (exactly 0 where ``z = -inf``), ``H = -Σ_{p_j>0} p_j log p_j``,
+    ``d logp_y/dz_j = (δ_jy - p_j)/T``, ``dH/dz_j = -p_j (log p_j + H)/T``; ignored rows give 0."""
+    z = logits.double() / temperature  # [N, V]
+    logp_all = z - torch.logsumexp(z, -1, keepdim=True)  # [N, V], -inf where z = -inf
+    p = logp_all.exp()  # [N, V]
+    pos = p > 0  # [N, V]
+    H = -torch.where(pos, p * torch.where(pos, logp_all, 0.0), 0.0).sum(-1)  # [N]
+    valid = labels != ignore_index  # [N]
+    safe = torch.where(valid, labels, 0).long()  # [N]
+    logp = logp_all.gather(-1, safe[:, None]).squeeze(-1)  # [N]
+    onehot = torch.nn.functional.one_hot(safe, z.shape[-1]).double()  # [N, V]
+    d_ent = torch.where(pos, p * (torch.where(pos, logp_all, 0.0) + H[:, None]), 0.0)  # [N, V]
+    grad = (g_logp.double()[:, None] * (onehot - p) - g_ent.double()[:, None] * d_ent) / temperature  # [N, V]
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.where(valid, logp, zero), torch.where(valid, H, zero), torch.where(valid[:, None], grad, zero)
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_minus_inf_logits_with_large_entropy_gradient(backend, dtype):
+    """-inf logits are tokens of probability 0, also the label's own logit, and also with entropy upstream
+    gradients above 1 (the reference's clamp to finfo.min made the 0·(-inf) guard overflow there): finite
+    gradients equal to the math; a -inf label logit gives log p = -inf and gradient g_logp/T at that entry."""
+    V, T = 600, 0.8
+    logits, _, g_logp, _ = _make_inputs(V, (5,), dtype, "contiguous", seed=20)
+    logits[0, [5, 17, 300]] = float("-inf")  # row 0: its label (5) among them
+    logits[1, :250] = float("-inf")  # row 1: a masked vocabulary, label outside it
+    logits[3, 400:] = float("-inf")  # row 3: ignored, masked too
+    labels = torch.tensor([5, 260, 9, IGNORE, 599])
+    logits[4, 599] = float("-inf")  # row 4: label logit -inf at the last (partial-block) column
+    g_ent = torch.tensor([3.0, -2.5, 1.5, 2.0, -4.0])
+    with forced_backend(backend):
+        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=T)
+    t_logp, t_ent, t_grad = _math(logits, labels, g_logp, g_ent, temperature=T)
+    assert logp[0].item() == float("-inf") and logp[4].item() == float("-inf")
+    finite = torch.tensor([1, 2, 3])
+    assert_close_to_truth(logp[finite], t_logp[finite], dtype, name=f"{backend} logp")
+    assert_close_to_truth(ent, t_ent, dtype, name=f"{backend} entropy")
+    assert torch.isfinite(grad).all(), f"{backend}: non-finite dlogits at {(~torch.isfinite(grad)).nonzero().tolist()}"
+    assert_close_to_truth(grad, t_grad, dtype, name=f"{backend} dlogits")
+    assert grad[0, 5].item() == pytest.approx(g_logp[0].item() / T, rel=REL_TOL[dtype])
+    assert torch.equal(grad[1, :250], torch.zeros(250, dtype=dtype)) and torch.equal(grad[3], torch.zeros(V, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("temperature", [1.0, 0.5])  # powers of two: eager's x/T is exact, so eager's error is its own
+@pytest.mark.parametrize("offset,spread", [(1000.0, 2.0), (1.0e4, 2.0), (-1.0e4, 2.0), (1.0e8, 100.0), (-1.0e20, 1.0e14)])
+def test_large_logit_offset_is_as_precise_as_eager(backend, temperature, offset, spread):
+    """Logits far from 0 (offset + N(0, spread), float32): probabilities formed from the row maximum and shifted
+    sum keep the relative precision of z - max, as eager's log_softmax does, at any magnitude. One float32
+    log-sum-exp loses ulp(|lse|) (6e-5 at 1000) in every log p: 100x eager's error in dlogits, all of it
+    at 1e8; a fused x·log2e/T - max·log2e leaves its rounding residual (up to ulp(max·log2e/T)) in every
+    exponent, which 2^u cannot absorb past ~1e9."""
+    V = 1000
+    gen = torch.Generator().manual_seed(len(str(offset)) + int(10 * temperature))
+    logits = (offset + spread * torch.randn(4, V, generator=gen, dtype=torch.float64)).float()  # [4, V]
+    labels = torch.randint(0, V, (4,), generator=gen)
+    g_logp = torch.randn(4, generator=gen, dtype=torch.float64).float()
+    g_ent = torch.randn(4, generator=gen, dtype=torch.float64).float()
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+    for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
+        assert_close_to_truth(o, t, torch.float32, eager=e, name=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_huge_logits_match_eager(backend, temperature):
+    """|logits/T| near float32's maximum (bf16 ±3e38): x·log2(e) overflows float32 there, while eager
+    (log_softmax(x.float()/T)) is right; every backend must be too. A row of ordinary logits shares the chunk."""
+    V = 64
+    gen = torch.Generator().manual_seed(23)
+    base = torch.tensor([3e38, -3e38, 2.5e38, -2.5e38], dtype=torch.float64)[:, None]  # [4, 1]
+    huge = base * (1 - 0.02 * torch.rand(4, V, generator=gen, dtype=torch.float64))  # [4, V] |x| <= 3e38: x/0.9 stays finite
+    logits = torch.cat([huge, 3 * torch.randn(1, V, generator=gen, dtype=torch.float64)]).bfloat16()  # [5, V]
+    labels = logits.float().argmax(-1)  # the largest logits: log p = -log(#ties), a finite float32 value
+    labels[4] = 11
+    g_logp = torch.randn(5, generator=gen, dtype=torch.float64).float()
+    g_ent = torch.randn(5, generator=gen, dtype=torch.float64).float()
+    assert torch.isfinite(logits.float() / temperature).all()
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+    for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
+        assert torch.isfinite(o).all(), f"{backend} {name}: {o}"
+        assert_close_to_truth(o, t, torch.bfloat16, eager=e, name=f"{backend} {name}")
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+def test_confident_rows_stay_in_the_valid_range(backend):
+    """Rows whose label holds all but ~1e-10 of the mass: log p and H are within float32 rounding of 0, and no
+    backend may return an impossible log p > 0 or H < 0. Clamping the returned values must leave the gradient
+    alone (an autograd clamp would zero it where it bites)."""
+    N, V, T = 64, 1000, 0.7
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, V, generator=gen) * 3  # [N, V]
+    logits[:, 0] = 20 + 40 * torch.rand(N, generator=gen)
+    labels = torch.zeros(N, dtype=torch.long)
+    g_logp, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    with forced_backend(backend):
+        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=T)
+    assert logp.max().item() <= 0.0, f"{backend}: log p = {logp.max().item():.3e} > 0"
+    assert ent.min().item() >= 0.0, f"{backend}: H = {ent.min().item():.3e} < 0"
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=T)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=T)
+    # log p = -log s and H ≈ log s - Σ p (z - max) come from the shifted sum s = 1 + (1 - p_y)/p_y, a float32
+    # sum of V terms one of which is 1: a pairwise (or lane-wise) sum rounds the partial sum holding the 1 at
+    # most ceil(log2 V) times, by <= eps/2 each, and log s ≈ s - 1 passes that on: tol = ceil(log2 V)·eps/2.
+    tol = math.ceil(math.log2(V)) * torch.finfo(torch.float32).eps / 2
+    assert (logp.double() - truth[0]).abs().max().item() <= tol
+    assert (ent.double() - truth[1]).abs().max().item() <= tol
+    # the label's entry [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T has 1 - p_y < eps, below that rounding:
+    # 1 - p_y = -expm1(log p_y) carries log p's error (tol), log p_y + H twice that: <= 2 tol (|g_logp| + |g_H|)/T
+    assert ((grad[:, 0].double() - truth[2][:, 0]).abs() <= 2 * tol * (g_logp.abs() + g_ent.abs()) / T).all()
+    # every other entry -p_j (g_logp + g_H (log p_j + H))/T is well conditioned: as close as eager's
+    assert_close_to_truth(grad[:, 1:], truth[2][:, 1:], torch.float32, eager=eager[2][:, 1:], name=f"{backend} dlogits")
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_logits_give_nan_gradients(backend, dtype):
+    """NaN in a row's logits makes that row's outputs and its whole gradient NaN in every dtype (a compiled
+    16-bit store must not turn NaN into 0), and touches no other row."""
+    logits, labels, g_logp, g_ent = _make_inputs(700, (4,), dtype, "contiguous", seed=24)
+    labels = torch.tensor([3, 5, IGNORE, 699])
+    logits[1, 650] = float("nan")
+    logits[2, 10] = float("nan")  # an ignored row: no trace anywhere
+    with forced_backend(backend):
+        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+    assert torch.isnan(logp[1]) and torch.isnan(ent[1])
+    assert torch.isnan(grad[1]).all(), f"{backend}: {int((~torch.isnan(grad[1])).sum())} non-NaN gradients in the NaN row"
+    others = torch.tensor([0, 2, 3])
+    assert torch.isfinite(logp[others]).all() and torch.isfinite(ent[others]).all() and torch.isfinite(grad[others]).all()
+    assert torch.equal(grad[2], torch.zeros(700, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_changes_nothing(backend, dtype, autocast_dtype):
+    """Under torch.autocast every op computes in float32 (DESIGN.md): outputs and gradients equal those without it."""
+    logits, labels, g_logp, g_ent = _make_inputs(500, (2, 3), dtype, "contiguous", seed=25)
+    with forced_backend(backend):
+        plain = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            cast = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
+    for name, a, b in zip(("logp", "entropy", "dlogits"), plain, cast):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{backend} {name} differs under autocast"
+
+
+def test_reference_linear_logprobs_ignores_autocast():
+    """The reference's matmul must not drop to bf16 under autocast (it defines the float32 meaning)."""
+    gen = torch.Generator().manual_seed(26)
+    hidden, weight = torch.randn(6, 32, generator=gen), torch.randn(300, 32, generator=gen)
+    labels = torch.randint(0, 300, (6,), generator=gen)
+    plain = reference.linear_logprobs(hidden, weight, labels, return_entropy=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = reference.linear_logprobs(hidden, weight, labels, return_entropy=True)
+    for a, b in zip(plain, cast):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_reference_out_of_range_label_gives_nan_like_the_kernels():
+    """Called directly (as under torch.compile, or on a GPU where nothing is checked), the reference gives NaN
+    for a label outside [0, V) instead of gather's raw error, like the kernels; every other row is unchanged."""
+    V = 50
+    logits, _, g_logp, g_ent = _make_inputs(V, (4,), torch.float32, "contiguous", seed=27)
+    labels = torch.tensor([3, V, IGNORE, -7])
+    good = torch.tensor([0, 2])
+    logp, ent, grad = _run(reference.logprobs, logits, labels, g_logp, g_ent)
+    for out in (logp, ent):
+        assert torch.isnan(out[[1, 3]]).all() and torch.isfinite(out[good]).all()
+    assert torch.isnan(grad[[1, 3]]).all() and torch.isfinite(grad[good]).all()
+    t_logp, t_ent, t_grad = _math(logits, torch.tensor([3, 0, IGNORE, 0]), g_logp, g_ent)
+    assert_close_to_truth(logp[good], t_logp[good], torch.float32, name="logp")
+    assert_close_to_truth(ent[good], t_ent[good], torch.float32, name="entropy")
+    assert_close_to_truth(grad[good], t_grad[good], torch.float32, name="dlogits")
+    # the kernels' own forwards (the public function reaches them only after the CPU check) give the same
+    kernels = [lp_module._torch_forward] + ([lp_module._triton_forward] if "triton" in backends("cpu") else [])
+    for forward in kernels:
+        k_logp, k_ent, _ = forward(logits, labels, 1.0, IGNORE, True)
+        assert torch.isnan(k_logp[[1, 3]]).all() and torch.isnan(k_ent[[1, 3]]).all()
+        assert_close_to_truth(k_logp[good], t_logp[good], torch.float32, name=f"{forward.__name__} logp")
+        assert_close_to_truth(k_ent[good], t_ent[good], torch.float32, name=f"{forward.__name__} entropy")
+
+
+def test_saved_statistics_do_not_depend_on_the_backend():
+    """The forward op's outputs (log p, H and the saved row statistics: the max logit and the shifted sum
+    Σ exp((x - max)/T)) have one layout and the same values in every backend that has them, ignored rows included."""
+    logits, labels, _, _ = _make_inputs(1000, (2, 3), torch.bfloat16, "contiguous", seed=28)
+    x = logits.double()  # [2, 3, V]
+    m = x.amax(-1)  # [2, 3]
+    s = ((x - m[..., None]) / 0.7).exp().sum(-1)  # [2, 3]
+    valid = labels != IGNORE  # [2, 3]
+    truth = torch.stack([torch.where(valid, m, 0.0), torch.where(valid, s, 1.0)], -1)  # [2, 3, 2]
+    t_logp, t_ent = reference.logprobs(logits.double(), labels, temperature=0.7, return_entropy=True)
+    for backend in [b for b in backends("cpu") if b != "reference"]:  # the reference is eager autograd: no statistics
+        logp, ent, stats = torch.ops.rlkernels.logprobs_fwd(logits, labels, 0.7, IGNORE, backend, True)
+        assert stats.shape == (2, 3, 2) and stats.dtype == torch.float32, backend
+        assert_close_to_truth(stats, truth, torch.float32, name=f"{backend} stats")
+        assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
+        assert_close_to_truth(ent, t_ent, torch.float32, name=f"{backend} entropy")
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -268,6 +482,32 @@ def test_label_out_of_range_raises_on_cpu(backend):
             labels = torch.tensor([0, 1, bad, IGNORE])
             with pytest.raises(ValueError, match="labels"):
                 rlkernels.logprobs(logits, labels)
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
+def test_every_integer_label_dtype(backend, dtype):
+    """Narrow label dtypes are valid token ids: V = 300 > 256, so a range check against V cast to the label
+    dtype (300 -> 44 in uint8/int8) rejects them, and a gather on int16 labels fails without naming labels."""
+    V = 300
+    logits, _, g_logp, g_ent = _make_inputs(V, (4,), torch.float32, "contiguous", seed=21)
+    labels = torch.tensor([100, 7, 120, 3 if dtype == torch.uint8 else IGNORE])  # uint8 cannot hold -100
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent)
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, logits, labels.to(dtype), g_logp, g_ent)
+        as_int64 = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+    for name, o, t, o64 in zip(("logp", "entropy", "dlogits"), out, truth, as_int64):
+        assert_close_to_truth(o, t, torch.float32, name=f"{backend} {name}")
+        assert torch.equal(o, o64), name
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype,bad", [(torch.uint8, 250), (torch.int8, -3), (torch.int16, 300), (torch.int32, 200)], ids=str)
+def test_narrow_label_out_of_range_names_labels(backend, dtype, bad):
+    logits = torch.randn(3, 200)
+    labels = torch.tensor([0, bad, 5]).to(dtype)
+    with forced_backend(backend), pytest.raises(ValueError, match=rf"labels must lie in \[0, 200\).*found {bad}"):
+        rlkernels.logprobs(logits, labels)
 
 
 def test_logits_not_a_tensor():
@@ -401,3 +641,50 @@ def test_aot_every_config_compiles_for_sm80_and_sm90():
             print(f"{config.signature['logits_ptr']:>6} {report}")
             assert report.registers > 0
             assert report.spill_bytes == 0, str(report)
+
+
+def _ptx(config, arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=config.kernel, signature=config.signature, constexprs=config.constexprs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype,cvt", [("bf16", "cvt.rn.bf16.f32"), ("fp16", "cvt.rn.f16.f32")])
+def test_aot_16_bit_backward_stores_through_the_hardware_conversion(dtype, cvt):
+    """The compiled backward rounds dlogits with the GPU's own conversion (NaN stays NaN). A manual
+    round-to-nearest in the bits (x + 0x7FFF + lsb, then & 0xFFFF0000) turns the GPU's canonical NaN
+    0x7FFFFFFF into -0.0: NaN gradients would silently become zeros. That path is for the interpreter only."""
+    pytest.importorskip("triton")
+    configs = [c for c in lp_module.aot_configs() if c.kernel is lp_module._logprobs_bwd_kernel and c.signature["logits_ptr"] == f"*{dtype}"]
+    assert configs
+    for arch in (80, 90):
+        ptx = _ptx(configs[0], arch)
+        assert cvt in ptx, f"sm_{arch} {dtype} backward has no {cvt}"
+        assert not re.search(r"and\.b32\s[^;]*-65536;", ptx), f"sm_{arch} {dtype} backward masks float bits by hand"
+
+
+def test_interpreter_bf16_rounding_is_nearest_even_and_keeps_nan():
+    """Under the interpreter (whose own float32 -> bf16 cast truncates) the backward rounds in the bits:
+    to nearest even like the GPU and torch, NaN of any payload (the GPU's 0x7FFFFFFF too) staying NaN."""
+    pytest.importorskip("triton")
+    from rlkernels._triton import jit, tl
+
+    @jit
+    def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(y_ptr + offs, lp_module._bf16_round_bits(x).to(tl.bfloat16), mask=offs < n)
+
+    bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000,
+            0x3F808001, 0x00000001, 0x80000000, 0x3F7FFFFF]  # NaN payloads, ±inf, max (rounds to inf), ties, subnormal
+    gen = torch.Generator().manual_seed(29)
+    x = torch.cat([torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32), torch.randn(500, generator=gen) * 1e3])
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    _round_kernel.launch((1,), x, y, x.numel(), BLOCK=1024)
+    expected = x.to(torch.bfloat16)  # torch rounds to nearest even; NaN stays NaN
+    assert torch.equal(torch.isnan(y), torch.isnan(x))
+    assert torch.equal(y[~torch.isnan(x)], expected[~torch.isnan(x)])
