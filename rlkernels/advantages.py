@@ -1,6 +1,6 @@
 """Advantage estimation: GAE by a parallel reverse scan, group-relative advantages and masked whitening.
 
-Every op has four implementations, picked per call (see :func:`_backend`):
+Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 
 - ``reference``: :mod:`rlkernels.reference` (a Python loop over tokens / groups);
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
@@ -9,9 +9,19 @@ Every op has four implementations, picked per call (see :func:`_backend`):
 - ``triton``: Triton kernels (interpreted on CPU tensors);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
-Defaults: CPU tensors -> ``csrc`` when the extension loads, else ``torch``;
-CUDA tensors -> ``triton`` (the csrc CUDA kernels are an alternative, not
-measured against Triton yet). ``RLKERNELS_BACKEND`` forces one.
+Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run
+time inside each custom op (so ``torch.compile`` never traces the extension's first
+build): ``RLKERNELS_BACKEND`` when it can run here, else Triton on CUDA and csrc on
+the CPU when the extension loads, torch otherwise. The Triton kernels load 16/32-bit
+floats, so float64 inputs are served by csrc or torch. No op here has a gradient, so
+``reference`` is an ordinary entry of each table (nothing to derive a backward from).
+
+Options cross each ``torch.library`` boundary as the op's own typed scalar arguments,
+under the names of the public keywords (``gamma``, ``lam``, ``group_size``, ``mode``,
+``eps``, ``shift_mean``), and reach every implementation and kernel as those names. No
+options dataclass: an op has at most three scalars, the implementations take them
+positionally (as the benchmarks call them), and a dataclass would only be unpacked
+again at both ends.
 
 GAE as a scan. Walking backwards, the state is ``(A, V)``: the advantage and
 the value of the next valid token. A valid token t maps it to
@@ -20,232 +30,303 @@ transparent). Both are affine maps ``A' = αA + βV + c, V' = ζV + e``, closed
 under composition, so the advantages are an associative scan of 5-tuples
 ``(α, β, c, ζ, e)`` applied to the state ``(0, 0)`` past the end.
 
+:func:`masked_whiten` also has a process-group variant (``process_group=``): the
+statistics of every rank's masked entries, all-reduced in float64.
+
 The outputs are constants: no op here has a gradient. Inputs that require grad
 are detached. All ops return float32.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
+import torch.distributed as dist
 
 from rlkernels import _backend as backends
-from rlkernels import _checks, _extension, reference
+from rlkernels import _checks, _extension, _host, reference
+from rlkernels._device import block_max, block_sum
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
+from rlkernels.reference import GROUP_MODES
 
-GROUP_MODES = ("grpo", "dr_grpo", "rloo")
-_MODE_ID = {m: i for i, m in enumerate(GROUP_MODES)}
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SUPPORTED = ("reference", "torch", "triton", "csrc")  # the backends every op of this module implements
+
+
+def _constexpr(value: int):
+    """A module constant a ``@jit`` function may read (Triton accepts only ``tl.constexpr`` globals)."""
+    return tl.constexpr(value) if HAS_TRITON else value
+
+
+# _group_kernel's MODE: the position of the mode in reference.GROUP_MODES (the csrc kernels number them alike)
+GRPO = _constexpr(GROUP_MODES.index("grpo"))
+DR_GRPO = _constexpr(GROUP_MODES.index("dr_grpo"))
+RLOO = _constexpr(GROUP_MODES.index("rloo"))
 
 # ---------------------------------------------------------------- Triton kernels
-
-if HAS_TRITON:
-    # Only builtins of triton.language plus our own @jit helpers: the library's
-    # @jit functions (tl.sum, tl.zeros, ...) cannot run under the interpreter
-    # when it is entered per call (see rlkernels._triton), so reductions go
-    # through tl.reduce with a local combine function.
-
-    @jit
-    def _add(a, b):
-        return a + b
-
-    @jit
-    def _compose(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
-        # (a1..e1) is applied first (the later tokens), then (a2..e2):
-        # A'' = a2(a1 A + b1 V + c1) + b2(z1 V + e1) + c2,  V'' = z2(z1 V + e1) + e2
-        return a2 * a1, a2 * b1 + b2 * z1, a2 * c1 + b2 * e1 + c2, z2 * z1, z2 * e1 + e2
-
-    @jit
-    def _gae_kernel(
-        r_ptr, v_ptr, m_ptr,  # [B, T] inputs (strided), m: uint8
-        adv_ptr, ret_ptr,  # [B, T] float32 outputs (contiguous)
-        B, T,
-        stride_rb, stride_rt, stride_vb, stride_vt, stride_mb, stride_mt,
-        gamma, lam,
-        BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
-    ):
-        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
-        row_ok = rows < B
-        rows64 = rows.to(tl.int64)
-        cols = tl.arange(0, BLOCK_T)  # [BLOCK_T]; column j of a block is token (end - 1 - j)
-        gl = gamma * lam
-        carry_a = tl.full([BLOCK_B], 0.0, tl.float32)  # A of the next valid token (0 past the end)
-        carry_v = tl.full([BLOCK_B], 0.0, tl.float32)  # V of the next valid token (0 past the end)
-        for start in range(0, T, BLOCK_T):
-            t = T - 1 - start - cols  # [BLOCK_T], descending: a forward scan walks backwards in time
-            inb = row_ok[:, None] & (t >= 0)[None, :]  # [BLOCK_B, BLOCK_T]
-            t64 = t.to(tl.int64)
-            r = tl.load(r_ptr + rows64[:, None] * stride_rb + t64[None, :] * stride_rt, mask=inb, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + rows64[:, None] * stride_vb + t64[None, :] * stride_vt, mask=inb, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + rows64[:, None] * stride_mb + t64[None, :] * stride_mt, mask=inb, other=0)
-            valid = inb & (m != 0)
-            one = tl.full([BLOCK_B, BLOCK_T], 1.0, tl.float32)
-            zero = tl.full([BLOCK_B, BLOCK_T], 0.0, tl.float32)
-            # a masked or out-of-range token is the identity map (1, 0, 0, 1, 0)
-            al = tl.where(valid, one * gl, one)
-            be = tl.where(valid, one * gamma, zero)
-            c = tl.where(valid, r - v, zero)
-            ze = tl.where(valid, zero, one)
-            e = tl.where(valid, v, zero)
-            al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 1, _compose)
-            a_out = al * carry_a[:, None] + be * carry_v[:, None] + c  # [BLOCK_B, BLOCK_T]
-            v_out = ze * carry_v[:, None] + e
-            adv = tl.where(valid, a_out, zero)
-            offs = rows64[:, None] * T + t64[None, :]
-            tl.store(adv_ptr + offs, adv, mask=inb)
-            tl.store(ret_ptr + offs, adv + v, mask=inb)
-            # the last column composes the whole block (out-of-range columns are identities)
-            last = (cols == BLOCK_T - 1)[None, :]
-            carry_a = tl.reduce(tl.where(last, a_out, zero), 1, _add)
-            carry_v = tl.reduce(tl.where(last, v_out, zero), 1, _add)
-
-    @jit
-    def _group_kernel(
-        s_ptr, out_ptr,  # [N] float32
-        perm_ptr, starts_ptr,  # [N], [G + 1] int64 (read only with HAS_INDEX)
-        group_size, eps,
-        MODE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        g = tl.program_id(0)
-        if HAS_INDEX:  # int32 positions (the launcher checks N < 2**31): int64 loop state spills
-            lo = tl.load(starts_ptr + g).to(tl.int32)
-            hi = tl.load(starts_ptr + g + 1).to(tl.int32)
-            first = tl.load(s_ptr + tl.load(perm_ptr + lo))
-        else:
-            lo = g * group_size
-            hi = lo + group_size
-            first = tl.load(s_ptr + lo)
-        n = (hi - lo).to(tl.float32)
-        offs = tl.arange(0, BLOCK)
-        acc = tl.full([BLOCK], 0.0, tl.float32)
-        differ = tl.full([BLOCK], 0, tl.int32)
-        for off in range(lo, hi, BLOCK):  # pass 1: sum, and whether every member equals the first
-            i = off + offs
-            ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
-            x = tl.load(s_ptr + src, mask=ok, other=0.0)
-            acc += x
-            differ += tl.where(ok & (x != first), 1, 0)  # NaN != NaN: a group with NaN is never constant
-        mean = tl.reduce(acc, 0, _add) / n
-        constant = (tl.reduce(differ, 0, _add) == 0) | (n < 2.0)
-        ssq = tl.full([BLOCK], 0.0, tl.float32)
-        for off in range(lo, hi, BLOCK):  # pass 2: Σ(s - mean)², exact where Σs² - n·mean² is not
-            i = off + offs
-            ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
-            x = tl.load(s_ptr + src, mask=ok, other=0.0)
-            d = x - mean
-            ssq += tl.where(ok, d * d, 0.0)
-        if MODE == 0:
-            scale = 1.0 / (tl.sqrt(tl.reduce(ssq, 0, _add) / tl.maximum(n - 1.0, 1.0)) + eps)
-        elif MODE == 1:
-            scale = n * 0.0 + 1.0
-        else:
-            scale = n / tl.maximum(n - 1.0, 1.0)  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
-        for off in range(lo, hi, BLOCK):  # pass 3: write
-            i = off + offs
-            ok = i < hi
-            src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
-            x = tl.load(s_ptr + src, mask=ok, other=0.0)
-            y = tl.where(constant, 0.0, (x - mean) * scale)
-            tl.store(out_ptr + src, y, mask=ok)
-
-    @jit
-    def _add2(a1, b1, a2, b2):
-        return a1 + a2, b1 + b2
-
-    @jit
-    def _min(a, b):
-        return tl.minimum(a, b)
-
-    @jit
-    def _whiten_partial_kernel(
-        x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
-        part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
-        N,
-        BLOCK: tl.constexpr,
-    ):
-        # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
-        # around it (and Chan merges of such means) carry that error into M2 and the output.
-        # Everything is therefore kept relative to a pivot K, the program's first masked-in
-        # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
-        # no rounding of K + ..., and a shift of all data only shifts K.
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)  # [BLOCK]
-        cnt = 0.0
-        piv = 0.0
-        mean = 0.0  # of (x - piv)
-        m2 = 0.0
-        for start in range(pid * BLOCK, N, nprog * BLOCK):
-            i = start + offs  # [BLOCK]
-            ok = i < N
-            x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-            w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
-            if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
-                first = tl.reduce(tl.where(w, offs, BLOCK), 0, _min)
-                piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
-            y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
-            c_b, s_b = tl.reduce((w.to(tl.float32), y), 0, _add2)
-            mean_b = s_b / tl.maximum(c_b, 1.0)
-            d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
-            sd, sdd = tl.reduce((d, d * d), 0, _add2)
-            # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
-            m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
-            # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
-            total = cnt + c_b
-            delta = mean_b - mean
-            frac = c_b / tl.maximum(total, 1.0)
-            mean = mean + delta * frac
-            m2 = m2 + m2_b + delta * delta * cnt * frac
-            cnt = total
-        tl.store(part_ptr + pid * 4 + 0, cnt)
-        tl.store(part_ptr + pid * 4 + 1, piv)
-        tl.store(part_ptr + pid * 4 + 2, mean)
-        tl.store(part_ptr + pid * 4 + 3, m2)
-
-    @jit
-    def _whiten_apply_kernel(
-        x_ptr, out_ptr,  # [N] in, [N] float32 out
-        part_ptr,  # [P, 4]
-        N, P, eps,
-        SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
-    ):
-        # Every program merges the P partial moments itself: P is small, and it saves a launch.
-        # The partials have their own pivots; all are re-expressed relative to K0, the pivot of
-        # the first non-empty partial (K_j - K0 is a difference of two data values: exact
-        # or nearly so), so the global mean is K0 + mean and is never rounded to float32.
-        j = tl.arange(0, P_BLOCK)  # [P_BLOCK]
-        pj = j < P
-        cnt_j = tl.load(part_ptr + j * 4 + 0, mask=pj, other=0.0)  # [P_BLOCK]
-        piv_j = tl.load(part_ptr + j * 4 + 1, mask=pj, other=0.0)
-        mean_j = tl.load(part_ptr + j * 4 + 2, mask=pj, other=0.0)
-        m2_j = tl.load(part_ptr + j * 4 + 3, mask=pj, other=0.0)
-        has = cnt_j > 0
-        j0 = tl.reduce(tl.where(has, j, P_BLOCK), 0, _min)
-        k0 = tl.reduce(tl.where(j == j0, piv_j, 0.0), 0, _add)  # 0 when no entry is masked in
-        off_j = tl.where(has, (piv_j - k0) + mean_j, 0.0)  # [P_BLOCK]: each share's mean - K0
-        cnt, s = tl.reduce((cnt_j, cnt_j * off_j), 0, _add2)
-        mean = s / tl.maximum(cnt, 1.0)
-        dm = tl.where(has, off_j - mean, 0.0)
-        m2a, m2b = tl.reduce((m2_j, cnt_j * dm * dm), 0, _add2)
-        var = (m2a + m2b) / tl.maximum(cnt - 1.0, 1.0)
-        rstd = 1.0 / tl.sqrt(var + eps)
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        offs = tl.arange(0, BLOCK)
-        for start in range(pid * BLOCK, N, nprog * BLOCK):
-            i = start + offs
-            ok = i < N
-            x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
-            y = ((x - k0) - mean) * rstd
-            if not SHIFT_MEAN:
-                y = y + (k0 + mean)
-            tl.store(out_ptr + i, y, mask=ok)
+# Reductions go through rlkernels._device (block_sum/block_max; why not tl.sum is said there).
 
 
-# ---------------------------------------------------------------- launchers
+@jit
+def _compose(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
+    # (a1..e1) is applied first (the later tokens), then (a2..e2):
+    # A'' = a2(a1 A + b1 V + c1) + b2(z1 V + e1) + c2,  V'' = z2(z1 V + e1) + e2
+    return a2 * a1, a2 * b1 + b2 * z1, a2 * c1 + b2 * e1 + c2, z2 * z1, z2 * e1 + e2
+
+
+@jit
+def _gae_kernel(
+    r_ptr, v_ptr, m_ptr,  # [B, T] inputs (strided), m: uint8
+    adv_ptr, ret_ptr,  # [B, T] float32 outputs (contiguous)
+    B, T,
+    stride_rb, stride_rt, stride_vb, stride_vt, stride_mb, stride_mt,
+    gamma, lam,
+    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+    row_ok = rows < B
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_T)  # [BLOCK_T]; column j of a block is token (end - 1 - j)
+    gl = gamma * lam
+    carry_a = tl.full([BLOCK_B], 0.0, tl.float32)  # A of the next valid token (0 past the end)
+    carry_v = tl.full([BLOCK_B], 0.0, tl.float32)  # V of the next valid token (0 past the end)
+    for start in range(0, T, BLOCK_T):
+        t = T - 1 - start - cols  # [BLOCK_T], descending: a forward scan walks backwards in time
+        inb = row_ok[:, None] & (t >= 0)[None, :]  # [BLOCK_B, BLOCK_T]
+        t64 = t.to(tl.int64)
+        r = tl.load(r_ptr + rows64[:, None] * stride_rb + t64[None, :] * stride_rt, mask=inb, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows64[:, None] * stride_vb + t64[None, :] * stride_vt, mask=inb, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + rows64[:, None] * stride_mb + t64[None, :] * stride_mt, mask=inb, other=0)
+        valid = inb & (m != 0)  # [BLOCK_B, BLOCK_T]
+        one = tl.full([BLOCK_B, BLOCK_T], 1.0, tl.float32)
+        zero = tl.full([BLOCK_B, BLOCK_T], 0.0, tl.float32)
+        # a masked or out-of-range token is the identity map (1, 0, 0, 1, 0)
+        al = tl.where(valid, one * gl, one)
+        be = tl.where(valid, one * gamma, zero)
+        c = tl.where(valid, r - v, zero)
+        ze = tl.where(valid, zero, one)
+        e = tl.where(valid, v, zero)
+        al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 1, _compose)
+        a_out = al * carry_a[:, None] + be * carry_v[:, None] + c  # [BLOCK_B, BLOCK_T]
+        v_out = ze * carry_v[:, None] + e  # [BLOCK_B, BLOCK_T]
+        adv = tl.where(valid, a_out, zero)
+        offs = rows64[:, None] * T + t64[None, :]
+        tl.store(adv_ptr + offs, adv, mask=inb)
+        tl.store(ret_ptr + offs, adv + v, mask=inb)
+        # the last column composes the whole block (out-of-range columns are identities)
+        last = (cols == BLOCK_T - 1)[None, :]
+        carry_a = block_sum(tl.where(last, a_out, zero), 1)  # [BLOCK_B]
+        carry_v = block_sum(tl.where(last, v_out, zero), 1)  # [BLOCK_B]
+
+
+@jit
+def _group_block(s_ptr, perm_ptr, off, hi, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """The group members at positions ``[off, off + BLOCK)`` of the group's run: where each lives in
+    ``s`` (``[BLOCK]``), which are inside the group (``< hi``), and their scores."""
+    i = off + tl.arange(0, BLOCK)  # [BLOCK]
+    ok = i < hi
+    src = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i  # [BLOCK]
+    x = tl.load(s_ptr + src, mask=ok, other=0.0)  # [BLOCK]
+    return src, ok, x
+
+
+@jit
+def _group_kernel(
+    s_ptr, out_ptr,  # [N] float32
+    perm_ptr, starts_ptr,  # [N], [G + 1] int64 (read only with HAS_INDEX)
+    group_size, eps,
+    MODE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    g = tl.program_id(0)
+    if HAS_INDEX:  # int32 positions (the launcher checks N < 2**31): int64 loop state spills
+        lo = tl.load(starts_ptr + g).to(tl.int32)
+        hi = tl.load(starts_ptr + g + 1).to(tl.int32)
+        first = tl.load(s_ptr + tl.load(perm_ptr + lo))
+    else:
+        lo = g * group_size
+        hi = lo + group_size
+        first = tl.load(s_ptr + lo)
+    n = (hi - lo).to(tl.float32)
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    differ = tl.full([BLOCK], 0, tl.int32)
+    for off in range(lo, hi, BLOCK):  # pass 1: sum, and whether every member equals the first
+        src, ok, x = _group_block(s_ptr, perm_ptr, off, hi, HAS_INDEX, BLOCK)
+        acc += x
+        differ += tl.where(ok & (x != first), 1, 0)  # NaN != NaN: a group with NaN is never constant
+    mean = block_sum(acc, 0) / n
+    constant = (block_sum(differ, 0) == 0) | (n < 2.0)
+    ssq = tl.full([BLOCK], 0.0, tl.float32)
+    for off in range(lo, hi, BLOCK):  # pass 2: Σ(s - mean)², exact where Σs² - n·mean² is not
+        src, ok, x = _group_block(s_ptr, perm_ptr, off, hi, HAS_INDEX, BLOCK)
+        d = x - mean
+        ssq += tl.where(ok, d * d, 0.0)
+    if MODE == GRPO:
+        scale = 1.0 / (tl.sqrt(block_sum(ssq, 0) / tl.maximum(n - 1.0, 1.0)) + eps)
+    elif MODE == DR_GRPO:
+        scale = n * 0.0 + 1.0
+    else:  # RLOO
+        scale = n / tl.maximum(n - 1.0, 1.0)  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+    for off in range(lo, hi, BLOCK):  # pass 3: write
+        src, ok, x = _group_block(s_ptr, perm_ptr, off, hi, HAS_INDEX, BLOCK)
+        y = tl.where(constant, 0.0, (x - mean) * scale)
+        tl.store(out_ptr + src, y, mask=ok)
+
+
+@jit
+def _sum2(a, b):
+    """``(block_sum(a, 0), block_sum(b, 0))`` of two 1-D blocks in ONE reduction: the pair travels
+    joined (``[BLOCK, 2]``), so the shuffles and barriers are paid once (two reductions of 8 warps cost
+    two more barriers per block in the whitening loop). Belongs in ``rlkernels._device`` beside
+    ``block_sum``; it is used only here so far."""
+    return tl.split(block_sum(tl.join(a, b), 0))
+
+
+@jit
+def _first_set(flags, SIZE: tl.constexpr):
+    """The position of the first set entry of ``flags`` ``[SIZE]``, ``SIZE`` when none is set."""
+    return SIZE - block_max(tl.where(flags, SIZE - tl.arange(0, SIZE), 0), 0)
+
+
+@jit
+def _whiten_partial_kernel(
+    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
+    part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
+    N,
+    BLOCK: tl.constexpr,
+):
+    # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
+    # around it (and Chan merges of such means) carry that error into M2 and the output.
+    # Everything is therefore kept relative to a pivot K, the program's first masked-in
+    # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
+    # no rounding of K + ..., and a shift of all data only shifts K.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)  # [BLOCK]
+    cnt = 0.0
+    piv = 0.0
+    mean = 0.0  # of (x - piv)
+    m2 = 0.0
+    for start in range(pid * BLOCK, N, nprog * BLOCK):
+        i = start + offs  # [BLOCK]
+        ok = i < N
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
+        w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
+        if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
+            first = _first_set(w, BLOCK)
+            piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
+        y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
+        c_b, s_b = _sum2(w.to(tl.float32), y)
+        mean_b = s_b / tl.maximum(c_b, 1.0)
+        d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
+        sd, sdd = _sum2(d, d * d)
+        # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
+        m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
+        # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
+        total = cnt + c_b
+        delta = mean_b - mean
+        frac = c_b / tl.maximum(total, 1.0)
+        mean = mean + delta * frac
+        m2 = m2 + m2_b + delta * delta * cnt * frac
+        cnt = total
+    tl.store(part_ptr + pid * 4 + 0, cnt)
+    tl.store(part_ptr + pid * 4 + 1, piv)
+    tl.store(part_ptr + pid * 4 + 2, mean)
+    tl.store(part_ptr + pid * 4 + 3, m2)
+
+
+@jit
+def _whiten_apply_kernel(
+    x_ptr, out_ptr,  # [N] in, [N] float32 out
+    part_ptr,  # [P, 4]
+    N, P, eps,
+    SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
+):
+    # Every program merges the P partial moments itself: P is small, and it saves a launch.
+    # The partials have their own pivots; all are re-expressed relative to K0, the pivot of
+    # the first non-empty partial (K_j - K0 is a difference of two data values: exact
+    # or nearly so), so the global mean is K0 + mean and is never rounded to float32.
+    j = tl.arange(0, P_BLOCK)  # [P_BLOCK]
+    pj = j < P
+    cnt_j = tl.load(part_ptr + j * 4 + 0, mask=pj, other=0.0)  # [P_BLOCK]
+    piv_j = tl.load(part_ptr + j * 4 + 1, mask=pj, other=0.0)  # [P_BLOCK]
+    mean_j = tl.load(part_ptr + j * 4 + 2, mask=pj, other=0.0)  # [P_BLOCK]
+    m2_j = tl.load(part_ptr + j * 4 + 3, mask=pj, other=0.0)  # [P_BLOCK]
+    has = cnt_j > 0
+    j0 = _first_set(has, P_BLOCK)
+    k0 = block_sum(tl.where(j == j0, piv_j, 0.0), 0)  # 0 when no entry is masked in
+    off_j = tl.where(has, (piv_j - k0) + mean_j, 0.0)  # [P_BLOCK]: each share's mean - K0
+    cnt, s = _sum2(cnt_j, cnt_j * off_j)
+    mean = s / tl.maximum(cnt, 1.0)
+    dm = tl.where(has, off_j - mean, 0.0)  # [P_BLOCK]
+    m2a, m2b = _sum2(m2_j, cnt_j * dm * dm)
+    var = (m2a + m2b) / tl.maximum(cnt - 1.0, 1.0)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)  # [BLOCK]
+    for start in range(pid * BLOCK, N, nprog * BLOCK):
+        i = start + offs  # [BLOCK]
+        ok = i < N
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
+        y = ((x - k0) - mean) * rstd  # [BLOCK]
+        if not SHIFT_MEAN:
+            y = y + (k0 + mean)
+        tl.store(out_ptr + i, y, mask=ok)
+
+
+# ---------------------------------------------------------------- launchers: validation
+
+# Validation precedes dispatch: every backend rejects the same inputs with the same message.
+
+
+def _validate_gae(*, rewards, values, mask, gamma, lam) -> tuple[float, float]:
+    """Check :func:`gae`'s arguments; returns its options ``(gamma, lam)`` as floats."""
+    _checks.floating(rewards, "rewards")
+    _checks.floating(values, "values")
+    _checks.mask(mask, "mask")
+    _checks.rank(rewards, "rewards", 2)
+    _checks.same_shape(rewards, "rewards", values, "values")
+    _checks.same_shape(rewards, "rewards", mask, "mask")
+    _checks.same_device((rewards, "rewards"), (values, "values"), (mask, "mask"))
+    return _checks.unit_interval(gamma, "gamma"), _checks.unit_interval(lam, "lam")
+
+
+def _validate_group(*, scores, group_size, index, mode, eps) -> tuple[int | None, str, float]:
+    """Check :func:`group_advantages`'s arguments; returns its options ``(group_size, mode, eps)``
+    (``group_size`` None when the groups come from ``index``)."""
+    _checks.floating(scores, "scores")
+    _checks.rank(scores, "scores", 1)
+    _checks.choice(mode, "mode", GROUP_MODES)
+    eps = _checks.non_negative(eps, "eps")
+    if (group_size is None) == (index is None):
+        raise ValueError("give exactly one of group_size or index")
+    if index is not None:
+        _checks.integer(index, "index")
+        if index.shape != scores.shape:
+            raise ValueError(f"index must have the shape of scores {tuple(scores.shape)}, got {tuple(index.shape)}")
+        _checks.same_device((scores, "scores"), (index, "index"))
+        return None, mode, eps
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size <= 0:
+        raise ValueError(f"group_size must be > 0, got {group_size}")
+    if scores.shape[0] % group_size != 0:
+        raise ValueError(f"group_size {group_size} does not divide the number of scores {scores.shape[0]}")
+    return group_size, mode, eps
+
+
+def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, float]:
+    """Check :func:`masked_whiten`'s arguments; returns its options ``(shift_mean, eps)``."""
+    _checks.floating(x, "x")
+    _checks.mask(mask, "mask")
+    _checks.same_shape(x, "x", mask, "mask")
+    _checks.same_device((x, "x"), (mask, "mask"))
+    eps = _checks.non_negative(eps, "eps")
+    if process_group is not None:
+        dist = torch.distributed
+        if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}")
+    return bool(shift_mean), eps
+
+
+# ---------------------------------------------------------------- launchers: Triton
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
 _GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
@@ -261,32 +342,26 @@ def _gae_config(T: int) -> tuple[int, int, int]:
     return _GAE_CONFIGS[2]
 
 
-def _group_block(group_size: int | None) -> tuple[int, int]:
+def _group_config(group_size: int | None) -> tuple[int, int]:
     return _GROUP_BLOCKS[0] if group_size is not None and group_size <= 32 else _GROUP_BLOCKS[1]
 
 
-def _mask_u8(mask: torch.Tensor) -> torch.Tensor:  # bool -> uint8 view (no copy); numeric -> != 0
-    if mask.dtype == torch.bool:
-        return mask.view(torch.uint8)
-    if mask.dtype == torch.uint8:
-        return mask
-    return (mask != 0).view(torch.uint8)
-
-
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One dtype the kernels read natively (float32/bf16/fp16); anything else goes to float32."""
-    dtypes = {x.dtype for x in xs}
-    if len(dtypes) == 1 and xs[0].dtype in _KERNEL_DTYPES:
-        return xs
-    return tuple(x.float() for x in xs)
+    """The inputs in one dtype the Triton and CUDA kernels load (float32/bf16/fp16): their common dtype,
+    float32 when that is another one (bfloat16 with float16; float64, which only csrc is given)."""
+    dtype = xs[0].dtype
+    for x in xs[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    dtype = dtype if dtype in backends.TRITON_DTYPES else torch.float32
+    return tuple(x.to(dtype) for x in xs)
 
 
 def _gae_triton(rewards, values, mask, gamma, lam):
-    r, v = _kernel_inputs(rewards, values)  # [B, T]
-    m = _mask_u8(mask)  # [B, T]
+    r, v = _kernel_inputs(rewards, values)  # [B, T] x2
+    m = _host.mask_u8(mask)  # [B, T]
     B, T = r.shape
-    adv = torch.empty(B, T, dtype=torch.float32, device=r.device)
-    ret = torch.empty_like(adv)
+    adv = torch.empty(B, T, dtype=torch.float32, device=r.device)  # [B, T]
+    ret = torch.empty_like(adv)  # [B, T]
     if B * T == 0:
         return adv, ret
     block_b, block_t, warps = _gae_config(T)
@@ -297,7 +372,6 @@ def _gae_triton(rewards, values, mask, gamma, lam):
         float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, **kwargs,
     )
     return adv, ret
-
 
 
 def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None):
@@ -325,16 +399,16 @@ def _group_triton(scores, group_size, index, mode, eps):
     N = s.shape[0]
     if N >= 2**31:
         raise ValueError(f"scores has {N} entries; the Triton kernel indexes with int32 (fewer than 2**31)")
-    out = torch.empty_like(s)
+    out = torch.empty_like(s)  # [N]
     if N == 0:
         return out
-    perm, starts = _group_layout(s, group_size, index)
-    block, warps = _group_block(group_size if index is None else None)
+    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    block, warps = _group_config(group_size if index is None else None)
     kwargs = {"num_warps": warps} if s.is_cuda else {}
     G = starts.numel() - 1
     _group_kernel.launch(
         (G,), s, out, perm if index is not None else starts, starts, group_size or 0, float(eps),
-        MODE=_MODE_ID[mode], HAS_INDEX=index is not None, BLOCK=block, **kwargs,
+        MODE=GROUP_MODES.index(mode), HAS_INDEX=index is not None, BLOCK=block, **kwargs,
     )
     return out
 
@@ -342,9 +416,9 @@ def _group_triton(scores, group_size, index, mode, eps):
 def _whiten_triton(x, mask, shift_mean, eps):
     (xf,) = _kernel_inputs(x)
     xf = xf.reshape(-1)  # [N]
-    m = _mask_u8(mask).reshape(-1)  # [N]
+    m = _host.mask_u8(mask).reshape(-1)  # [N]
     N = xf.numel()
-    out = torch.empty(N, dtype=torch.float32, device=x.device)
+    out = torch.empty(N, dtype=torch.float32, device=x.device)  # [N]
     if N == 0:
         return out.view(x.shape)
     blocks = cdiv(N, _WHITEN_BLOCK)
@@ -365,8 +439,8 @@ def aot_configs():
     from rlkernels._aot import KernelConfig
 
     configs = []
-    for dtype in _KERNEL_DTYPES:
-        ty = "*" + _TRITON_TYPE[dtype]
+    for name in _host.TRITON_DTYPE_NAMES.values():
+        ty = "*" + name
         for block_b, block_t, warps in _GAE_CONFIGS:
             sig = {
                 "r_ptr": ty, "v_ptr": ty, "m_ptr": "*u8", "adv_ptr": "*fp32", "ret_ptr": "*fp32", "B": "i32", "T": "i32",
@@ -390,12 +464,12 @@ def aot_configs():
                 "s_ptr": "*fp32", "out_ptr": "*fp32", "perm_ptr": "*i64", "starts_ptr": "*i64", "group_size": "i32",
                 "eps": "fp32", "MODE": "constexpr", "HAS_INDEX": "constexpr", "BLOCK": "constexpr",
             }
-            consts = {"MODE": _MODE_ID[mode], "HAS_INDEX": has_index, "BLOCK": block}
+            consts = {"MODE": GROUP_MODES.index(mode), "HAS_INDEX": has_index, "BLOCK": block}
             configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=warps))
     return configs
 
 
-# ---------------------------------------------------------------- vectorized PyTorch
+# ---------------------------------------------------------------- launchers: vectorized PyTorch
 
 _TORCH_CHUNK = 32
 
@@ -495,7 +569,33 @@ def _whiten_torch(x, mask, shift_mean, eps):
     return out.view(x.shape)
 
 
-# ---------------------------------------------------------------- csrc
+# ---------------------------------------------------------------- launchers: process-group statistics
+
+
+def _whiten_global(x, mask, shift_mean, eps, process_group):
+    """:func:`masked_whiten` with the statistics of the masked entries of every rank of ``process_group``.
+
+    The count and sum, then the sum of squared deviations from the global mean, are all-reduced in
+    float64 (two passes: no cancellation from a sum of squares, and data far from 0, e.g. ``1e6 +
+    noise``, keeps its precision); the output is formed in float64 and rounded once to float32. Every
+    rank must call it (two collectives each), also a rank with no entries."""
+    with backends.float32_compute(x.device):  # autocast off: float64 stays float64
+        x64 = x.double()  # [...]
+        m = mask.bool()  # [...]
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        # where, not a product with the mask: a NaN/inf at a masked-out position must not enter the statistics
+        stats = torch.stack([m.sum().double(), torch.where(m, x64, zero).sum()])  # [2]: count, sum
+        dist.all_reduce(stats, group=process_group)
+        count = stats[0]
+        mean = stats[1] / count.clamp(min=1.0)
+        sq = torch.where(m, (x64 - mean).square(), zero).sum().reshape(1)  # [1]: Σ (x - mean)² over this rank
+        dist.all_reduce(sq, group=process_group)
+        var = sq[0] / (count - 1.0).clamp(min=1.0)  # 0 below two entries: Σ (x - mean)² is then exactly 0
+        out = (x64 - mean) * torch.rsqrt(var + eps)  # [...]
+        return (out if shift_mean else out + mean).float()
+
+
+# ---------------------------------------------------------------- launchers: csrc
 
 
 def _csrc_ops():
@@ -505,26 +605,20 @@ def _csrc_ops():
     return ops
 
 
-def _csrc_supports(device: torch.device) -> bool:
-    if device.type == "cpu":
-        return _extension.available()
-    return device.type == "cuda" and _extension.has_cuda_kernels()
-
-
 def _gae_csrc(rewards, values, mask, gamma, lam):
-    r, v = _kernel_inputs(rewards, values)
+    r, v = _kernel_inputs(rewards, values)  # [B, T] x2
     if r.is_cuda:
         r, v = r.contiguous(), v.contiguous()
-        m = mask.bool().contiguous()
+        m = mask.bool().contiguous()  # [B, T]
     else:
-        m = mask.bool()
+        m = mask.bool()  # [B, T]
     return tuple(_csrc_ops().gae(r, v, m, float(gamma), float(lam)))
 
 
 def _group_csrc(scores, group_size, index, mode, eps):
-    s = scores.float().contiguous()
-    perm, starts = _group_layout(s, group_size, index)
-    return _csrc_ops().group_advantages(s, perm, starts, _MODE_ID[mode], float(eps))
+    s = scores.float().contiguous()  # [N]
+    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    return _csrc_ops().group_advantages(s, perm, starts, GROUP_MODES.index(mode), float(eps))
 
 
 def _whiten_csrc(x, mask, shift_mean, eps):
@@ -533,82 +627,67 @@ def _whiten_csrc(x, mask, shift_mean, eps):
     return out.view(x.shape)
 
 
-# ---------------------------------------------------------------- dispatch and custom ops
-
-
-def _pick_backend(device: torch.device) -> str:
-    """The forced backend if any (csrc falls back when it cannot serve ``device``); else csrc on
-    CPU when the extension loads, torch otherwise; triton on CUDA."""
-    forced = backends.forced_backend()
-    if forced is not None and (forced != "csrc" or _csrc_supports(device)):
-        return backends.select(device, supported=("reference", "torch", "triton", "csrc"))
-    if device.type == "cuda" and HAS_TRITON:
-        return "triton"
-    if _csrc_supports(device):
-        return "csrc"
-    return "torch"
+# ---------------------------------------------------------------- custom ops: one table per op, resolved inside
 
 
 _GAE_IMPLS = {
-    "reference": lambda r, v, m, g, l: reference.gae(r, v, m, gamma=g, lam=l),
+    "reference": lambda r, v, m, gamma, lam: reference.gae(r, v, m, gamma=gamma, lam=lam),
     "torch": _gae_torch,
     "triton": _gae_triton,
     "csrc": _gae_csrc,
 }
 _GROUP_IMPLS = {
-    "reference": lambda s, gs, idx, mode, eps: reference.group_advantages(s, gs, index=idx, mode=mode, eps=eps),
+    "reference": lambda s, group_size, index, mode, eps: reference.group_advantages(s, group_size, index=index, mode=mode, eps=eps),
     "torch": _group_torch,
     "triton": _group_triton,
     "csrc": _group_csrc,
 }
 _WHITEN_IMPLS = {
-    "reference": lambda x, m, shift, eps: reference.masked_whiten(x, m, shift_mean=shift, eps=eps),
+    "reference": lambda x, m, shift_mean, eps: reference.masked_whiten(x, m, shift_mean=shift_mean, eps=eps),
     "torch": _whiten_torch,
     "triton": _whiten_triton,
     "csrc": _whiten_csrc,
 }
 
 
-# The public functions pass backend="auto": the choice (which may build the csrc
-# extension on first use) is made inside the op, where torch.compile does not trace.
-def _resolve(backend: str, device: torch.device) -> str:
-    return _pick_backend(device) if backend == "auto" else backend
-
-
-# Every op body runs with autocast off for its device: under torch.autocast("cpu", bfloat16)
-# the torch backend's chunk matmul would otherwise run in bf16 (advantages off by ~0.05).
+# The backend is resolved here, at run time inside the op (the csrc extension's first build is never
+# traced by torch.compile), from the inputs' device and dtype. Every op body runs with autocast off for
+# its device: under torch.autocast("cpu", bfloat16) the torch backend's chunk matmul would otherwise run
+# in bf16 (advantages off by ~0.05).
 @torch.library.custom_op("rlkernels::gae", mutates_args=())
-def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = backends.resolve(rewards.device, _SUPPORTED, torch.promote_types(rewards.dtype, values.dtype))
     with backends.float32_compute(rewards.device):
-        adv, ret = _GAE_IMPLS[_resolve(backend, rewards.device)](rewards, values, mask, gamma, lam)  # [B, T] x2
+        adv, ret = _GAE_IMPLS[backend](rewards, values, mask, gamma, lam)  # [B, T] x2
         return adv.float().contiguous(), ret.float().contiguous()
 
 
 @_gae_op.register_fake
-def _(rewards, values, mask, gamma, lam, backend):
+def _(rewards, values, mask, gamma, lam):
     return rewards.new_empty(rewards.shape, dtype=torch.float32), rewards.new_empty(rewards.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("rlkernels::group_advantages", mutates_args=())
-def _group_op(scores: torch.Tensor, group_size: int, index: torch.Tensor | None, mode: str, eps: float, backend: str) -> torch.Tensor:
+def _group_op(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None, mode: str, eps: float) -> torch.Tensor:
+    backend = backends.resolve(scores.device, _SUPPORTED, scores.dtype)
     with backends.float32_compute(scores.device):
-        impl = _GROUP_IMPLS[_resolve(backend, scores.device)]
-        return impl(scores, group_size if index is None else None, index, mode, eps).float().contiguous()  # [N]
+        return _GROUP_IMPLS[backend](scores, group_size, index, mode, eps).float().contiguous()  # [N]
 
 
 @_group_op.register_fake
-def _(scores, group_size, index, mode, eps, backend):
+def _(scores, group_size, index, mode, eps):
     return scores.new_empty(scores.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("rlkernels::masked_whiten", mutates_args=())
-def _whiten_op(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float, backend: str) -> torch.Tensor:
+def _whiten_op(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
+    backend = backends.resolve(x.device, _SUPPORTED, x.dtype)
     with backends.float32_compute(x.device):
-        return _WHITEN_IMPLS[_resolve(backend, x.device)](x, mask, shift_mean, eps).float().contiguous()  # [...]
+        return _WHITEN_IMPLS[backend](x, mask, shift_mean, eps).float().contiguous()  # [...]
 
 
 @_whiten_op.register_fake
-def _(x, mask, shift_mean, eps, backend):
+def _(x, mask, shift_mean, eps):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
@@ -658,16 +737,8 @@ def gae(
         ValueError: mismatched shapes or devices, ``rewards`` not 2-D, ``gamma`` or
             ``lam`` outside ``[0, 1]`` or NaN/inf.
     """
-    _checks.floating(rewards, "rewards")
-    _checks.floating(values, "values")
-    _checks.mask(mask, "mask")
-    _checks.rank(rewards, "rewards", 2)
-    _checks.same_shape(rewards, "rewards", values, "values")
-    _checks.same_shape(rewards, "rewards", mask, "mask")
-    _checks.same_device((rewards, "rewards"), (values, "values"), (mask, "mask"))
-    gamma = _checks.unit_interval(gamma, "gamma")
-    lam = _checks.unit_interval(lam, "lam")
-    return _gae_op(rewards.detach(), values.detach(), mask.detach(), gamma, lam, "auto")
+    gamma, lam = _validate_gae(rewards=rewards, values=values, mask=mask, gamma=gamma, lam=lam)
+    return _gae_op(rewards.detach(), values.detach(), mask.detach(), gamma, lam)
 
 
 def group_advantages(
@@ -675,8 +746,7 @@ def group_advantages(
     group_size: int | None = None,
     *,
     index: torch.Tensor | None = None,  # [N] integer group ids
-    mode: str = "grpo",
-    eps: float = 1e-6,
+    mode: str = "grpo", eps: float = 1e-6,
 ) -> torch.Tensor:
     """Group-relative advantages of per-sequence scores, float32 ``[N]``.
 
@@ -708,29 +778,8 @@ def group_advantages(
             not dividing ``N``, ``index`` of another shape or device, an unknown
             ``mode``, a negative, NaN or infinite ``eps``.
     """
-    _checks.floating(scores, "scores")
-    _checks.rank(scores, "scores", 1)
-    _checks.choice(mode, "mode", GROUP_MODES)
-    eps = _checks.non_negative(eps, "eps")
-    N = scores.shape[0]
-    if (group_size is None) == (index is None):
-        raise ValueError("give exactly one of group_size or index")
-    if index is not None:
-        _checks.integer(index, "index")
-        if index.shape != scores.shape:
-            raise ValueError(f"index must have the shape of scores {tuple(scores.shape)}, got {tuple(index.shape)}")
-        _checks.same_device((scores, "scores"), (index, "index"))
-        group_size_arg = 0
-        index = index.detach()
-    else:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-        if group_size <= 0:
-            raise ValueError(f"group_size must be > 0, got {group_size}")
-        if N % group_size != 0:
-            raise ValueError(f"group_size {group_size} does not divide the number of scores {N}")
-        group_size_arg = group_size
-    return _group_op(scores.detach(), group_size_arg, index, mode, eps, "auto")
+    group_size, mode, eps = _validate_group(scores=scores, group_size=group_size, index=index, mode=mode, eps=eps)
+    return _group_op(scores.detach(), group_size, None if index is None else index.detach(), mode, eps)
 
 
 def masked_whiten(
@@ -739,6 +788,7 @@ def masked_whiten(
     *,
     shift_mean: bool = True,
     eps: float = 1e-8,
+    process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``(x - μ)·rsqrt(var + eps)`` with the masked mean and unbiased masked variance, float32.
 
@@ -747,23 +797,38 @@ def masked_whiten(
     ``shift_mean=False`` the mean is added back. With fewer than two masked entries
     the variance is taken as 0. No gradient.
 
+    With ``process_group``, ``μ`` and the variance are those of the masked entries of
+    every rank of the group together: each rank gets its own part of
+    ``masked_whiten`` over the concatenation of all ranks' entries (a data-parallel
+    trainer whitens the global batch, so N processes agree with one). Every rank of
+    the group must call it (it runs two all-reduces of a few float64 values); the
+    count, the sum and then the squared deviations are reduced in float64 and the
+    output is formed in float64, whatever ``RLKERNELS_BACKEND`` says (the kernels'
+    statistics are per process).
+
     Args:
-        x: float tensor of any shape ``[...]`` (e.g. ``[B, T]`` advantages).
+        x: float tensor of any shape ``[...]`` (e.g. ``[B, T]`` advantages); with
+            ``process_group`` the shapes may differ between ranks.
         mask: bool or 0/1 numeric tensor of the shape and device of ``x``; nonzero
             marks the entries that enter the mean and variance.
         shift_mean: keep the whitened values centred (``True``) or add ``μ`` back.
         eps: added to the variance; finite and ``>= 0``.
+        process_group: ``None`` (default): the statistics of this call's entries only.
+            A ``torch.distributed`` process group: the statistics of all its ranks'
+            entries; pass ``torch.distributed.group.WORLD`` for every rank of the job
+            (before ``init_process_group`` that is ``None``: one process, local
+            statistics, which are then the global ones). The tensors must be on a
+            device the group's backend serves (CPU for gloo, CUDA for NCCL).
 
     Returns:
         float32 tensor of the shape of ``x``.
 
     Raises:
-        TypeError: non-float ``x``, a mask of another dtype, non-number ``eps``.
+        TypeError: non-float ``x``, a mask of another dtype, non-number ``eps``, a
+            ``process_group`` that is not a ``torch.distributed.ProcessGroup``.
         ValueError: mismatched shapes or devices, a negative, NaN or infinite ``eps``.
     """
-    _checks.floating(x, "x")
-    _checks.mask(mask, "mask")
-    _checks.same_shape(x, "x", mask, "mask")
-    _checks.same_device((x, "x"), (mask, "mask"))
-    eps = _checks.non_negative(eps, "eps")
-    return _whiten_op(x.detach(), mask.detach(), bool(shift_mean), eps, "auto")
+    shift_mean, eps = _validate_whiten(x=x, mask=mask, shift_mean=shift_mean, eps=eps, process_group=process_group)
+    if process_group is not None:
+        return _whiten_global(x.detach(), mask.detach(), shift_mean, eps, process_group)
+    return _whiten_op(x.detach(), mask.detach(), shift_mean, eps)

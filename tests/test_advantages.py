@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels import _extension, reference
+from rlkernels import _backend, _extension, reference
 from rlkernels import advantages as adv_mod
 from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, rel_error
 
@@ -29,6 +29,11 @@ def csrc_ops():
 
 def all_backends(device="cpu"):
     return backends(device) + ["csrc"]
+
+
+def backend_for(device, dtype=torch.float32):
+    """The backend the ops of rlkernels.advantages resolve to for inputs of ``dtype`` on ``device``."""
+    return _backend.resolve(device, adv_mod._SUPPORTED, dtype)
 
 
 def run(backend, fn, *args, **kwargs):
@@ -221,6 +226,84 @@ def test_masked_whiten_degenerate(backend, csrc_ops):
         assert rel_error(out, truth) <= REL_TOL[torch.float32]
 
 
+# ---------------------------------------------------------------- masked whitening over a process group
+
+
+def _global_whiten_cases():
+    """Per case: (name, [x of rank 0, x of rank 1], [mask of rank 0, mask of rank 1], compare_all).
+
+    The ranks hold different shapes and numbers of entries; masked-out positions hold NaN and
+    huge values (they must stay out of the statistics). ``compare_all``: the degenerate cases
+    (fewer than two entries over all ranks, var = 0) compare every position, the others the
+    masked-in ones (the masked-out -1e30 would swamp a norm)."""
+    gen = torch.Generator().manual_seed(17)
+    cases = []
+    for shift in (0.5, 1e6, -3.0e5):  # 1e6 + N(0, 3): a float32 mean of such data is off by ~0.03
+        xs = [(torch.randn(*shape, generator=gen, dtype=torch.float64) * 3 + shift).float() for shape in ((3, 40), (5, 17))]
+        ms = [torch.rand(x.shape, generator=gen) < 0.7 for x in xs]
+        xs[0][~ms[0]] = float("nan")
+        xs[1][~ms[1]] = -1e30
+        cases.append((f"shift={shift}", xs, ms, False))
+    x0, x1 = torch.randn(4, 9, generator=gen) + 2, torch.randn(2, 9, generator=gen)  # [B, T] x2
+    m0 = torch.rand(4, 9, generator=gen) < 0.8
+    cases.append(("rank 1 has no entry", [x0, x1], [m0, torch.zeros(2, 9, dtype=torch.bool)], False))
+    m1 = torch.zeros(2, 9, dtype=torch.bool)
+    m1[1, 4] = True
+    cases.append(("one entry in all", [x0, x1], [torch.zeros(4, 9, dtype=torch.bool), m1], True))
+    cases.append(("no entry at all", [x0, x1], [torch.zeros(4, 9, dtype=torch.bool), torch.zeros(2, 9, dtype=torch.bool)], True))
+    nan_x1 = x1.clone()
+    nan_x1[0, 0] = float("nan")  # masked in: NaN propagates to every output of every rank
+    cases.append(("masked-in NaN", [x0, nan_x1], [m0, torch.ones(2, 9, dtype=torch.bool)], False))
+    bf = [x.to(torch.bfloat16) for x in (x0 * 100 + 1000, x1 * 100 + 1000)]
+    cases.append(("bfloat16", bf, [m0, torch.rand(2, 9, generator=gen) < 0.5], False))
+    return cases
+
+
+def _global_whiten_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        outs = {}
+        for name, xs, ms, _ in _global_whiten_cases():
+            for shift_mean in (True, False):
+                outs[name, shift_mean] = rlkernels.masked_whiten(
+                    xs[rank], ms[rank], shift_mean=shift_mean, process_group=dist.group.WORLD
+                )
+        torch.save(outs, os.path.join(out_dir, f"whiten{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_masked_whiten_process_group_matches_concatenation(tmp_path, csrc_ops):
+    """Two gloo processes: each rank's output is its part of masked_whiten over the concatenation of
+    both ranks' entries (the single-process op, default backend) and of the float64 reference there."""
+    torch.multiprocessing.spawn(_global_whiten_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"whiten{r}.pt") for r in range(2)]
+    for name, xs, ms, compare_all in _global_whiten_cases():
+        x = torch.cat([t.reshape(-1) for t in xs])  # [N0 + N1]
+        m = torch.cat([t.reshape(-1) for t in ms])  # [N0 + N1]
+        check = torch.ones_like(m) if compare_all else m  # [N0 + N1]
+        for shift_mean in (True, False):
+            parts = [ranks[r][name, shift_mean] for r in range(2)]
+            assert [p.shape for p in parts] == [t.shape for t in xs] and all(p.dtype == torch.float32 for p in parts)
+            got = torch.cat([p.reshape(-1) for p in parts])  # [N0 + N1]
+            want = rlkernels.masked_whiten(x, m, shift_mean=shift_mean)  # [N0 + N1]
+            truth = reference.masked_whiten(x.double(), m, shift_mean=shift_mean)  # [N0 + N1]
+            eager = reference.masked_whiten(x, m, shift_mean=shift_mean)  # [N0 + N1]
+            label = f"{name} shift_mean={shift_mean}"
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{label}: NaN pattern differs"
+            assert_close_to_truth(got[check], truth[check], torch.float32, eager=eager[check], name=label)
+            # both are within REL_TOL of the truth (masked_whiten by its own tests), so within twice that of each other
+            assert rel_error(got[check], want[check]) <= 2 * REL_TOL[torch.float32], label
+
+
+def test_masked_whiten_process_group_type():
+    with pytest.raises(TypeError, match="process_group"):
+        rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(3, 4), process_group="world")
+
+
 # ---------------------------------------------------------------- API behaviour
 
 
@@ -270,7 +353,7 @@ def test_requires_grad_inputs_are_constants(csrc_ops):
 
 def test_cpu_default_is_csrc(csrc_ops):
     with forced_backend(None):
-        assert adv_mod._pick_backend(torch.device("cpu")) == "csrc"
+        assert backend_for(torch.device("cpu")) == "csrc"
 
 
 def test_torch_compile_fullgraph(csrc_ops):
@@ -308,7 +391,7 @@ def test_fallback_without_extension(monkeypatch, csrc_ops):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a second call does not warn again
                 b = rlkernels.group_advantages(torch.randn(6), 3)
-                assert adv_mod._pick_backend(torch.device("cpu")) == "torch"
+                assert backend_for(torch.device("cpu")) == "torch"
         with forced_backend("csrc"):  # forcing csrc falls back instead of failing
             c, _ = rlkernels.gae(r, v, m)
         truth, _ = reference.gae(r.double(), v.double(), m)
