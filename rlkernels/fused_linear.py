@@ -12,10 +12,13 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   token's logit ``z_y``, read from the float32 accumulator. Splitting the
   vocabulary gives ``N/BLOCK_N × V/(SPLIT_TILES·BLOCK_V)`` programs, enough to
   fill the GPU at RL batch sizes; the splits' partials (``[S, N]`` float32, O(N))
-  are merged by a log-sum-exp in PyTorch. ``lse = m + log s`` and
-  ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
+  are merged by a log-sum-exp in PyTorch. The row max ``m``, ``log s`` (kept
+  apart: one float32 ``lse = m + log s`` would carry ulp(m) into every log p)
+  and ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
+  ``p log p`` counts 0 where ``p = 0`` (a ``-inf`` logit, e.g. a masked bias entry).
 - Backward, 3 GEMMs, over chunks of tokens: ``_dz_kernel`` recomputes each logits
-  tile (GEMM 2) and writes ``dz = dL/dz`` for the chunk, formed in float32 as
+  tile (GEMM 2) with the forward's ``BLOCK_K`` (so bit for bit the forward's logits),
+  forms ``log p = (z - m) - log s`` and writes ``dz = dL/dz`` for the chunk, formed in float32 as
   ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
   into a ``[chunk, V]`` workspace in the input dtype (so the next two GEMMs run
   on tensor cores). A row of dz is dominated by the label's entry
@@ -32,7 +35,12 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
-  (float64 for float64 inputs), recomputing logits in backward.
+  (float64 for float64 inputs), recomputing logits in backward (the same GEMM
+  call on the same tiles, so the same bits).
+
+Labels of any integer dtype are checked (CPU) and widened to int64 before any
+backend runs; every path computes in float32 under ``torch.autocast``; kernel row
+offsets are 64-bit.
 - ``reference``: :func:`rlkernels.reference.linear_logprobs`.
 
 The op is registered with ``torch.library`` (``rlkernels::linear_logprobs`` and
@@ -45,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _checks, reference
-from rlkernels._backend import select
+from rlkernels._backend import float32_compute, select
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -65,18 +73,28 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """``(hidden[rows] @ weight[cols].T + bias[cols]) / T`` accumulated in float32."""
+        """``(hidden[rows] @ weight[cols].T + bias[cols]) / T`` accumulated in float32.
+
+        The forward and the backward both call this with the same ``BLOCK_K`` and flags, so a
+        logit comes out bit for bit the same in both (the K chunks are summed in the same order)."""
         acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
         ks = tl.arange(0, BLOCK_K)
+        # 64-bit row offsets: row * stride passes 2^31 elements at N >= 524288 for H = 4096
+        h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_hn  # [BLOCK_N, 1] pointers
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wv  # [BLOCK_V, 1] pointers
         for k0 in range(0, H, BLOCK_K):
             k = k0 + ks  # [BLOCK_K]
             k_ok = k < H  # H need not be a multiple of BLOCK_K
-            a = tl.load(h_ptr + rows[:, None] * stride_hn + k[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            w = tl.load(w_ptr + cols[:, None] * stride_wv + k[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            if DOT_F32:  # exact upcast; Triton's interpreter multiplies bf16 as raw uint16 bits
-                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            a = tl.load(h_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+            if DOT_F32:
+                # Interpreter only (CPU tensors): a float32 dot as products summed over K. Triton's
+                # interpreter multiplies bf16 as raw uint16 bits, and its np.matmul sums K in an
+                # order that depends on the tile's shape (BLAS kernels), so the forward's 128x128
+                # tile and the backward's 64x128 one would round a logit differently; a GPU MMA
+                # sums each element's K chunk the same way whatever the tile shape.
+                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+                acc = acc + tl.reduce(prod, 2, tl.standard._sum_combine)
             elif IEEE:  # float32 inputs: no silent TF32 rounding
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
             else:
@@ -118,12 +136,14 @@ if HAS_TRITON:
                 alpha = tl.exp(m - m_new)
                 d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
                 e = tl.exp(d)
-                ed = tl.where(col_ok[None, :], e * d, 0.0)
+                # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
+                # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
+                ed = e * tl.where(d == float("-inf"), 0.0, d)
                 u = alpha * (u + s * (m - m_new)) + tl.reduce(ed, 1, tl.standard._sum_combine)
                 s = alpha * s + tl.reduce(e, 1, tl.standard._sum_combine)
                 zy += tl.reduce(tl.where(cols[None, :] == label[:, None], z, 0.0), 1, tl.standard._sum_combine)
                 m = m_new
-        out = split * N + rows
+        out = split.to(tl.int64) * N + rows  # [BLOCK_N]
         tl.store(m_ptr + out, m, mask=row_ok)
         tl.store(s_ptr + out, s, mask=row_ok)
         tl.store(u_ptr + out, u, mask=row_ok)
@@ -132,7 +152,7 @@ if HAS_TRITON:
     @jit
     def _dz_kernel(
         h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
-        lse_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each
+        m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
         dz_ptr,  # [n, V] input dtype, contiguous
         resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
         N, V, H, stride_hn, stride_wv, temperature, ignore_index,
@@ -149,16 +169,20 @@ if HAS_TRITON:
                          stride_hn, stride_wv, temperature,
                          HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
         label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+        log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         g_lp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)
         g_h = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
         valid = label != ignore_index
         g_lp = tl.where(valid, g_lp, 0.0)
         g_h = tl.where(valid, g_h, 0.0)
-        logp = z - lse[:, None]  # [BLOCK_N, BLOCK_V]
+        # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
+        # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
+        logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
         p = tl.exp(logp)
-        ent_term = g_h[:, None] * p * (logp + ent[:, None])
+        # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
+        ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
         is_y = cols[None, :] == label[:, None]
         # 1 - p_y without cancellation (-expm1(logp_y)): a Taylor series near 0, where
         # exp(logp) ~ 1 would cancel, and 1 - p elsewhere (p <= 0.78, no cancellation)
@@ -206,15 +230,19 @@ class _Tiles:
 # only with BLOCK_K=32 in the forward (BLOCK_K=64: 255 registers and ~300 B spilled), and the
 # backward, which holds more temporaries per element (p, log p, dz, its rounded copy), gets
 # 64x128 (128x128 spilled 24-80 B). float32 (ieee dot, 4-byte operands) takes 64-row tiles.
+# The backward recomputes the forward's logits, so it takes the forward's BLOCK_K: the same K
+# chunks summed in the same order give the same logit bit for bit (a different K blocking
+# moved a logit by an ulp, which at T = 1e-3 moved p by 1e-4 and the gradients by far more
+# than eager's error). Tile rows and columns do not change a logit's accumulation order.
 # The forward runs its 128x128 tile with 16 warps: at 8 warps it needed all 255 registers and
 # spilled 8 B on sm_90 once the launcher's divisible-by-16 specialization applied (aligned rows,
 # the common case); 16 warps split the same tile (same arithmetic intensity, still one CTA per
 # SM) at 112-128 registers with no spill on sm_80/sm_90, aligned or not.
 _FWD_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=32, split_tiles=32, num_warps=16, num_stages=3)
-_BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=64, split_tiles=1, num_warps=8, num_stages=3)
+_BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_16.block_k, split_tiles=1, num_warps=8, num_stages=3)
 # float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows)
 _FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=2)
-_BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=32, split_tiles=1, num_warps=8, num_stages=2)
+_BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, split_tiles=1, num_warps=8, num_stages=2)
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
@@ -228,8 +256,8 @@ def _tiles(dtype: torch.dtype, backward: bool = False) -> _Tiles:
 
 
 def _dot_f32(hidden: torch.Tensor) -> bool:
-    """Upcast dot operands in the kernel: only under the interpreter (CPU tensors) for bf16."""
-    return hidden.device.type == "cpu" and hidden.dtype == torch.bfloat16
+    """Under the interpreter (CPU tensors) the kernels take their float32, tile-shape-independent dot."""
+    return hidden.device.type == "cpu"
 
 
 def _triton_dtype(dtype: torch.dtype) -> str:
@@ -255,21 +283,11 @@ def aot_configs():
             fwd_sig.update({k: "constexpr" for k in fwd_consts})
             configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
             dz_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
-                      "lse_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
+                      "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
                       "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **scalars, "ignore_index": "i64"}
             dz_sig.update({k: "constexpr" for k in common_b})
             configs.append(KernelConfig(_dz_kernel, dz_sig, common_b, tb.num_warps, tb.num_stages))
     return configs
-
-
-def _check_label_range(labels: torch.Tensor, V: int, ignore_index: int) -> None:
-    """On the CPU a bad label raises (no device sync to pay); on a GPU it yields NaN instead."""
-    if labels.device.type != "cpu" or labels.numel() == 0:
-        return
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= V))  # [N]
-    if bool(bad.any()):
-        value = int(labels[bad][0])
-        raise ValueError(f"labels must lie in [0, {V}) or equal ignore_index={ignore_index}, got {value}")
 
 
 def _unit_k_stride(x: torch.Tensor) -> torch.Tensor:
@@ -302,24 +320,23 @@ def _forward_triton(hidden, weight, labels, bias, opt: _Options):
     scale = torch.exp(m - m_all)  # [S, N]
     s_all = (s * scale).sum(0)  # [N]
     u_all = (scale * (u + s * (m - m_all))).sum(0)  # [N]
-    log_s = torch.log(s_all)
-    lse = m_all + log_s  # [N]
+    log_s = torch.log(s_all)  # [N]
     entropy = log_s - u_all / s_all  # [N]
-    logp = zy.sum(0) - lse  # [N]
-    return _finish(logp, entropy, lse, labels, V, opt)
+    logp = (zy.sum(0) - m_all) - log_s  # [N] as log_softmax forms it (never z - one rounded lse)
+    return _finish(logp, entropy, torch.stack((m_all, log_s)), labels, V, opt)
 
 
-def _finish(logp, entropy, lse, labels, V, opt: _Options):
-    # logp, entropy, lse, labels: [N]
+def _finish(logp, entropy, stats, labels, V, opt: _Options):
+    # logp, entropy, labels (int64): [N]; stats [2, N]: row max, log Σ exp(z - max)
     valid = labels != opt.ignore_index
     in_range = (labels >= 0) & (labels < V)
     logp = torch.where(in_range, logp, torch.full_like(logp, float("nan")))  # GPU: a bad label is NaN
     zero = torch.zeros_like(logp)
-    return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), lse
+    return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), stats
 
 
-def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, opt: _Options):
-    # g_logp, g_ent, labels, lse, entropy: [N]; hidden [N, H]; weight [V, H]; bias [V] or None
+def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt: _Options):
+    # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
     hidden, weight = _unit_k_stride(hidden), _unit_k_stride(weight)
     N, H = hidden.shape
     V = weight.shape[0]
@@ -336,6 +353,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
     g_ent = g_ent.float().contiguous()
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
+    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
     for c0 in range(0, N, chunk):
         c1 = min(N, c0 + chunk)
         n = c1 - c0
@@ -346,7 +364,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, 
         grid = (cdiv(n, t.block_n), cdiv(V, t.block_v))
         _dz_kernel.launch(
             grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
-            lse[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
+            row_max[c0:c1], log_s[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
             n, V, H, hidden.stride(0), weight.stride(0),
             float(opt.temperature), int(opt.ignore_index),
             HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
@@ -409,7 +427,15 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 # passes (about 2 MiB of float32), every temporary is written into a buffer allocated once
 # per call (``out=`` / in place: no fresh pages to fault in per tile), and the passes are
 # the fewest the math needs: forward, GEMM -> max -> subtract -> exp -> sum (-> dot for the
-# entropy); backward, GEMM with ``-lse`` folded in -> exp -> (entropy terms) -> scale.
+# entropy); backward, the same GEMM -> subtract the row max -> exp -> (entropy terms) -> scale.
+# The backward's GEMM is the forward's call on the same tile (same shapes, same scaling), so
+# it reproduces the forward's logits bit for bit; it then forms p from the row max and the
+# shifted sum s kept apart (p = exp(z - max) / s, as log_softmax does), never from one
+# rounded lse = max + log s, whose ulp at logits ~1000 (6e-5) would move every p by as much.
+
+# exp(x) is exactly 0 below this in float32 (x < -104) and float64 (x < -746): clamping z - max
+# there changes no p, and keeps p·(a + c·(z - max)) at 0 where a logit is -inf (never 0·inf).
+_EXP_ZERO_BELOW = -1000.0
 
 
 def _torch_chunks(N: int, V: int) -> tuple[int, int]:
@@ -420,32 +446,30 @@ def _torch_chunks(N: int, V: int) -> tuple[int, int]:
     return rows, vchunk
 
 
-def _logits_into(z, h_c, w_c, b_c, shift, inv_t):
-    # z [n, vc] <- (h_c @ w_c.T) * inv_t + b_c (b_c already scaled by inv_t) + shift, in one GEMM
-    # call where it can; h_c [n, H], w_c [vc, H], b_c [vc] or None, shift [n, 1] or None.
-    if b_c is None and shift is None:
+def _logits_into(z, h_c, w_c, b_c, inv_t):
+    # z [n, vc] <- (h_c @ w_c.T) * inv_t + b_c (b_c already scaled by inv_t), in one GEMM call;
+    # h_c [n, H], w_c [vc, H], b_c [vc] or None. Forward and backward both call this, identically.
+    if b_c is None:
         torch.addmm(z, h_c, w_c.T, beta=0, alpha=inv_t, out=z)  # beta=0: z's old contents are ignored
-    elif b_c is None:
-        torch.addmm(shift, h_c, w_c.T, alpha=inv_t, out=z)
     else:
         torch.addmm(b_c, h_c, w_c.T, alpha=inv_t, out=z)
-        if shift is not None:
-            z.add_(shift)
     return z
 
 
 def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bool = True):
+    # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     cdt = reference.compute_dtype(hidden)
+    lowest = torch.finfo(cdt).min
     inv_t = 1.0 / opt.temperature
     w = weight.to(cdt)  # [V, H]; no copy for float32 (weight-sized otherwise)
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
     last = V - (S - 1) * vchunk  # width of the last vocabulary chunk
-    lse = torch.empty(N, dtype=cdt, device=dev)  # [N]
+    stats = torch.empty(2, N, dtype=cdt, device=dev)  # [2, N] row max, log Σ exp(z - max)
     entropy = torch.zeros(N, dtype=cdt, device=dev)  # [N]
     zy = torch.empty(N, dtype=cdt, device=dev)  # [N]
     zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
@@ -464,14 +488,20 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
             v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
             z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
-                             None if b is None else b[v0:v1], None, inv_t)  # [n, vc]
+                             None if b is None else b[v0:v1], inv_t)  # [n, vc]
             torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
             torch.amax(z, 1, out=p_m[j])
+            # a chunk whose logits are all -inf (a masked block of the vocabulary) gets a finite
+            # max, so that z - max is -inf (p = 0) rather than -inf - -inf = NaN; NaN stays NaN
+            torch.clamp(p_m[j], min=lowest, out=p_m[j])
             z.sub_(p_m[j].unsqueeze(1))  # d = z - max
             if need_entropy:
                 e = torch.exp(z, out=ebuf[: z.numel()].view_as(z))  # [n, vc]
                 torch.sum(e, 1, out=p_s[j])
-                torch.sum(e.mul_(z), 1, out=p_u[j])  # Σ e·d (in place: vecdot would allocate the product)
+                # Σ e·d (in place: vecdot would allocate the product). e·d is NaN only where
+                # d = -inf (e = 0: p log p counts 0 there); a NaN logit already makes the row's
+                # max and Σ e NaN, so skipping NaN here hides nothing
+                torch.nansum(e.mul_(z), 1, out=p_u[j])
             else:
                 torch.sum(z.exp_(), 1, out=p_s[j])
         # merge the chunks' partials (log-sum-exp), O(S·n)
@@ -479,17 +509,19 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
         scale = torch.exp(p_m - m_all)  # [S, n]
         s_all = (p_s * scale).sum(0)  # [n]
         log_s = torch.log(s_all)
-        lse[r0:r1] = m_all + log_s
+        stats[0, r0:r1] = m_all
+        stats[1, r0:r1] = log_s
         if need_entropy:
             u_all = (scale * (p_u + p_s * (p_m - m_all))).sum(0)  # [n]
             entropy[r0:r1] = log_s - u_all / s_all
         zy[r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
-    logp = zy - lse
-    out = _finish(logp, entropy, lse, labels, V, opt)
-    return tuple(x.float() if x.dtype != torch.float64 else x for x in out[:2]) + (out[2],)
+    logp = (zy - stats[0]) - stats[1]  # [N] as log_softmax forms it (never z - one rounded lse)
+    out = _finish(logp, entropy, stats, labels, V, opt)
+    return tuple(x.float() if x.dtype != torch.float64 else x for x in out)
 
 
-def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, logp, opt: _Options):
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: _Options):
+    # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -507,13 +539,19 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, l
     # requested, unused, or a zero coefficient). Checking is free on the CPU; elsewhere assume used.
     use_ent = dev.type != "cpu" or bool(g_h.ne(0).any())
     ent = entropy.to(cdt)  # [N]
-    # dz_j = p_j (a + c log p_j) off the label, with p_j = exp(log p_j):
+    row_max, log_s = stats.to(cdt).unbind(0)  # [N] each
+    inv_s = torch.exp(-log_s)  # [N] 1/s
+    # Off the label, dz_j = p_j (a + c log p_j) with a = -(g_logp + g_H H)/T, c = -g_H/T. With
+    # d_j = z_j - max, p_j = e^{d_j}/s and log p_j = d_j - log s, that is dz_j = e^{d_j} (a' + c' d_j):
     a = -(g_lp + g_h * ent) * inv_t  # [N]
     c = -g_h * inv_t  # [N]
-    # and at the label, formed without cancellation (1 - p_y = -expm1(log p_y)):
+    a2 = (a - c * log_s) * inv_s  # [N] a'
+    c2 = c * inv_s  # [N] c'
+    # and at the label, formed without cancellation (1 - p_y = -expm1(log p_y)); p_y log p_y is 0
+    # where p_y = 0 (a -inf logit), never 0 * -inf
     lp_y = torch.where(valid, logp.to(cdt), zero)  # [N]
-    at_y = (g_lp * -torch.expm1(lp_y) - g_h * torch.exp(lp_y) * (lp_y + ent)) * inv_t  # [N]
-    neg_lse = -lse.to(cdt)  # [N]
+    lp_y_finite = torch.where(lp_y == float("-inf"), zero, lp_y)  # [N]
+    at_y = (g_lp * -torch.expm1(lp_y) - g_h * torch.exp(lp_y) * (lp_y_finite + ent)) * inv_t  # [N]
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
     # float32 (or float64) accumulators, weight-sized; cast once at the end
@@ -526,7 +564,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, l
         n = r1 - r0
         h_c = hidden[r0:r1].to(cdt)  # [n, H]
         dh_c = torch.zeros(n, H, dtype=cdt, device=dev)  # [n, H]
-        a_c, c_c, shift = a[r0:r1, None], c[r0:r1, None], neg_lse[r0:r1, None]  # [n, 1] each
+        m_c = row_max[r0:r1, None]  # [n, 1]
+        a2_c, c2_c, a_s = a2[r0:r1, None], c2[r0:r1, None], (a * inv_s)[r0:r1, None]  # [n, 1] each
         # the valid rows grouped by the vocabulary chunk of their label: one index_put_ per tile
         tok = valid[r0:r1].nonzero().squeeze(1)  # [k]
         chunk_of_y = torch.div(safe[r0:r1][tok], vchunk, rounding_mode="floor")  # [k]
@@ -540,13 +579,15 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, lse, entropy, l
         for j in range(S):
             v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
-            lp = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
-                              None if b is None else b[v0:v1], shift, inv_t)  # [n, vc] log p
+            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
+                             None if b is None else b[v0:v1], inv_t)  # [n, vc] the forward's logits
+            d = z.sub_(m_c)  # [n, vc] z - max
             if use_ent:
-                p = torch.exp(lp, out=pbuf[: lp.numel()].view_as(lp))  # [n, vc]
-                dz = p.mul_(lp.mul_(c_c).add_(a_c))  # p (a + c log p)
+                d.clamp_(min=_EXP_ZERO_BELOW)
+                e = torch.exp(d, out=pbuf[: d.numel()].view_as(d))  # [n, vc]
+                dz = e.mul_(torch.addcmul(a2_c, d, c2_c, out=d))  # e^d (a' + c' d)
             else:
-                dz = lp.exp_().mul_(a_c)  # a p
+                dz = d.exp_().mul_(a_s)  # e^d a / s
             k0, k1 = starts[j], starts[j + 1]
             if k1 > k0:
                 dz.index_put_((tok[k0:k1], cols[k0:k1]), vals[k0:k1])
@@ -579,24 +620,28 @@ def _linear_logprobs_op(
     ignore_index: int,
     need_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(logp [N], entropy [N], lse [N])``; ``lse`` is saved for backward.
+    """Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each row's max logit
+    ``z/T`` and ``log Σ exp(z/T - max)``, kept apart for the backward (never summed into one lse).
 
     With ``need_entropy=False`` the torch backend skips the entropy's work and returns zeros in
     its place (the caller then never exposes it, so its gradient is zero too)."""
     opt = _Options(temperature, ignore_index)
-    _check_label_range(labels, weight.shape[0], ignore_index)
-    if _use_triton(hidden):
-        logp, ent, lse = _forward_triton(hidden, weight, labels.contiguous(), bias, opt)
-    else:
-        logp, ent, lse = _forward_torch(hidden, weight, labels, bias, opt, need_entropy)
-    return logp, ent, lse.float() if hidden.dtype != torch.float64 else lse
+    # the public function has checked labels already, except under torch.compile, where a
+    # data-dependent check cannot be traced: this op runs opaque there, so it checks here
+    labels = _checks.labels(labels, weight.shape[0], ignore_index)  # [N] int64
+    with float32_compute(hidden.device):
+        if _use_triton(hidden):
+            logp, ent, stats = _forward_triton(hidden, weight, labels.contiguous(), bias, opt)
+        else:
+            logp, ent, stats = _forward_torch(hidden, weight, labels, bias, opt, need_entropy)
+    return logp, ent, stats.float() if hidden.dtype != torch.float64 else stats
 
 
 @_linear_logprobs_op.register_fake
 def _(hidden, weight, labels, bias, temperature, ignore_index, need_entropy=True):
     N = hidden.shape[0]
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return (hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt))
+    return (hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(2, N, dtype=dt))
 
 
 @torch.library.custom_op("rlkernels::linear_logprobs_backward", mutates_args=())
@@ -607,7 +652,7 @@ def _linear_logprobs_backward_op(
     weight: torch.Tensor,  # [V, H]
     labels: torch.Tensor,  # [N]
     bias: torch.Tensor | None,  # [V]
-    lse: torch.Tensor,  # [N]
+    stats: torch.Tensor,  # [2, N] the forward's row max and log Σ exp(z - max)
     entropy: torch.Tensor,  # [N]
     logp: torch.Tensor,  # [N] the forward's output: log p of the label, exact, for its dz entry
     temperature: float,
@@ -615,39 +660,41 @@ def _linear_logprobs_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
     opt = _Options(temperature, ignore_index)
-    if _use_triton(hidden):
-        dh, dw, db = _backward_triton(g_logp, g_entropy, hidden, weight, labels.contiguous(), bias, lse, entropy, opt)
-    else:
-        dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, opt)
+    labels = labels.long()  # [N] checked by the forward
+    with float32_compute(hidden.device):  # backward may run inside the caller's autocast region
+        if _use_triton(hidden):
+            dh, dw, db = _backward_triton(g_logp, g_entropy, hidden, weight, labels.contiguous(), bias, stats, entropy, opt)
+        else:
+            dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
     if db is None:
         db = hidden.new_empty(0)
     return dh, dw, db
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, temperature, ignore_index):
+def _(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, temperature, ignore_index):
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
     return torch.empty_like(hidden, memory_format=torch.contiguous_format), torch.empty_like(weight, memory_format=torch.contiguous_format), db
 
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, temperature, ignore_index = inputs[:6]
-    logp, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy, logp)
+    logp, entropy, stats = output
+    ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, logp)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(stats)
 
 
-def _backward(ctx, g_logp, g_entropy, g_lse):
-    hidden, weight, labels, bias, lse, entropy, logp = ctx.saved_tensors
+def _backward(ctx, g_logp, g_entropy, g_stats):
+    hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
     if g_logp is None:
-        g_logp = torch.zeros_like(lse)
+        g_logp = torch.zeros_like(logp)
     if g_entropy is None:
-        g_entropy = torch.zeros_like(lse)
+        g_entropy = torch.zeros_like(logp)
     dh, dw, db = _linear_logprobs_backward_op(
-        g_logp, g_entropy, hidden, weight, labels, bias, lse, entropy, logp, ctx.temperature, ctx.ignore_index
+        g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, ctx.temperature, ctx.ignore_index
     )
     return dh, dw, None, (db if ctx.has_bias else None), None, None, None
 
@@ -719,9 +766,21 @@ def linear_logprobs(
         ``return_entropy`` also ``entropy`` of the same shape. Differentiable in
         ``hidden``, ``weight`` and ``bias``; their gradients keep their dtypes.
 
-    A label outside ``[0, V)`` raises on the CPU; on a GPU that token's ``logp`` is NaN.
+    Labels of any integer dtype are accepted (compared in int64). A label outside ``[0, V)``
+    raises on the CPU, whatever the backend; on a GPU that token's ``logp`` is NaN. Under
+    ``torch.autocast`` it still computes in float32.
     """
     _validate(hidden, weight, labels, bias, temperature)
+    if torch.compiler.is_compiling():
+        labels = labels.long()  # [...] the range check (data-dependent) runs inside the custom op
+    else:
+        labels = _checks.labels(labels, weight.shape[0], int(ignore_index))  # [...] int64, checked before any backend
+    with float32_compute(hidden.device):
+        return _linear_logprobs(hidden, weight, labels, bias, temperature, return_entropy, ignore_index)
+
+
+def _linear_logprobs(hidden, weight, labels, bias, temperature, return_entropy, ignore_index):
+    # hidden [..., H], weight [V, H], labels [...] int64 (validated), bias [V] or None
     backend = select(hidden.device, ("reference", "torch", "triton"))
     if backend == "reference":
         return reference.linear_logprobs(

@@ -7,7 +7,7 @@ import torch
 from rlkernels import reference
 from rlkernels._memory import measure_cpu
 from rlkernels.fused_linear import aot_configs, linear_logprobs
-from tests.helpers import assert_close_to_truth, backends, forced_backend, noncontiguous
+from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -135,10 +135,9 @@ def test_triton_backward_takes_several_chunks(monkeypatch):
         assert_close_to_truth(got, want, torch.bfloat16, eager=e, name=name)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", backends("cpu"))
 def test_label_out_of_range_raises_on_cpu(backend):
-    if backend == "triton" and "triton" not in backends("cpu"):
-        pytest.skip("triton is not installed")
+    """Every backend, the reference included, raises the same error naming ``labels`` (no raw gather error)."""
     hidden, weight = torch.randn(4, 8), torch.randn(10, 8)
     with forced_backend(backend):
         with pytest.raises(ValueError, match="labels"):
@@ -156,6 +155,257 @@ def test_nan_propagates():
     with forced_backend("torch"):
         logp = linear_logprobs(hidden, weight, torch.tensor([1, 2, 3]))
     assert torch.isnan(logp[1]) and not torch.isnan(logp[0]) and not torch.isnan(logp[2])
+
+
+# ---------------------------------------------------------------- hostile input
+
+
+def _magnitude_tol(dtype, scale):
+    """Tolerance against the float64 truth for logits ``z/T`` of magnitude ``scale``.
+
+    ``REL_TOL`` is stated for logits of order 1. Rounding an input to ``dtype`` moves a logit
+    by about eps·|z/T|, and ``p = exp(z/T - lse)`` moves by that much *relatively*, so every
+    output (and eager PyTorch's too) carries an error proportional to the logits' magnitude:
+    the dtype's tolerance scales with it. The binding check in these tests is the comparison
+    with eager PyTorch in the same dtype (``EAGER_SLACK``)."""
+    return REL_TOL[dtype] * max(1.0, scale)
+
+
+def _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, temperature, dtype):
+    truth = _run(reference.linear_logprobs, *(None if x is None else x.clone().requires_grad_() for x in (hidden, weight, b)),
+                 labels, g_logp, g_ent, temperature)
+    eager = _run(reference.linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype),
+                 labels, g_logp, g_ent, temperature)
+    return truth, eager
+
+
+def _check_all(out, truth, eager, dtype, tol=None, vs_eager=("logp", "entropy", "d_hidden", "d_weight", "d_bias")):
+    """Every output finite and within ``tol`` of the float64 truth; those named in ``vs_eager``
+    also no worse than eager PyTorch in the same dtype."""
+    names = ["logp", "entropy", "d_hidden", "d_weight", "d_bias"]
+    for name, got, want, e in zip(names, (out[0], out[1], *out[2]), (truth[0], truth[1], *truth[2]),
+                                  (eager[0], eager[1], *eager[2])):
+        assert torch.isfinite(got).all(), f"{name} is not finite"
+        assert_close_to_truth(got, want, dtype, eager=e if name in vs_eager else None, name=name, tol=tol)
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_negative_infinite_logits(backend, dtype):
+    """A bias with -inf entries (a masked vocabulary): p log p counts 0 where p = 0, so the entropy
+    and every gradient stay finite and correct. Masked entries are scattered, fill a whole vocabulary
+    chunk of the torch path (2048 wide) and the whole last Triton split (4096 columns: a split's
+    running max never sees a finite logit), and one label sits on a masked column (its logp is -inf,
+    its gradients are still finite)."""
+    N, H, V, T = 14, 16, 4097, 0.8
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=True, seed=21)
+    b[1::3] = float("-inf")
+    b[2048:4096] = float("-inf")
+    b[4096] = float("-inf")
+    finite_cols = torch.isfinite(b).nonzero().squeeze(1)  # [k]
+    g = torch.Generator().manual_seed(22)
+    labels = finite_cols[torch.randint(0, finite_cols.numel(), (N,), generator=g)]  # [N]
+    labels[::5] = -100
+    labels[3] = 1  # b[1] = -inf: logp = -inf there
+    # |upstream entropy gradient| < 1: reference.logprobs writes p log p as exp(lp)·clamp(lp, min=finfo.min),
+    # whose gradient g·finfo.min overflows to inf (then inf·0 = NaN) for |g| > 1 at a -inf logit
+    g_ent = torch.tanh(g_ent)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, T, dtype)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent, T)
+    logp, ent, grads = out
+    assert logp[3] == float("-inf") and truth[0][3] == float("-inf")
+    keep = torch.arange(N) != 3  # [N]
+    assert torch.isfinite(logp[keep]).all()
+    assert_close_to_truth(logp[keep], truth[0][keep], dtype, eager=eager[0][keep], name="logp")
+    for name, got, want, e in zip(["entropy", "d_hidden", "d_weight", "d_bias"], (ent, *grads), (truth[1], *truth[2]),
+                                  (eager[1], *eager[2])):
+        assert torch.isfinite(got).all(), f"{name} is not finite"
+        assert_close_to_truth(got, want, dtype, eager=e, name=name)
+    masked = ~torch.isfinite(b)  # [V]
+    masked[1] = False  # a label's own column: d logp_y / d b_y = (1 - p_y)/T = 1/T even at b_y = -inf
+    assert torch.all(grads[2][masked] == 0)  # masked entries get no bias gradient
+
+
+def _large_logits_case(N, H, V, seed, scale):
+    """Logits of magnitude ~``scale`` with half of the labels on the row's argmax (logp near 0, where an
+    absolute error of ulp(scale) in log p is a large relative error)."""
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=True, seed=seed)
+    hidden = hidden * scale  # weight rows have norm ~1.5: z ~ scale
+    z = hidden @ weight.T + b  # [N, V]
+    labels[1::2] = z[1::2].argmax(-1)
+    return hidden, weight, b, labels, g_logp, g_ent, z.abs().max().item()
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("seed", [52, 54])  # draws where one rounded lse cost the torch and Triton paths 3-50x eager's error
+def test_large_logits_no_worse_than_eager(backend, dtype, seed):
+    """float32 logits around 1000: the backward forms p from the row max and the shifted sum (as
+    eager's log_softmax does), never from one rounded lse (whose ulp, 6e-5, moved every p), so
+    every output stays within eager's error. (16-bit inputs add a separate, known effect: the
+    Triton backward's dz workspace is 16-bit and only the label's entry is carried in float32, so
+    in a peaked row whose label is not the top token the top token's entry keeps its rounding.)"""
+    hidden, weight, b, labels, g_logp, g_ent, zmax = _large_logits_case(24, 32, 300, seed=seed, scale=600.0)
+    assert zmax > 500
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 1.0, dtype)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent, 1.0)
+    _check_all(out, truth, eager, dtype, tol=_magnitude_tol(dtype, zmax))
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1e-3, 1e-2])
+def test_low_temperature_no_worse_than_eager(backend, dtype, temperature):
+    """At T = 1e-3 a logit's last bit moves p by ~1e-4: the backward must recompute the forward's
+    logits bit for bit (same K blocking) and form p from the row max and shifted sum, so the
+    gradients are no worse than eager's. (logp and the entropy are checked against the truth
+    only: at T = 1e-3 these rows' entropies are ~1e-16, sums of terms exp(-40) whose relative
+    error is the rounding of one logit/T, ~ulp(1000): which of two float32 computations rounds
+    closer is luck, not accuracy.)"""
+    hidden, weight, b, labels, g_logp, g_ent, zmax = _large_logits_case(24, 64, 300, seed=61, scale=1.0)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, temperature, dtype)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent,
+                   temperature)
+    _check_all(out, truth, eager, dtype, tol=_magnitude_tol(dtype, zmax / temperature),
+               vs_eager=("d_hidden", "d_weight", "d_bias"))
+
+
+def test_backward_recomputes_the_forward_logits_bit_for_bit(monkeypatch):
+    """torch backend: every logits tile the backward recomputes equals the forward's, bit for bit."""
+    import rlkernels.fused_linear as mod
+
+    monkeypatch.setattr(mod, "_TORCH_BUDGET_ELEMS", 64)  # several token and vocabulary chunks
+    seen = {"forward": [], "backward": []}
+    original = mod._logits_into
+    phase = ["forward"]
+
+    def spy(z, *args):
+        out = original(z, *args)
+        seen[phase[0]].append(out.clone())
+        return out
+
+    monkeypatch.setattr(mod, "_logits_into", spy)
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(40, 24, 700, bias=True, seed=71)
+    leaves = [_leaf(x, torch.float32) for x in (hidden, weight, b)]
+    with forced_backend("torch"):
+        logp, ent = linear_logprobs(leaves[0], leaves[1], labels, bias=leaves[2], temperature=0.3, return_entropy=True)
+        phase[0] = "backward"
+        torch.autograd.grad((logp * g_logp.float()).sum() + (ent * g_ent.float()).sum(), leaves)
+    assert len(seen["forward"]) == len(seen["backward"]) > 1
+    for f, bwd in zip(seen["forward"], seen["backward"]):
+        assert torch.equal(f, bwd)
+
+
+def test_triton_backward_uses_the_forward_k_blocking():
+    """The Triton backward recomputes each logit with the forward's accumulation order: same BLOCK_K
+    (hence the same K chunks summed in the same order) and the same dot precision flags."""
+    import rlkernels.fused_linear as mod
+
+    for dtype in mod._TRITON_DTYPES:
+        assert mod._tiles(dtype).block_k == mod._tiles(dtype, backward=True).block_k, dtype
+    fwd = [c for c in mod.aot_configs() if c.kernel is mod._fwd_kernel]
+    bwd = [c for c in mod.aot_configs() if c.kernel is mod._dz_kernel]
+    for f, d in zip(fwd, bwd):
+        for key in ("BLOCK_K", "IEEE", "DOT_F32", "HAS_BIAS"):
+            assert f.constexprs[key] == d.constexprs[key], key
+
+
+_NARROW_LABELS = {
+    # V = 300. uint8 156 is -100 (ignore_index) mod 256 and 44 is V mod 256: both are valid labels,
+    # never ignored or rejected by a comparison done in the narrow dtype; 200 > 44 is valid too.
+    torch.uint8: [0, 5, 156, 255, 200, 44],
+    torch.int8: [0, 5, 99, 127, -100, 64],
+    torch.int16: [0, 5, 299, -100, 200, 156],
+    torch.int32: [0, 5, 299, -100, 200, 156],
+}
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype", list(_NARROW_LABELS))
+def test_every_integer_label_dtype(backend, dtype):
+    V = 300
+    hidden, weight, _, _, g_logp, g_ent = _inputs(6, 16, V, bias=False, seed=31)
+    labels64 = torch.tensor(_NARROW_LABELS[dtype])  # [6]
+    truth = _run(reference.linear_logprobs, hidden.clone().requires_grad_(), weight.clone().requires_grad_(), None,
+                 labels64, g_logp, g_ent, 1.0)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, _leaf(hidden, torch.float32), _leaf(weight, torch.float32), None,
+                   labels64.to(dtype), g_logp, g_ent, 1.0)
+    for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight"], (out[0], out[1], *out[2]),
+                               (truth[0], truth[1], *truth[2])):
+        assert_close_to_truth(got, want, torch.float32, name=name)
+    assert torch.all((out[0] == 0) == (labels64 == -100))  # only ignore_index itself is ignored
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("dtype,bad", [(torch.uint8, 200), (torch.int8, -1), (torch.int16, 100), (torch.int32, 1000)])
+def test_narrow_label_out_of_range_raises(backend, dtype, bad):
+    hidden, weight = torch.randn(3, 8), torch.randn(100, 8)
+    with forced_backend(backend):
+        with pytest.raises(ValueError, match="labels"):
+            linear_logprobs(hidden, weight, torch.tensor([0, bad, 3]).to(dtype))
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+def test_autocast_computes_in_float32(backend):
+    """Under torch.autocast (bfloat16 on the CPU) the op still computes in float32: the forward
+    (in the autocast region) and the backward (after it, as a training step runs it) are as close
+    to the float64 truth as without autocast."""
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(20, 48, 500, bias=True, seed=41)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 0.9, torch.float32)
+    leaves = [_leaf(x, torch.float32) for x in (hidden, weight, b)]
+    with forced_backend(backend):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, ent = linear_logprobs(leaves[0], leaves[1], labels, bias=leaves[2], temperature=0.9, return_entropy=True)
+        grads = torch.autograd.grad((logp * g_logp.float()).sum() + (ent * g_ent.float()).sum(), leaves)
+    assert logp.dtype == torch.float32 and all(gr.dtype == torch.float32 for gr in grads)
+    _check_all((logp, ent, grads), truth, eager, torch.float32)
+
+
+@pytest.mark.parametrize("backend", [b for b in backends("cpu") if b != "reference"])
+def test_autocast_backward_inside_the_region(backend):
+    """The fused backends' backward also computes in float32 when it runs inside the autocast
+    region (autograd then runs with autocast on). The reference backend is plain eager autograd:
+    its backward matmuls follow whatever autocast state backward runs in."""
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(20, 48, 500, bias=True, seed=42)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 0.9, torch.float32)
+    leaves = [_leaf(x, torch.float32) for x in (hidden, weight, b)]
+    with forced_backend(backend), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _run(linear_logprobs, *leaves, labels, g_logp, g_ent, 0.9)
+    _check_all(out, truth, eager, torch.float32)
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+def test_row_offsets_past_2_31_elements(backend):
+    """``row * stride`` past 2^31 elements: hidden and weight are views whose row stride s < 2^31
+    (an int32 kernel argument) puts row 2 at 2s > 2^31. Their storage spans ~2^32 bfloat16
+    elements (8 GiB of address space) but only the few pages holding the rows are ever touched,
+    so resident memory stays small. With 32-bit offsets, row 2's offset wraps to B0 - 2^21 (inside
+    the storage, so a wrong read rather than a crash): its logp and gradients come out wrong."""
+    N = V = 3
+    H = 16
+    s = 2**31 - 2**20  # row stride: fits int32; 2s does not
+    B0 = 2**21  # first row: a wrapped offset 2s - 2^32 = -2^21 stays inside the storage
+    store = torch.empty(B0 + 2 * s + 2 * H, dtype=torch.bfloat16)  # untouched pages cost no memory
+    hidden = torch.as_strided(store, (N, H), (s, 1), B0)  # [N, H] rows at B0 + r·s
+    weight = torch.as_strided(store, (V, H), (s, 1), B0 + H)  # [V, H] rows right after hidden's
+    g = torch.Generator().manual_seed(81)
+    hidden.copy_(torch.randn(N, H, generator=g))
+    weight.copy_(torch.randn(V, H, generator=g) * 0.4)
+    labels = torch.tensor([1, 0, 2])  # [N]
+    g_logp, g_ent = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+    compact = [hidden.double().clone().requires_grad_(), weight.double().clone().requires_grad_()]
+    truth = _run(reference.linear_logprobs, *compact, None, labels, g_logp, g_ent, 1.0)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, hidden.detach().requires_grad_(), weight.detach().requires_grad_(), None,
+                   labels, g_logp, g_ent, 1.0)
+    del store, hidden, weight
+    for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight"], (out[0], out[1], *out[2]),
+                               (truth[0], truth[1], *truth[2])):
+        assert_close_to_truth(got, want, torch.bfloat16, name=name)
 
 
 # ---------------------------------------------------------------- bad input
