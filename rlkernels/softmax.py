@@ -35,8 +35,9 @@ the backward is the same multiply-add, ``exp2``, and a multiply into ``dlogits``
 (plus a multiply-add for the entropy term, which it skips when the entropy's
 upstream gradient is None or zero). It keeps each row's shift and sum rather
 than their log-sum-exp, so ``log p`` keeps the relative precision of ``z - max``.
-Where ``max·log2(e)`` would overflow float32 (``|logits/T| > 2.4e38``) the rows
-are shifted in natural units first.
+Chunks with ``|logits/T|`` past ~1e7 subtract the max before scaling (one more
+pass), where the fused multiply-add's rounding residual at the max, or the
+overflow of ``max·log2(e)`` itself past 2.4e38, would no longer cancel.
 """
 from __future__ import annotations
 
@@ -255,6 +256,9 @@ _CHUNK_BYTES = 2 << 20
 # kernels, and the conversion folds into the one fused multiply-add that scales and shifts a row.
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+# Below this |max logit·log2e/T| the fused multiply-add's rounding residual at the max (<= ulp/2 <= 1)
+# only scales every 2^u of the row by the same factor in [1/2, 2], which p = 2^u / s cancels.
+_FUSED_SHIFT_LIMIT = 2.0**24
 
 
 def _launch_config(V: int) -> _LaunchConfig:
@@ -328,18 +332,24 @@ def _chunk_rows(V: int, dtype: torch.dtype) -> int:
     return max(1, _CHUNK_BYTES // (V * dtype.itemsize))
 
 
-def _base2_exponents(x, m, temperature: float, out):
+def _base2_exponents(x, m, temperature: float, out, on_cpu: bool):
     """``out = (x - m)·log2(e)/T`` [c, V]: each logit's base-2 exponent ``u`` (``p = 2^u / s``), from the rows
     ``x`` [c, V] in the compute dtype (``out`` itself may hold them) and each row's max logit ``m`` [c, 1].
 
-    Subtracting the max first makes ``u`` exactly 0 at the max and exact near it (as eager's ``z - max``),
-    at any magnitude: a fused ``x·(log2e/T) - m·log2e`` leaves its rounding residual at the max, up to
-    ``ulp(m·log2e/T)``, which ``2^u`` cannot absorb once ``|m/T|`` passes ~1e9, and ``m·log2e`` itself
-    overflows float32 past 2.4e38 (bf16 logits reach 3.4e38). A difference that overflows is a
-    probability that is exactly 0. The forward and the backward call this one function, so both see
-    the same exponents bit for bit."""
+    Usually one fused multiply-add ``x·(log2e/T) - m·log2e/T``. Its rounding residual at the max is up to
+    ``ulp(m·log2e/T)/2``, the same for the whole row, so ``2^u / s`` cancels it while it is small; past
+    ``_FUSED_SHIFT_LIMIT`` (|logits/T| > ~1e7) it is not (2^u overflows past ~1e9, and ``m·log2e``
+    itself overflows float32 past 2.4e38, where bf16 logits still reach 3.4e38). Such chunks subtract
+    the max first (an extra pass): ``u`` is then exactly 0 at the max and exact near it, as eager's
+    ``z - max``, and a difference that overflows is a probability that is exactly 0. The forward and the
+    backward call this one function on the same chunks, so both see the same exponents bit for bit."""
+    scale = _LOG2E / temperature
+    shift = m * scale  # [c, 1]
+    # on the CPU the check costs no device sync; elsewhere (a forced torch backend) always the exact path
+    if on_cpu and bool((shift.abs() <= _FUSED_SHIFT_LIMIT).all()):
+        return torch.add(shift.neg(), x, alpha=scale, out=out)  # [c, V]
     torch.sub(x, m, out=out)  # [c, V] <= 0
-    return out.mul_(_LOG2E / temperature)
+    return out.mul_(scale)
 
 
 def _finish(logp, entropy, stats, valid, bad):
@@ -357,7 +367,7 @@ def _finish(logp, entropy, stats, valid, bad):
 
 def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_entropy: bool):
     """Chunked over rows; a chunk's workspace is two [c, V] buffers of <= _CHUNK_BYTES each,
-    allocated once. Per chunk: max, shift, scale, exp2, sum (+ multiply, sum for H).
+    allocated once. Per chunk: max, one fused scale-and-shift, exp2, sum (+ multiply, sum for H).
 
     Returns ``(logp, entropy, stats)``: ``stats`` [..., 2] holds each row's max logit ``m`` and shifted
     sum ``s = Σ e^((x - m)/T)``, which the backward uses as they are: it shifts by ``m`` and divides by
@@ -387,7 +397,7 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] one upcast; everything below reads the compute dtype
         m = x.amax(dim=-1, keepdim=True)  # [c, 1] the max logit
         m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: no -inf - -inf
-        _base2_exponents(x, m, temperature, z)  # [c, V] u = (x - m)·log2e/T <= 0
+        _base2_exponents(x, m, temperature, z, on_cpu)  # [c, V] u = (x - m)·log2e/T, <= ~0
         torch.exp2(z, out=e)  # [c, V] unnormalized probabilities
         s = e.sum(-1)  # [c]
         log_s = torch.log(s)  # [c]
@@ -416,8 +426,8 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
     [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y) (its entropy term 0 where p_y = 0).
 
     With u = (x - m)·log2e/T (the forward's :func:`_base2_exponents`), p = 2^u / s and log p = u ln 2 - log s,
-    so dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: a shift and a scale
-    to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
+    so dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: one fused
+    scale-and-shift to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -455,7 +465,7 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
         out = d_rows[r0:r1]  # [c, V]
         z = z_ws[:c]  # [c, V]
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] as in the forward (a vectorized upcast)
-        _base2_exponents(x, m[r0:r1], temperature, z)  # [c, V] u
+        _base2_exponents(x, m[r0:r1], temperature, z, on_cpu)  # [c, V] u
         u_y[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1)
         if b is None:
             torch.mul(z.exp2_(), a[r0:r1, None], out=out)  # [c, V] -g p / T, cast once into dlogits
