@@ -396,7 +396,9 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
         z, e = z_ws[:c], e_ws[:c]  # [c, V]
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] one upcast; everything below reads the compute dtype
         m = x.amax(dim=-1, keepdim=True)  # [c, 1] the max logit
-        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: no -inf - -inf
+        # the shift the backward will read from stats: 0 for an all -inf row (no -inf - -inf) and for an
+        # ignored row (its values are discarded), so both passes pick the same path in _base2_exponents
+        m = torch.where((m == float("-inf")) | ~valid[r0:r1, None], torch.zeros_like(m), m)
         _base2_exponents(x, m, temperature, z, on_cpu)  # [c, V] u = (x - m)·log2e/T, <= ~0
         torch.exp2(z, out=e)  # [c, V] unnormalized probabilities
         s = e.sum(-1)  # [c]

@@ -332,6 +332,28 @@ def test_large_logit_offset_is_as_precise_as_eager(backend, temperature, offset,
 
 
 @pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("ignored_value", [float("nan"), 1.0e30])
+def test_ignored_rows_do_not_change_how_their_neighbours_are_computed(backend, ignored_value):
+    """An ignored row holding NaN or huge logits shares a chunk with rows of large logits (~1.1e7, where the
+    torch backend's fused shift leaves a rounding residual of up to 1/2 in every exponent): the forward and
+    the backward must still form the same exponents for the other rows (the forward once chose its path
+    from the ignored row's own max, the backward from its saved 0), so their gradients stay exact."""
+    V = 1000
+    gen = torch.Generator().manual_seed(30)
+    logits = (1.1e7 + 10.0 * torch.randn(4, V, generator=gen, dtype=torch.float64)).float()  # [4, V]
+    logits[1] = ignored_value
+    labels = torch.tensor([5, IGNORE, 17, 999])
+    g_logp, g_ent = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent)
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+    for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
+        assert_close_to_truth(o, t, torch.float32, eager=e, name=f"{backend} {name}")
+    assert torch.equal(out[2][1], torch.zeros(V))
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
 @pytest.mark.parametrize("temperature", [1.0, 0.9])
 def test_huge_logits_match_eager(backend, temperature):
     """|logits/T| near float32's maximum (bf16 ±3e38): x·log2(e) overflows float32 there, while eager
