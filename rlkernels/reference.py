@@ -12,6 +12,7 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+RATIO_MODES = ("token", "sequence")  # policy_loss: per-token ratio (PPO/GRPO) or per-sequence (GSPO)
 GROUP_MODES = ("grpo", "dr_grpo", "rloo")
 
 
@@ -117,30 +118,40 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return xm.sum() / m.sum().clamp(min=1.0)
 
 
-def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_length: int | None = None) -> torch.Tensor:
-    """Reduce per-token ``x`` [B, T] to a scalar; see README's table of ``agg`` modes.
+def agg_weights(tokens: torch.Tensor, agg: str, T: int, norm_length: float | None = None) -> torch.Tensor:
+    """Per-sequence weights ``w`` [B] that define every ``agg`` mode: ``loss = Σ_b w_b · Σ_t m_bt·x_bt``.
 
-    Empty masks and empty batches (B = 0 or T = 0) give 0, never NaN: ``token-mean`` divides by
-    ``max(Σ m, 1)``, ``seq-mean-token-mean`` averages only the sequences that have a token and the
-    token-sum modes divide an empty sum by 1. Masked-out entries of ``x`` (NaN, ±inf) never reach it.
+    ``tokens`` [B] holds each sequence's ``Σ_t m`` and ``T`` the padded length (the default ``norm_length``).
+    The one place the modes' formulas live: :func:`aggregate`, the fused losses (``dloss/dx_bt = w_b·m_bt``)
+    and the integrations' adapters use them. Empty masks and batches give weights that turn an empty sum
+    into 0, never NaN: ``token-mean`` divides by ``max(Σ m, 1)``, ``seq-mean-token-mean`` averages only the
+    sequences that have a token, and the token-sum modes divide by 1 when ``B`` (or ``B·norm_length``) is 0.
+    """
+    B = tokens.shape[0]
+    if agg == "token-mean":
+        return (1.0 / tokens.sum().clamp(min=1.0)).expand(B)
+    if agg == "seq-mean-token-mean":
+        has_tokens = (tokens > 0).to(tokens.dtype)  # [B]
+        return has_tokens / tokens.clamp(min=1.0) / has_tokens.sum().clamp(min=1.0)
+    if agg == "seq-mean-token-sum":
+        return torch.full_like(tokens, 1.0 / max(B, 1))
+    if agg == "seq-mean-token-sum-norm":
+        denom = B * (T if norm_length is None else norm_length)  # 0 only for an empty batch (sum 0)
+        return torch.full_like(tokens, 1.0 / (denom if denom > 0 else 1))
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_length: float | None = None) -> torch.Tensor:
+    """Reduce per-token ``x`` [B, T] to a scalar ``Σ_b w_b · Σ_t m·x`` with :func:`agg_weights`; see README's
+    table of ``agg`` modes.
+
+    Empty masks and empty batches (B = 0 or T = 0) give 0, never NaN. Masked-out entries of ``x`` (NaN, ±inf)
+    never reach it.
     """
     m = mask.to(x.dtype)  # [B, T]
     xm = torch.where(mask != 0, x * m, 0.0)  # [B, T]: exactly 0 where m = 0, never 0·inf
-    B, T = x.shape
-    if agg == "token-mean":
-        return xm.sum() / m.sum().clamp(min=1.0)
-    if agg == "seq-mean-token-mean":
-        tokens = m.sum(-1)  # [B]
-        per_seq = xm.sum(-1) / tokens.clamp(min=1.0)  # [B]
-        has_tokens = (tokens > 0).to(x.dtype)  # [B]
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    if agg == "seq-mean-token-sum":
-        return xm.sum() / max(B, 1)
-    if agg == "seq-mean-token-sum-norm":
-        length = T if norm_length is None else norm_length
-        denom = B * length
-        return xm.sum() / (denom if denom > 0 else 1)  # denom = 0 only for an empty batch (sum 0)
-    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    w = agg_weights(m.sum(-1), agg, x.shape[-1], norm_length)  # [B]
+    return (w * xm.sum(-1)).sum()
 
 
 def policy_loss(

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import rlkernels.integrations.verl as rkv
+from tests.helpers import assert_close_to_truth
 
 
 # ---------------------------------------------------------------- registration (always runs)
@@ -124,6 +125,47 @@ def test_registered_loss_follows_verl_agg_loss_formulas(fake_verl):
         fn(old, logp, adv, mask, "token-mean", cfg, rollout_is_weights=torch.ones(B, T))
     with pytest.raises(ValueError, match="loss_agg_mode"):
         fn(old, logp, adv, mask, "bogus", cfg)
+
+
+VERL_INFO = dict(dp_size=2, batch_num_tokens=11, global_batch_size=6, loss_scale_factor=16)
+
+
+@pytest.mark.parametrize("global_info", [False, True], ids=["local", "global_batch_info"])
+def test_agg_loss_follows_verl_formulas_and_ignores_masked_entries(global_info):
+    """agg_loss (rlkernels' one aggregation, reference.aggregate, times verl's factor) is verl's formula of each
+    mode, written out here; NaN/±inf at masked-out positions never reach it (x·m made it NaN) and get exactly
+    zero gradient."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 7
+    # positive per-token terms (like a KL or an entropy): no cancellation, so the float32 result is within
+    # n·2^-24 ≈ 2e-6 (n = 35 terms) of the float64 truth, inside REL_TOL[float32]
+    x = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5  # [B, T]
+    mask = (torch.rand(B, T, generator=g) > 0.3).float()  # [B, T]
+    mask[0], mask[2] = 1.0, 0.0  # a full and an empty sequence
+    sums, tokens = (x * mask).sum(-1), mask.sum(-1)  # [B] each
+    nonempty = tokens > 0  # [B]
+    seq_mean = (sums[nonempty] / tokens[nonempty]).sum()
+    info = VERL_INFO if global_info else {}
+    n_tok = info.get("batch_num_tokens", tokens.sum())
+    n_seq = info.get("global_batch_size", nonempty.sum())
+    dp = info.get("dp_size", 1)
+    expected = {
+        "token-mean": sums.sum() / n_tok * dp,
+        "token-sum": sums.sum() * dp,
+        "seq-mean-token-mean": seq_mean / n_seq * dp,
+        "seq-mean-token-sum": sums.sum() / n_seq * dp,
+        "seq-mean-token-sum-norm": sums.sum() / n_seq * dp / info.get("loss_scale_factor", T),
+    }
+    hostile = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=x.dtype)[torch.arange(B * T) % 3]
+    poisoned = torch.where(mask != 0, x, hostile.view(B, T))  # [B, T]
+    for mode, want in expected.items():
+        out = rkv.agg_loss(x, mask, mode, **info)
+        assert_close_to_truth(out, want, torch.float32, name=mode)
+        leaf = poisoned.clone().requires_grad_()
+        bad = rkv.agg_loss(leaf, mask, mode, **info)
+        assert torch.equal(bad, out), mode
+        (grad,) = torch.autograd.grad(bad, [leaf])
+        assert torch.isfinite(grad).all() and torch.count_nonzero(grad[mask == 0]) == 0, mode
 
 
 # ---------------------------------------------------------------- parity with verl (where installed)

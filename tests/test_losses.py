@@ -1,6 +1,8 @@
 """kl_penalty, policy_loss and value_loss against the float64 reference, forward and backward, every backend."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -603,3 +605,110 @@ def test_aot_compile_every_config(arch):
         print(report)
         assert report.registers > 0
         assert report.spill_bytes == 0, f"{report.label} spills on sm_{arch}"
+
+
+# ---------------------------------------------------------------- one path per concern
+
+
+def _kwonly(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _option_args(op) -> list[str]:
+    """The op's non-tensor schema arguments, in order."""
+    return [a.name for a in op.default._schema.arguments if "Tensor" not in str(a.type)]
+
+
+def test_options_keep_their_names_down_to_the_kernel():
+    """Each op's options dataclass holds its public keyword arguments under their own names and meanings, in the
+    op's schema and in the kernel (clip_low reached the kernel as clip_lo = 1 - clip_low; the KL estimator, the
+    agg mode and the ratio mode crossed the op as indices and a flag)."""
+    tensors = {"ref_logp", "entropy"}
+    policy_fields = [f.name for f in dataclasses.fields(losses.PolicyOptions)]
+    assert policy_fields == [n for n in _kwonly(rlkernels.policy_loss) if n not in tensors]
+    assert policy_fields == [n for n in _kwonly(ref.policy_loss) if n not in tensors]
+    assert _option_args(torch.ops.rlkernels.policy_loss) == policy_fields
+    value_fields = [f.name for f in dataclasses.fields(losses.ValueOptions)]
+    assert value_fields == _kwonly(rlkernels.value_loss) == _kwonly(ref.value_loss)
+    assert _option_args(torch.ops.rlkernels.value_loss) == value_fields
+    assert _option_args(torch.ops.rlkernels.kl_penalty) == [f.name for f in dataclasses.fields(losses.KLOptions)]
+    pytest.importorskip("triton")
+    kernel_params = {p.name: p.annotation_type for p in losses._policy_kernel.params}
+    # float64 scalars: the kernel rounds 1 ∓ clip to float32 once, as the host rounds them for PyTorch's clamp
+    assert kernel_params["clip_low"] == kernel_params["clip_high"] == "fp64"
+    assert not {"clip_lo", "clip_hi"} & set(kernel_params)
+
+
+@pytest.mark.parametrize("agg,norm_length", AGG_CASES)
+def test_agg_weights_are_the_agg_modes(agg, norm_length):
+    """reference.agg_weights, the one definition of the agg modes: Σ_b w_b Σ_t m·x is the contract's formula of
+    each mode (written out here), and the gradient of reference.aggregate in x is w_b·m."""
+    g = _gen(23)
+    B, T = 5, 9
+    x = torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T]
+    m = _mask(B, T, g)  # [B, T]: one empty row, one full row
+    mf = m.double()  # [B, T]
+    sums, tokens = (x * mf).sum(-1), mf.sum(-1)  # [B] each
+    by_hand = {
+        "token-mean": sums.sum() / tokens.sum(),
+        "seq-mean-token-mean": (sums[tokens > 0] / tokens[tokens > 0]).mean(),
+        "seq-mean-token-sum": sums.mean(),
+        "seq-mean-token-sum-norm": sums.sum() / (B * (T if norm_length is None else norm_length)),
+    }[agg]
+    w = ref.agg_weights(tokens, agg, T, norm_length)  # [B]
+    assert w.shape == (B,) and w.dtype == torch.float64
+    assert_close_to_truth((w * sums).sum(), by_hand, torch.float64, name="Σ w·Σ m x")
+    leaf = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(ref.aggregate(leaf, m, agg, norm_length), [leaf])
+    assert_close_to_truth(grad, w.unsqueeze(-1) * mf, torch.float64, name="d aggregate / dx")
+
+
+OP_BACKENDS = [b for b in BACKENDS if b != "reference"]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+@pytest.mark.parametrize("ratio", ref.RATIO_MODES)
+@pytest.mark.parametrize("agg,norm_length", AGG_CASES)
+def test_policy_op_outputs_mean_the_same_on_every_backend(backend, ratio, agg, norm_length):
+    """Every output of the policy op, including what the backward keeps (per-token gradients before the agg
+    weight, and the weights), is the float64 truth of what it means, on every backend of the op's table."""
+    inputs = _policy_inputs(6, 37, torch.float32, seed=21, adv_per_seq=True, mask_kind="float")
+    tensors = [inputs[k] for k in ("logp", "old_logp", "advantages", "mask", "ref_logp", "entropy")]
+    options = dict(clip_low=0.2, clip_high=0.3, dual_clip=2.0, ratio=ratio, kl_coef=0.1, kl_estimator="k2",
+                   entropy_coef=0.01, agg=agg, norm_length=norm_length)
+    opt = losses.PolicyOptions(**options)
+    with forced_backend(backend):
+        loss, metrics, g_logp, g_ref, g_ent, w = torch.ops.rlkernels.policy_loss(*tensors, *dataclasses.astuple(opt))
+    truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), 1.0, **options)
+    assert_scalar_close(loss, truth_loss, "loss")
+    for name, value in zip(losses.POLICY_METRICS, metrics):
+        assert_scalar_close(value, truth_metrics[name], f"metric {name}")
+    tokens = inputs["mask"].double().sum(-1)  # [B]
+    assert_close_to_truth(w, ref.agg_weights(tokens, agg, 37, norm_length), torch.float32, name="agg weights")
+    for name, g in (("logp", g_logp), ("ref_logp", g_ref), ("entropy", g_ent)):
+        assert_close_to_truth(g * w.unsqueeze(-1), truth_grads[name], torch.float32, name=f"saved grad {name}")
+
+
+def test_backend_is_resolved_at_run_time_inside_the_op(monkeypatch):
+    """The ops choose their row through _backend.resolve at every call, also when compiled code calls them
+    (RLKERNELS_BACKEND read at run time), and float64 inputs, which the Triton kernels do not load, stay on torch."""
+    pytest.importorskip("triton")
+    calls = []
+    for table in (losses._POLICY_IMPLS, losses._VALUE_IMPLS, losses._KL_IMPLS):
+        for name, fn in list(table.items()):
+            monkeypatch.setitem(table, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    inputs = _policy_inputs(3, 8, torch.float32, seed=22)
+    args = [inputs[k] for k in ("logp", "old_logp", "advantages", "mask")]  # [B, T] x3, [B, T] bool
+
+    def step(lp, old, adv, m):
+        return rlkernels.policy_loss(lp, old, adv, m)[0] + rlkernels.value_loss(lp, old, adv, m)[0] + \
+            rlkernels.kl_penalty(lp, old).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for backend in ("torch", "triton"):
+        with forced_backend(backend):
+            compiled(*args)
+    with forced_backend("triton"):
+        step(*[a.double() if a.is_floating_point() else a for a in args])
+    assert calls == ["torch"] * 3 + ["triton"] * 3 + ["torch"] * 3

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import rlkernels
+from rlkernels.reference import aggregate
 
 __all__ = [
     "register", "POLICY_LOSSES", "ADV_ESTIMATORS", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
@@ -81,23 +82,15 @@ def _batch_info(config) -> dict:
 
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
              loss_scale_factor=None):
-    """verl's ``agg_loss`` (same signature), for per-token terms that are not a policy loss (e.g. KL, entropy)."""
+    """verl's ``agg_loss`` (same signature), for per-token terms that are not a policy loss (e.g. KL, entropy).
+
+    ``factor · rlkernels.reference.aggregate`` (see :func:`_agg_plan`): whatever masked-out entries of
+    ``loss_mat`` hold (NaN, ±inf) never reaches the result or its gradient.
+    """
     agg, norm, factor = _agg_plan(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
                                   loss_scale_factor)
-    x = loss_mat.float()
-    m = loss_mask.to(x.dtype)
-    B = x.shape[0]
-    if agg == "token-mean":
-        base = (x * m).sum() / m.sum().clamp(min=1.0)
-    elif agg == "seq-mean-token-mean":
-        tokens = m.sum(-1)
-        has = (tokens > 0).to(x.dtype)
-        base = ((x * m).sum(-1) / tokens.clamp(min=1.0) * has).sum() / has.sum().clamp(min=1.0)
-    elif agg == "seq-mean-token-sum":
-        base = (x * m).sum(-1).mean()
-    else:
-        base = (x * m).sum() / (B * norm)
-    return base * factor
+    # rlkernels' aggregation (its agg modes' weights are written once, in reference.agg_weights), then verl's factor
+    return aggregate(loss_mat.float(), loss_mask, agg, norm) * factor
 
 
 # ---------------------------------------------------------------- policy losses
