@@ -40,7 +40,10 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
 
 Labels of any integer dtype are checked (CPU) and widened to int64 before any
 backend runs; every path computes in float32 under ``torch.autocast``; kernel row
-offsets are 64-bit.
+offsets are 64-bit. Under Triton's interpreter (CPU tensors) the kernels sum each
+K chunk's products with an explicit float32 reduction instead of ``np.matmul``,
+whose summation order changes with the tile's shape, so there too the backward's
+logits are the forward's bits.
 - ``reference``: :func:`rlkernels.reference.linear_logprobs`.
 
 The op is registered with ``torch.library`` (``rlkernels::linear_logprobs`` and

@@ -194,9 +194,9 @@ def _check_all(out, truth, eager, dtype, tol=None, vs_eager=("logp", "entropy", 
 def test_negative_infinite_logits(backend, dtype):
     """A bias with -inf entries (a masked vocabulary): p log p counts 0 where p = 0, so the entropy
     and every gradient stay finite and correct. Masked entries are scattered, fill a whole vocabulary
-    chunk of the torch path (2048 wide) and the whole last Triton split (4096 columns: a split's
-    running max never sees a finite logit), and one label sits on a masked column (its logp is -inf,
-    its gradients are still finite)."""
+    chunk of the torch path (2048 wide) and the whole last Triton split (splits are 4096 columns
+    wide, so column 4096 alone: that split's running max never sees a finite logit), and one label
+    sits on a masked column (its logp is -inf, its gradients are still finite)."""
     N, H, V, T = 14, 16, 4097, 0.8
     hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=True, seed=21)
     b[1::3] = float("-inf")
@@ -207,9 +207,6 @@ def test_negative_infinite_logits(backend, dtype):
     labels = finite_cols[torch.randint(0, finite_cols.numel(), (N,), generator=g)]  # [N]
     labels[::5] = -100
     labels[3] = 1  # b[1] = -inf: logp = -inf there
-    # |upstream entropy gradient| < 1: reference.logprobs writes p log p as exp(lp)·clamp(lp, min=finfo.min),
-    # whose gradient g·finfo.min overflows to inf (then inf·0 = NaN) for |g| > 1 at a -inf logit
-    g_ent = torch.tanh(g_ent)
     truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, T, dtype)
     with forced_backend(backend):
         out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent, T)
