@@ -104,40 +104,40 @@ if HAS_TRITON:
         # ignored rows run zero iterations: their logits are never read
         v_end = tl.where(valid, V, 0)
         cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        x_max = tl.full([], float("-inf"), tl.float32)  # running max logit (saved: the torch backend's shift)
-        m = tl.full([], float("-inf"), tl.float32)  # running max of z = x / T
-        s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m)
+        # Everything is shifted by the running max logit before the temperature scales it: z - max(z) =
+        # (x - x_max)/T is then exactly 0 at the max and exact near it at any magnitude. (x·inv_temp - m,
+        # which the compiler contracts into one fma, would leave the product's rounding residual at the
+        # max: up to ulp(m)/2, which e^(·) cannot absorb once |logits/T| passes ~1e9.)
+        x_max = tl.full([], float("-inf"), tl.float32)  # running max logit
+        s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m), m = x_max / T
         w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
         for start in range(0, v_end, BLOCK_V):
             offs = start + cols  # [BLOCK_V]
             x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-            z = x * inv_temp  # [BLOCK_V]
-            x_max = tl.maximum(x_max, _block_max(x))
-            m_new = x_max * inv_temp  # = the max of z: rounding is monotone
+            x_new = tl.maximum(x_max, _block_max(x))
             # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m - m_safe)
-            d = z - m_safe  # [BLOCK_V]
+            x_safe = tl.where(x_new == float("-inf"), 0.0, x_new)
+            step = (x_max - x_safe) * inv_temp  # m - m' <= 0 (-inf while nothing was seen)
+            alpha = tl.exp(step)
+            d = (x - x_safe) * inv_temp  # [BLOCK_V] z - m'
             e = tl.exp(d)  # [BLOCK_V]
             # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
-            shift = tl.where(alpha > 0, m - m_safe, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
+            shift = tl.where(alpha > 0, step, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
             w = alpha * (w + shift * s)
             w += _block_sum(e * tl.where(e > 0, d, 0.0))
             s = alpha * s + _block_sum(e)
-            m = m_new
+            x_max = x_new
         s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
         # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
-        keep = valid & (x_max != float("-inf"))
-        x_max = tl.where(keep, x_max, 0.0)
-        m = tl.where(keep, m, 0.0)
+        x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
         log_s = tl.log(s)
         entropy = log_s - w / s
         # the chosen logit, read in float32 from the row itself; never read out of bounds
         safe_label = tl.where(valid & in_range, label, 0)
-        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
+        x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
         # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
         # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
-        logp = (z_y - m) - log_s
+        logp = (x_y - x_max) * inv_temp - log_s
         # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
         # valid range; comparisons are false for NaN, so NaN stays NaN
         logp = tl.where(logp > 0, 0.0, logp)
@@ -186,7 +186,7 @@ if HAS_TRITON:
         label = tl.load(labels_ptr + row)
         valid = label != ignore_index
         in_range = (label >= 0) & (label < V)
-        m = tl.load(stats_ptr + 2 * row) * inv_temp  # the max of z, as the forward formed it
+        x_max = tl.load(stats_ptr + 2 * row)  # the max logit
         s = tl.load(stats_ptr + 2 * row + 1)
         log_s = tl.log(s)
         inv_s = 1.0 / s
@@ -195,8 +195,8 @@ if HAS_TRITON:
         g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
         # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
         safe_label = tl.where(valid & in_range, label, 0)
-        z_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32) * inv_temp
-        one_minus_p_y = -_expm1((z_y - m) - log_s)
+        x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
+        one_minus_p_y = -_expm1((x_y - x_max) * inv_temp - log_s)
         v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
         cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
@@ -205,7 +205,7 @@ if HAS_TRITON:
             # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
             x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
             # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
-            d = x * inv_temp - m  # [BLOCK_V]
+            d = (x - x_max) * inv_temp  # [BLOCK_V]
             p = tl.exp(d) * inv_s  # [BLOCK_V]
             logp = d - log_s  # [BLOCK_V]
             # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
