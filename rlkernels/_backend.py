@@ -9,6 +9,7 @@ The variable is read at every call, so tests and users can switch it at run time
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -57,6 +58,8 @@ def select(device: torch.device, supported: tuple[str, ...] = ("reference", "tor
 def float32_compute(device: torch.device):
     """A context in which autocast is off for ``device``: every op computes in float32 (or the
     inputs' own dtype where a kernel says so) whatever autocast context the caller is in."""
+    if not torch.amp.is_autocast_available(device.type):  # e.g. meta tensors while tracing: nothing to turn off
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 
