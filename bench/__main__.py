@@ -1,8 +1,11 @@
-"""``python -m bench [--quick] [--only logprobs,losses] [--json out.json] [--device cuda]``
+"""``python -m bench [--quick] [--only logprobs,policy_loss] [--json out.json] [--device cuda|cpu]``
 
 Discovers ``bench/bench_*.py``, runs every case on the device, prints the table.
-With ``--json`` (default ``bench/results/<device>.json`` on a GPU) writes the rows
-with the date, the versions and the command that produced them.
+``--only`` takes module names (softmax, fused_linear, losses, advantages,
+trainer) or the public op names they benchmark (logprobs, linear_logprobs,
+policy_loss, gae, ...). With ``--json`` (default ``bench/results/<device>.json``
+on a GPU) writes the rows with the date, the versions and the command that
+produced them.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 import pkgutil
 import platform
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -25,50 +29,110 @@ def discover() -> list[str]:
     return sorted(m.name[len("bench_") :] for m in pkgutil.iter_modules([str(here)]) if m.name.startswith("bench_"))
 
 
+def aliases(modules: list[str]) -> dict[str, str]:
+    """Public op name -> the bench module that measures it (bench modules mirror the package's modules)."""
+    import rlkernels
+
+    out = {}
+    for op, module in rlkernels._EXPORTS.items():
+        name = module.rsplit(".", 1)[-1]
+        if name in modules:
+            out[op] = name
+    return out
+
+
+def resolve_only(only: str, modules: list[str]) -> list[str]:
+    """The modules ``--only`` names, in the order given, each once; raises ValueError naming unknown ones."""
+    table = aliases(modules)
+    wanted, unknown = [], []
+    for token in (t.strip() for t in only.split(",")):
+        if not token:
+            continue
+        name = token if token in modules else table.get(token)
+        if name is None:
+            unknown.append(token)
+        elif name not in wanted:
+            wanted.append(name)
+    if unknown:
+        raise ValueError(
+            f"unknown benchmark(s) {unknown}; modules: {', '.join(modules)}; "
+            f"op names: {', '.join(sorted(table))}"
+        )
+    return wanted
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CPU: under 3 minutes)")
-    parser.add_argument("--only", default="", help="comma-separated modules, e.g. logprobs,losses (default: all)")
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes, fewer samples (CPU: a few minutes)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated modules or op names, e.g. softmax,losses or logprobs,policy_loss "
+                             "(default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available (use --device cpu)")
     names = discover()
     if args.only:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = sorted(set(wanted) - set(names))
-        if unknown:
-            parser.error(f"unknown benchmark module(s) {unknown}; have {names}")
-        names = wanted
+        try:
+            names = resolve_only(args.only, names)
+        except ValueError as error:
+            parser.error(str(error))
+    busy = harness.busy_warning()
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
     ceilings = harness.measure_ceilings(device, args.quick)
-    print(f"device: {ceilings.device_name}; measured copy {ceilings.copy_gbps:.1f} GB/s, matmul {ceilings.matmul_tflops:.2f} TFLOP/s", flush=True)
+    at = lambda key: f" ({ceilings.extra[key]})" if key in ceilings.extra else ""  # noqa: E731
+    print(
+        f"device: {ceilings.device_name}; measured ceilings: copy {harness.format_rate(ceilings.copy_gbps, 'GB/s')}"
+        f"{at('copy_at')}, matmul {harness.format_rate(ceilings.matmul_tflops, 'TFLOP/s')}{at('matmul_at')}",
+        flush=True,
+    )
     rows = []
+    failed_modules = []
     for name in names:
-        module = importlib.import_module(f"bench.bench_{name}")
-        for case in module.cases(device, args.quick):
+        try:
+            module = importlib.import_module(f"bench.bench_{name}")
+            cases = module.cases(device, args.quick)
+        except Exception as error:  # one module that cannot set up must not hide the others
+            failed_modules.append(name)
+            print(f"bench_{name}: could not set up its cases: {error!r}", file=sys.stderr, flush=True)
+            traceback.print_exc(limit=3)
+            continue
+        for case in cases:
             case_rows = harness.run_case(case, device, ceilings, quick=args.quick)
             rows.extend(case_rows)
             print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
     print()
     print(harness.format_table(rows))
+    busy = harness.busy_warning(own_threads=torch.get_num_threads())
+    if busy:
+        print(busy, file=sys.stderr, flush=True)
     out = args.json
     if out is None and device.type == "cuda":
         out = f"bench/results/{ceilings.device_name.replace(' ', '_')}.json"
     if out:
-        import triton
+        versions = {"torch": torch.__version__, "python": platform.python_version()}
+        try:
+            import triton
 
+            versions["triton"] = triton.__version__
+        except ImportError:
+            pass
         record = {
             "date": datetime.date.today().isoformat(),
             "command": "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": ceilings.device_name,
-            "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops},
-            "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+            "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops, **ceilings.extra},
+            "versions": versions,
             "rows": harness.rows_as_dicts(rows),
         }
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(record, indent=1))
         print(f"wrote {out}")
-    return 0
+    return 1 if failed_modules else 0
 
 
 if __name__ == "__main__":

@@ -12,14 +12,15 @@ Providers: ``eager`` (``hidden @ W.T`` then ``log_softmax`` in float32, ``gather
 and the entropy, then autograd: materializes ``[N, V]`` logits and their
 gradient), ``torch.compile`` of that same function, ``rlkernels`` (Triton on
 CUDA, the chunked PyTorch path on the CPU), and Liger-Kernel's fused linear
-cross-entropy / cut-cross-entropy where importable (log-prob only: neither
-returns the entropy).
+cross-entropy / cut-cross-entropy on CUDA where installed (log-prob only: neither
+returns the entropy; summed, so their backward gets one scalar).
 """
 from __future__ import annotations
 
 import torch
 
 import rlkernels
+from bench import harness
 from bench.harness import Case
 
 TEMPERATURE = 1.0
@@ -55,31 +56,32 @@ def _step(fn):
     return step
 
 
-def _peers() -> dict:
-    """Log-prob-only peers, when installed (they compute -logp as a per-token loss)."""
-    peers = {}
-    try:
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+def _peers(device: torch.device) -> dict:
+    """Log-prob-only peers (they compute the cross-entropy -logp, summed, so the backward gets a scalar);
+    rows say "not installed" / "needs a CUDA device" where they cannot run."""
 
-        def liger(hidden, weight, labels, g_logp, g_ent):
-            loss = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels, None, None, -100, 0.0, 0.0, "none")
-            loss = loss[0] if isinstance(loss, tuple) else loss
-            return torch.autograd.grad([-loss], [hidden, weight], [g_logp])
+    def liger():
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        peers["liger (logp only)"] = liger
-    except ImportError:
-        pass
-    try:
+        loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+        def step(hidden, weight, labels, g_logp, g_ent):
+            return torch.autograd.grad(loss_fn(weight, hidden, labels), [hidden, weight])
+
+        return step
+
+    def cce():
         from cut_cross_entropy import linear_cross_entropy
 
-        def cce(hidden, weight, labels, g_logp, g_ent):
-            loss = linear_cross_entropy(hidden, weight, labels, reduction="none")
-            return torch.autograd.grad([-loss], [hidden, weight], [g_logp])
+        def step(hidden, weight, labels, g_logp, g_ent):
+            return torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, reduction="sum"), [hidden, weight])
 
-        peers["cut-cross-entropy (logp only)"] = cce
-    except ImportError:
-        pass
-    return peers
+        return step
+
+    return {
+        "liger (logp only)": harness.peer("liger_kernel.transformers", "liger-kernel", device, liger),
+        "cut-cross-entropy (logp only)": harness.peer("cut_cross_entropy", "cut-cross-entropy", device, cce),
+    }
 
 
 def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
@@ -97,7 +99,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
         "torch.compile": _step(_compiled_fn),
         "rlkernels": _step(_rlkernels),
     }
-    providers.update(_peers() if device.type == "cuda" else {})
+    providers.update(_peers(device))
     return Case(
         op="linear_logprobs fwd+bwd",
         shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",

@@ -10,14 +10,16 @@ the op is memory bound.
 
 Providers: ``eager`` (the reference formulas as a user writes them:
 ``log_softmax(logits.float() / T)``, ``gather``, ``-(p · logp).sum``, then
-autograd), ``torch.compile`` of that same function, and ``rlkernels``
-(Triton on CUDA, the chunked PyTorch path on the CPU).
+autograd), ``torch.compile`` of that same function, ``rlkernels``
+(Triton on CUDA, the chunked PyTorch path on the CPU), and on CUDA where installed
+Liger-Kernel's and flash-attn's Triton cross-entropy (log-prob only).
 """
 from __future__ import annotations
 
 import torch
 
 import rlkernels
+from bench import harness
 from bench.harness import Case
 
 TEMPERATURE = 0.7
@@ -52,6 +54,36 @@ def _rlkernels(logits, labels):
     return rlkernels.logprobs(logits, labels, temperature=TEMPERATURE, return_entropy=True)
 
 
+def _peers(device: torch.device) -> dict:
+    """Cross-entropy kernels from logits (log-prob only: no entropy, no temperature; summed, so the backward
+    gets one scalar); rows say "not installed" / "needs a CUDA device" where they cannot run."""
+
+    def liger():
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        loss_fn = LigerCrossEntropyLoss(reduction="sum")
+
+        def step(logits, labels, g_logp, g_ent):
+            return torch.autograd.grad(loss_fn(logits, labels), [logits])
+
+        return step
+
+    def flash_attn():
+        from flash_attn.losses.cross_entropy import CrossEntropyLoss
+
+        loss_fn = CrossEntropyLoss(reduction="sum")
+
+        def step(logits, labels, g_logp, g_ent):
+            return torch.autograd.grad(loss_fn(logits, labels), [logits])
+
+        return step
+
+    return {
+        "liger CE (logp only)": harness.peer("liger_kernel.transformers", "liger-kernel", device, liger),
+        "flash-attn CE (logp only)": harness.peer("flash_attn.losses.cross_entropy", "flash-attn", device, flash_attn),
+    }
+
+
 def _case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     def make_inputs():
         logits = (torch.randn(N, V, device=device, dtype=dtype) * 2).requires_grad_(True)  # [N, V]
@@ -72,6 +104,7 @@ def _case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
             "eager": _step(eager_logprobs),
             "torch.compile": _step(lambda x, y: _compiled_logprobs()(x, y)),
             "rlkernels": _step(_rlkernels),
+            **_peers(device),
         },
     )
 

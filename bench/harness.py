@@ -4,14 +4,27 @@ A module exposes ``cases(device: torch.device, quick: bool) -> list[Case]``. A
 ``Case`` states the fewest bytes the op must move and the FLOPs it must do
 (its bound), builds its inputs once, and names its providers (eager
 reference, torch.compile, rlkernels, peers). The harness times each provider
-(median), measures its peak extra memory, and turns time into the fraction of
-the device's measured ceiling: bytes / time against copy bandwidth, FLOPs /
-time against the matmul rate, whichever bound the case names.
+(median of adaptively many samples), measures its peak extra memory, and turns
+time into the fraction of the device's measured ceiling: bytes / time against
+copy bandwidth, FLOPs / time against the matmul rate, whichever bound the case
+names.
+
+A ceiling is the best the device does: on the CPU, the fastest copy and matmul
+over several sizes (cache-resident included) and thread counts, so no op can
+exceed it (a fraction above 100% would mean the ceiling is wrong).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import importlib
+import math
+import os
+import re
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +32,13 @@ from typing import Callable
 import torch
 
 from rlkernels import _memory
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A provider that cannot run here; its row says why instead of a time."""
+
+    reason: str  # e.g. "not installed (pip install liger-kernel)"
 
 
 @dataclass
@@ -29,7 +49,7 @@ class Case:
     flops: int  # fewest floating-point operations
     bound: str  # "memory" or "compute": which ceiling the fraction is against
     make_inputs: Callable[[], tuple]  # fresh inputs (random, never zeros)
-    providers: dict[str, Callable[..., object]]  # provider -> one full step on the inputs (fwd+bwd where it applies)
+    providers: dict[str, Callable[..., object] | Unavailable]  # provider -> one full step on the inputs
     baseline: str = "eager"  # the provider speedups are measured against
 
 
@@ -44,7 +64,9 @@ class Row:
     fraction_of_bound: float
     peak_mib: float
     speedup: float = float("nan")
-    error: str = ""
+    error: str = ""  # the provider failed
+    skipped: str = ""  # the provider cannot run here (not installed, needs CUDA)
+    samples: int = 0  # timed samples the median is over
 
 
 @dataclass
@@ -54,7 +76,51 @@ class Ceilings:
     copy_gbps: float  # bytes read + written per second, device-to-device copy
     matmul_tflops: float  # large matrix product in the device's fast dtype (bf16 on CUDA, fp32 on CPU)
     device_name: str
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # where each ceiling was reached (size, threads)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How many samples to take: at least ``min_samples``, then until ``samples`` or ``budget_s``."""
+
+    min_samples: int
+    samples: int
+    budget_s: float
+
+
+QUICK = Timing(min_samples=5, samples=15, budget_s=1.5)
+FULL = Timing(min_samples=7, samples=41, budget_s=8.0)
+SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: timer overhead < 0.1%
+
+
+def peer(module: str, pip_name: str, device: torch.device, build: Callable[[], Callable]):
+    """A peer provider: ``build()`` (which imports what it needs) when ``module`` imports and the device is
+    CUDA; otherwise an :class:`Unavailable` row saying why (never an exception)."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or a broken install (a missing CUDA extension raises other errors)
+        return Unavailable(f"not installed (pip install {pip_name})")
+    if device.type != "cuda":
+        return Unavailable("needs a CUDA device (Triton kernels)")
+    try:
+        return build()
+    except Exception as error:  # an API this bench does not know: reported, not fatal
+        return Unavailable(f"unsupported version: {error!r}"[:100])
+
+
+def busy_warning(own_threads: int = 0) -> str:
+    """A warning when other processes compete for the CPU (1-minute load average, less ``own_threads`` of this
+    run's own, above half the cores): then every multi-threaded op waits for descheduled threads and timings
+    can move by orders of magnitude."""
+    try:
+        load = os.getloadavg()[0] - own_threads
+    except OSError:  # not on this platform
+        return ""
+    cores = os.cpu_count() or 1
+    if load <= 0.5 * cores:
+        return ""
+    return (f"warning: load average {load:.1f} on {cores} cores: other processes compete for the CPU, so CPU "
+            "timings are not reliable; re-run on a quiet machine")
 
 
 def _sync(device: torch.device) -> None:
@@ -62,60 +128,165 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int, reps: int) -> float:
+@contextlib.contextmanager
+def _gc_paused():
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()  # a collection inside a sample is noise, not the op's cost
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def cpu_samples_ms(fn: Callable[[], object], timing: Timing) -> list[float]:
+    """Per-call times (ms) of ``fn``: after one warm-up call, samples of ``k`` back-to-back calls (``k`` so a
+    sample lasts ``SAMPLE_S``), at least ``min_samples``, then more until ``samples`` or ``budget_s``."""
+    with _gc_paused():
+        start = time.perf_counter()
+        fn()
+        once = time.perf_counter() - start
+        k = max(1, math.ceil(SAMPLE_S / max(once, 1e-9)))
+        out: list[float] = []
+        began = time.perf_counter()
+        while len(out) < timing.samples:
+            start = time.perf_counter()
+            for _ in range(k):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / k)
+            if len(out) >= timing.min_samples and time.perf_counter() - began >= timing.budget_s:
+                break
+        return out
+
+
+def time_median_ms(fn: Callable[[], object], device: torch.device, timing: Timing) -> tuple[float, int]:
+    """(median ms, number of samples)."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25 * warmup, rep=25 * reps, return_mode="median"))
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        # do_bench repeats for `rep` ms and returns the median of its samples
+        ms = triton.testing.do_bench(fn, warmup=100, rep=int(timing.budget_s * 1000), return_mode="median")
+        return float(ms), -1
+    samples = cpu_samples_ms(fn, timing)
+    return statistics.median(samples), len(samples)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _thread_counts() -> list[int]:
+    n = torch.get_num_threads()
+    return sorted({1, n, *(2**k for k in range(1, n.bit_length()) if 2**k <= n)})
 
 
 def measure_ceilings(device: torch.device, quick: bool) -> Ceilings:
     if device.type == "cuda":
+        timing = Timing(3, 10, 1.0)
         n = 1 << 30  # 1 GiB copy
         src = torch.empty(n, dtype=torch.uint8, device=device).random_()
         dst = torch.empty_like(src)
-        ms = time_median_ms(lambda: dst.copy_(src), device, warmup=3, reps=10)
+        ms, _ = time_median_ms(lambda: dst.copy_(src), device, timing)
         copy = 2 * n / ms / 1e6
         k = 8192
         a = torch.randn(k, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(k, k, device=device, dtype=torch.bfloat16)
-        ms = time_median_ms(lambda: a @ b, device, warmup=3, reps=10)
+        ms, _ = time_median_ms(lambda: a @ b, device, timing)
         return Ceilings(copy, 2 * k**3 / ms / 1e9, torch.cuda.get_device_name(device))
-    # A ceiling is the best the machine does: the fastest of several runs, not the median.
-    n = (64 if quick else 256) << 20
-    src = torch.empty(n, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    ms = min(time_median_ms(lambda: dst.copy_(src), device, warmup=1, reps=1) for _ in range(7))
-    copy = 2 * n / ms / 1e6
-    k = 2048
-    a, b = torch.randn(k, k), torch.randn(k, k)
-    ms = min(time_median_ms(lambda: a @ b, device, warmup=1, reps=1) for _ in range(7))
+    # The best of every size and thread count, each timed by its fastest sample: a ceiling, not a typical rate.
     import platform
 
-    return Ceilings(copy, 2 * k**3 / ms / 1e9, f"cpu-{platform.machine()}-{torch.get_num_threads()}t")
+    timing = Timing(min_samples=5, samples=15, budget_s=0.15 if quick else 0.5)
+    best_copy, best_mm = (0.0, ""), (0.0, "")
+    copy_sizes = [1 << s for s in range(14, (27 if quick else 29), 2)]  # 16 KiB (L1) .. 64 MiB / 256 MiB (DRAM)
+    for threads in _thread_counts():
+        with _threads(threads):
+            for n in copy_sizes:
+                src = torch.empty(n, dtype=torch.uint8).random_()
+                dst = torch.empty_like(src)
+                ms = min(cpu_samples_ms(lambda: dst.copy_(src), timing))
+                rate = 2 * n / ms / 1e6  # GB/s: n bytes read + n written
+                if rate > best_copy[0]:
+                    best_copy = (rate, f"{_bytes(n)}, {threads} thread{'s' * (threads > 1)}")
+            for k in (256, 512, 1024) if quick else (256, 512, 1024, 2048):
+                a, b = torch.randn(k, k), torch.randn(k, k)
+                ms = min(cpu_samples_ms(lambda: a @ b, timing))
+                rate = 2 * k**3 / ms / 1e9  # TFLOP/s
+                if rate > best_mm[0]:
+                    best_mm = (rate, f"{k}x{k} float32, {threads} thread{'s' * (threads > 1)}")
+    return Ceilings(best_copy[0], best_mm[0], f"cpu-{platform.machine()}-{torch.get_num_threads()}t",
+                    extra={"copy_at": best_copy[1], "matmul_at": best_mm[1]})
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+# torch.profiler (the CPU memory meter) prints these from C++ on every start/stop: USDT/STAGE lines from Kineto
+# and a once-per-process allocator warning. They say nothing about the benchmark.
+_PROFILER_NOISE = re.compile(
+    r"^(?:(?:USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\]"
+    r"|\[W\S* \S+ \d+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling)"
+)
+
+
+@contextlib.contextmanager
+def profiler_output_filtered():
+    """Run a block with the process's stderr (file descriptor 2: C++ writes there directly) captured, then
+    replay every captured line except the profiler's own chatter."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [ln for ln in sink.read().decode(errors="replace").splitlines(True) if not _PROFILER_NOISE.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def measure_peak_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """Peak memory allocated during one call above what was live before (deterministic on the CPU)."""
+    if device.type == "cuda":
+        return _memory.measure(step, device).peak_bytes
+    with profiler_output_filtered():
+        return _memory.measure(step, device).peak_bytes
 
 
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: bool) -> list[Row]:
     rows = []
-    warmup, reps = (1, 3) if quick and device.type == "cpu" else (3, 10)
+    timing = QUICK if quick else FULL
     for name, fn in case.providers.items():
+        if isinstance(fn, Unavailable):
+            rows.append(Row(case.op, case.shape, name, float("nan"), float("nan"), "", float("nan"), float("nan"),
+                            skipped=fn.reason))
+            continue
         inputs = case.make_inputs()
         step = lambda: fn(*inputs)  # noqa: E731
         try:
             step()  # compile / warm caches outside the measurements
             _sync(device)
-            peak = _memory.measure(step, device).peak_bytes
-            ms = time_median_ms(step, device, warmup=warmup, reps=reps)
+            peak = measure_peak_bytes(step, device)
+            ms, n = time_median_ms(step, device, timing)
         except Exception as error:  # a provider that fails is reported, not fatal
-            rows.append(Row(case.op, case.shape, name, float("nan"), float("nan"), "", float("nan"), float("nan"), error=repr(error)[:120]))
+            rows.append(Row(case.op, case.shape, name, float("nan"), float("nan"), "", float("nan"), float("nan"),
+                            error=repr(error)[:120]))
             continue
         finally:
             del inputs
@@ -123,7 +294,7 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: boo
             rate, unit, ceiling = case.bytes_moved / ms / 1e6, "GB/s", ceilings.copy_gbps
         else:
             rate, unit, ceiling = case.flops / ms / 1e9, "TFLOP/s", ceilings.matmul_tflops
-        rows.append(Row(case.op, case.shape, name, ms, rate, unit, rate / ceiling, peak / 2**20))
+        rows.append(Row(case.op, case.shape, name, ms, rate, unit, rate / ceiling, peak / 2**20, samples=n))
     base = next((r for r in rows if r.provider == case.baseline and r.median_ms == r.median_ms), None)
     if base is not None:
         for r in rows:
@@ -131,17 +302,55 @@ def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: boo
     return rows
 
 
+_PREFIXES = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0))
+
+
+def format_rate(rate: float, unit: str) -> str:
+    """A rate with three significant digits, its SI prefix chosen so the number is >= 1: ``0.041 TFLOP/s``
+    prints as ``41.0 GFLOP/s``, ``0.0031 GB/s`` as ``3.10 MB/s``."""
+    if not math.isfinite(rate) or not unit:
+        return ""
+    base = {"T": 1e12, "G": 1e9, "M": 1e6}.get(unit[0], 1.0)
+    quantity = unit[1:] if unit[0] in "TGM" else unit  # "FLOP/s", "B/s"
+    value = rate * base
+    for prefix, scale in _PREFIXES:
+        if abs(value) >= scale or prefix == "":
+            v = value / scale
+            digits = 2 if abs(v) < 10 else 1 if abs(v) < 100 else 0
+            return f"{v:.{digits}f} {prefix}{quantity}"
+    return ""
+
+
+def _ms(ms: float) -> str:
+    """Four significant digits without an exponent: 0.07634, 1.234, 1448."""
+    if ms >= 1000:
+        return f"{ms:.0f}"
+    return f"{ms:.{max(0, 3 - math.floor(math.log10(ms)))}f}" if ms > 0 else f"{ms:g}"
+
+
+def _fraction(x: float) -> str:
+    return f"{x:.2%}" if x < 0.1 else f"{x:.1%}"
+
+
 def format_table(rows: list[Row]) -> str:
-    header = f"{'op':<26} {'shape':<30} {'provider':<16} {'median ms':>10} {'rate':>14} {'of bound':>9} {'peak MiB':>10} {'speedup':>8}"
+    """The rows as an aligned text table (header, rule, one line per row)."""
+    w_op = max([26, *(len(r.op) for r in rows)])
+    w_shape = max([30, *(len(r.shape) for r in rows)])
+    w_prov = max([16, *(len(r.provider) for r in rows)])
+    header = (f"{'op':<{w_op}} {'shape':<{w_shape}} {'provider':<{w_prov}} {'median ms':>10} {'rate':>14} "
+              f"{'of bound':>9} {'peak MiB':>10} {'speedup':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        if r.error:
-            lines.append(f"{r.op:<26} {r.shape:<30} {r.provider:<16} failed: {r.error}")
-            continue
-        rate = f"{r.rate:8.1f} {r.rate_unit}"
-        lines.append(
-            f"{r.op:<26} {r.shape:<30} {r.provider:<16} {r.median_ms:10.3f} {rate:>14} {r.fraction_of_bound:8.1%} {r.peak_mib:10.1f} {r.speedup:7.2f}x"
-        )
+        head = f"{r.op:<{w_op}} {r.shape:<{w_shape}} {r.provider:<{w_prov}}"
+        if r.skipped:
+            lines.append(f"{head} {r.skipped}")
+        elif r.error:
+            lines.append(f"{head} failed: {r.error}")
+        else:
+            lines.append(
+                f"{head} {_ms(r.median_ms):>10} {format_rate(r.rate, r.rate_unit):>14} "
+                f"{_fraction(r.fraction_of_bound):>9} {r.peak_mib:10.1f} {r.speedup:7.2f}x"
+            )
     return "\n".join(lines)
 
 

@@ -136,3 +136,93 @@ def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
     assert len(table) == 5 and table[-1] == "1 of 3 spill"
     assert [line.split()[0] for line in table[1:4]] == ["sm_90", "sm_80", "sm_90"]  # sorted by label, then arch
     assert "8 B spilled" in table[1] and table[1].endswith("linear bwd")
+
+
+# ---------------------------------------------------------------- the benchmark harness (bench/)
+
+
+def test_bench_only_accepts_modules_and_public_op_names():
+    import re
+
+    import bench.__main__ as cli
+
+    modules = cli.discover()
+    assert set(modules) >= {"softmax", "fused_linear", "losses", "advantages", "trainer"}
+    assert cli.resolve_only("logprobs,losses", modules) == ["softmax", "losses"]
+    assert cli.resolve_only("policy_loss, value_loss,gae,linear_logprobs", modules) == [
+        "losses", "advantages", "fused_linear"
+    ]
+    with pytest.raises(ValueError, match="logprob'"):
+        cli.resolve_only("logprob", modules)
+    for example in re.findall(r"--only (\S+?)[\]`\s]", cli.__doc__):  # the usage line's own example works
+        assert cli.resolve_only(example, modules)
+
+
+def test_bench_prints_small_rates_with_three_digits():
+    from bench.harness import format_rate
+
+    assert format_rate(0.0401, "TFLOP/s") == "40.1 GFLOP/s"
+    assert format_rate(0.00031, "GB/s") == "310 kB/s"
+    assert format_rate(7.3, "GB/s") == "7.30 GB/s"
+    assert format_rate(1.5, "TFLOP/s") == "1.50 TFLOP/s"
+
+
+def test_bench_adaptive_sampling_counts():
+    import time
+
+    from bench.harness import Timing, cpu_samples_ms
+
+    fast = cpu_samples_ms(lambda: None, Timing(min_samples=3, samples=9, budget_s=60.0))
+    assert len(fast) == 9  # stops at the sample count before the budget
+    slow = cpu_samples_ms(lambda: time.sleep(0.02), Timing(min_samples=3, samples=50, budget_s=0.001))
+    assert len(slow) == 3  # the budget is spent: only the minimum
+
+
+def test_bench_memory_meter_drops_the_profilers_chatter_only():
+    """The CPU peak-memory meter (torch.profiler) prints USDT/STAGE lines and an allocator warning from C++;
+    the bench filters exactly those, and other stderr output still reaches the user."""
+    code = (
+        "import os, torch\n"
+        "from bench.harness import measure_peak_bytes\n"
+        "x = torch.randn(1000, 1000)\n"
+        "def step():\n"
+        "    os.write(2, b'a real message\\n')\n"
+        "    return x * 2\n"
+        "for _ in range(3):\n"
+        "    print(measure_peak_bytes(step, torch.device('cpu')))\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    peaks = [int(v) for v in result.stdout.split()]
+    assert len(peaks) == 3 and all(4_000_000 <= p < 8_000_000 for p in peaks)  # one [1000, 1000] float32
+    assert "USDT" not in result.stderr and "STAGE" not in result.stderr and "CPUAllocator" not in result.stderr
+    assert result.stderr.count("a real message") == 3
+
+
+def test_bench_peers_that_cannot_run_get_a_row_saying_why():
+    from bench import bench_fused_linear, bench_softmax, harness
+
+    cpu = torch.device("cpu")
+    missing = harness.peer("rlkernels_no_such_peer", "no-such-peer", cpu, lambda: pytest.fail("built"))
+    assert missing == harness.Unavailable("not installed (pip install no-such-peer)")
+    assert harness.peer("torch", "torch", cpu, lambda: pytest.fail("built")).reason.startswith("needs a CUDA")
+    for module in (bench_softmax, bench_fused_linear):
+        for case in module.cases(cpu, True):
+            unavailable = [p for p in case.providers.values() if isinstance(p, harness.Unavailable)]
+            assert len(unavailable) >= 2, case.op  # the peers, listed with their reason
+    case = harness.Case("op", "shape", 8, 8, "memory", lambda: (), {"peer": missing})
+    rows = harness.run_case(case, cpu, harness.Ceilings(1.0, 1.0, "cpu"), quick=True)
+    assert rows[0].skipped and "peer" in harness.format_table(rows).splitlines()[-1]
+    assert harness.format_table(rows).splitlines()[-1].endswith("not installed (pip install no-such-peer)")
+
+
+def test_bench_every_module_sets_up_its_cpu_cases():
+    import bench.__main__ as cli
+
+    for name in cli.discover():
+        module = __import__(f"bench.bench_{name}", fromlist=["cases"])
+        cases = module.cases(torch.device("cpu"), True)
+        assert cases, name
+        for case in cases:
+            assert case.bound in ("memory", "compute") and case.bytes_moved > 0 and case.flops > 0, case.op
+            assert case.baseline in case.providers, case.op
