@@ -22,3 +22,17 @@ def mask_u8(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return (mask != 0).view(torch.uint8)
+
+
+# torch.library schema types of the option fields' annotations (strings under ``from __future__ import annotations``)
+_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "int": "int", "int | None": "int?", "bool": "bool", "str": "str"}
+
+
+def op_schema(tensors: str, options: type, returns: str) -> str:
+    """A ``torch.library.custom_op`` schema: the op's tensor arguments (``"Tensor x, Tensor? y"``), then one typed
+    argument per field of the frozen dataclass ``options``, in field order and under the field's name: the op
+    receives them as ``*dataclasses.astuple(opt)`` and rebuilds ``options(*args)``; ``returns`` as in a schema."""
+    import dataclasses
+
+    fields = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}" for f in dataclasses.fields(options))
+    return f"({tensors}, {fields}) -> {returns}"
