@@ -70,6 +70,9 @@ def main(argv=None) -> int:
                              "(default: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--os-malloc", action="store_true",
+                        help="CPU: keep glibc's default malloc (a fresh mmap, page faults, per large tensor) instead "
+                             "of reusing freed memory; timings then depend on the kernel's memory state")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -80,9 +83,8 @@ def main(argv=None) -> int:
             names = resolve_only(args.only, names)
         except ValueError as error:
             parser.error(str(error))
-    busy = harness.busy_warning()
-    if busy:
-        print(busy, file=sys.stderr, flush=True)
+    if device.type == "cpu" and not args.os_malloc and harness.keep_freed_memory():
+        print("CPU allocator: freed memory is reused (no page faults per call; --os-malloc to turn off)", flush=True)
     ceilings = harness.measure_ceilings(device, args.quick)
     at = lambda key: f" ({ceilings.extra[key]})" if key in ceilings.extra else ""  # noqa: E731
     print(
@@ -107,9 +109,12 @@ def main(argv=None) -> int:
             print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
     print()
     print(harness.format_table(rows))
-    busy = harness.busy_warning(own_threads=torch.get_num_threads())
-    if busy:
-        print(busy, file=sys.stderr, flush=True)
+    if device.type == "cpu":
+        busy = harness.OTHER_LOAD.warning()
+        if busy:
+            print(busy, file=sys.stderr, flush=True)
+        else:
+            print(f"other processes used {harness.OTHER_LOAD.fraction():.0%} of the CPU while samples were timed")
     out = args.json
     if out is None and device.type == "cuda":
         out = f"bench/results/{ceilings.device_name.replace(' ', '_')}.json"

@@ -88,7 +88,7 @@ class Timing:
     budget_s: float
 
 
-QUICK = Timing(min_samples=5, samples=15, budget_s=1.5)
+QUICK = Timing(min_samples=5, samples=21, budget_s=2.0)
 FULL = Timing(min_samples=7, samples=41, budget_s=8.0)
 SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: timer overhead < 0.1%
 
@@ -108,19 +108,69 @@ def peer(module: str, pip_name: str, device: torch.device, build: Callable[[], C
         return Unavailable(f"unsupported version: {error!r}"[:100])
 
 
-def busy_warning(own_threads: int = 0) -> str:
-    """A warning when other processes compete for the CPU (1-minute load average, less ``own_threads`` of this
-    run's own, above half the cores): then every multi-threaded op waits for descheduled threads and timings
-    can move by orders of magnitude."""
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (no ``mmap`` per large block, no trimming), as a caching
+    allocator does. PyTorch's CPU allocator does not cache: by default every large tensor is a fresh ``mmap``
+    whose pages fault in on first touch, and that cost, which depends on the kernel's memory state rather
+    than on the op, dominated memory-bound rows and moved them 2-4x between runs. Returns whether it applied
+    (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
     try:
-        load = os.getloadavg()[0] - own_threads
-    except OSError:  # not on this platform
-        return ""
-    cores = os.cpu_count() or 1
-    if load <= 0.5 * cores:
-        return ""
-    return (f"warning: load average {load:.1f} on {cores} cores: other processes compete for the CPU, so CPU "
-            "timings are not reliable; re-run on a quiet machine")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl)
+        return False
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # <malloc.h>
+    return bool(mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) and mallopt(M_TOP_PAD, 64 << 20))
+
+
+class OtherLoad:
+    """How much CPU time other processes took while samples were being timed: the machine's busy time
+    (``/proc/stat``) less this process's own (``os.times``), as a fraction of all cores over the timed wall
+    time. On a shared machine multi-threaded ops wait for descheduled threads, so timings taken beside other
+    work are not reliable. (Only the timed windows count: compiling, which may use helper processes, does not.)"""
+
+    def __init__(self):
+        self.other_s = 0.0  # CPU-seconds others used inside the windows
+        self.window_s = 0.0  # wall-seconds x cores of the windows
+
+    @staticmethod
+    def _read():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):  # not Linux
+            return None
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        return busy, sum(os.times()[:2]), time.monotonic()  # machine busy s, own user+system s, wall s
+
+    @contextlib.contextmanager
+    def window(self):
+        start = self._read()
+        try:
+            yield
+        finally:
+            end = self._read()
+            if start is not None and end is not None:
+                self.other_s += max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
+                self.window_s += (end[2] - start[2]) * (os.cpu_count() or 1)
+
+    def fraction(self) -> float:
+        return self.other_s / self.window_s if self.window_s > 0 else 0.0
+
+    def warning(self, threshold: float = 0.05) -> str:
+        share = self.fraction()
+        if share <= threshold:
+            return ""
+        return (f"warning: other processes used {share:.0%} of the CPU while samples were timed: CPU timings "
+                "are not reliable; re-run on a quiet machine")
+
+
+OTHER_LOAD = OtherLoad()  # accumulated over every timed sample of this process
 
 
 def _sync(device: torch.device) -> None:
@@ -150,14 +200,19 @@ def cpu_samples_ms(fn: Callable[[], object], timing: Timing) -> list[float]:
         k = max(1, math.ceil(SAMPLE_S / max(once, 1e-9)))
         out: list[float] = []
         began = time.perf_counter()
-        while len(out) < timing.samples:
-            start = time.perf_counter()
-            for _ in range(k):
-                fn()
-            out.append((time.perf_counter() - start) * 1e3 / k)
-            if len(out) >= timing.min_samples and time.perf_counter() - began >= timing.budget_s:
-                break
+        with OTHER_LOAD.window():
+            _sample_until(fn, k, timing, began, out)
         return out
+
+
+def _sample_until(fn, k: int, timing: Timing, began: float, out: list[float]) -> None:
+    while len(out) < timing.samples:
+        start = time.perf_counter()
+        for _ in range(k):
+            fn()
+        out.append((time.perf_counter() - start) * 1e3 / k)
+        if len(out) >= timing.min_samples and time.perf_counter() - began >= timing.budget_s:
+            break
 
 
 def time_median_ms(fn: Callable[[], object], device: torch.device, timing: Timing) -> tuple[float, int]:
@@ -269,37 +324,84 @@ def measure_peak_bytes(step: Callable[[], object], device: torch.device) -> int:
         return _memory.measure(step, device).peak_bytes
 
 
+def interleaved_samples_ms(steps: dict[str, Callable[[], object]], timing: Timing) -> dict[str, list[float]]:
+    """Per-call times (ms) of several CPU steps, sampled round-robin (the starting step rotates each round), so
+    a slow drift of the machine's speed affects every provider alike. Each sample repeats its step ``k`` times
+    (``k`` so a sample lasts ``SAMPLE_S``); rounds go on until every step has ``min_samples`` and the case's
+    budget (``budget_s`` per step) is spent, or until ``samples`` rounds."""
+    names = list(steps)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    with _gc_paused():
+        reps = {}
+        for n in names:
+            start = time.perf_counter()
+            steps[n]()
+            reps[n] = max(1, math.ceil(SAMPLE_S / max(time.perf_counter() - start, 1e-9)))
+        began = time.perf_counter()
+        with OTHER_LOAD.window():
+            for round_ in range(timing.samples):
+                for i in range(len(names)):
+                    n = names[(round_ + i) % len(names)]
+                    start = time.perf_counter()
+                    for _ in range(reps[n]):
+                        steps[n]()
+                    out[n].append((time.perf_counter() - start) * 1e3 / reps[n])
+                if round_ + 1 >= timing.min_samples and time.perf_counter() - began >= timing.budget_s * len(names):
+                    break
+    return out
+
+
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: bool) -> list[Row]:
-    rows = []
+    """One row per provider: median time, rate, fraction of the ceiling, peak memory, speedup over the
+    baseline. On the CPU the providers are timed interleaved (each keeps its own inputs meanwhile)."""
     timing = QUICK if quick else FULL
+    nan = float("nan")
+    rows: dict[str, Row] = {}
+    ready: dict[str, tuple[Callable[[], object], int, tuple]] = {}  # CPU: name -> (step, peak bytes, inputs)
     for name, fn in case.providers.items():
         if isinstance(fn, Unavailable):
-            rows.append(Row(case.op, case.shape, name, float("nan"), float("nan"), "", float("nan"), float("nan"),
-                            skipped=fn.reason))
+            rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, skipped=fn.reason)
             continue
         inputs = case.make_inputs()
-        step = lambda: fn(*inputs)  # noqa: E731
+        step = (lambda fn, inputs: lambda: fn(*inputs))(fn, inputs)
         try:
             step()  # compile / warm caches outside the measurements
             _sync(device)
             peak = measure_peak_bytes(step, device)
+            if device.type == "cpu":
+                ready[name] = (step, peak, inputs)
+                continue
             ms, n = time_median_ms(step, device, timing)
         except Exception as error:  # a provider that fails is reported, not fatal
-            rows.append(Row(case.op, case.shape, name, float("nan"), float("nan"), "", float("nan"), float("nan"),
-                            error=repr(error)[:120]))
+            rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, error=repr(error)[:120])
             continue
         finally:
-            del inputs
-        if case.bound == "memory":
-            rate, unit, ceiling = case.bytes_moved / ms / 1e6, "GB/s", ceilings.copy_gbps
-        else:
-            rate, unit, ceiling = case.flops / ms / 1e9, "TFLOP/s", ceilings.matmul_tflops
-        rows.append(Row(case.op, case.shape, name, ms, rate, unit, rate / ceiling, peak / 2**20, samples=n))
-    base = next((r for r in rows if r.provider == case.baseline and r.median_ms == r.median_ms), None)
-    if base is not None:
-        for r in rows:
+            del inputs, step
+        rows[name] = _timed_row(case, name, ms, n, peak, ceilings)
+    if ready:
+        try:
+            samples = interleaved_samples_ms({n: v[0] for n, v in ready.items()}, timing)
+            for name, (_, peak, _) in ready.items():
+                rows[name] = _timed_row(case, name, statistics.median(samples[name]), len(samples[name]), peak,
+                                        ceilings)
+        except Exception as error:
+            for name in ready:
+                rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, error=repr(error)[:120])
+        ready.clear()
+    ordered = [rows[name] for name in case.providers if name in rows]
+    base = rows.get(case.baseline)
+    if base is not None and base.median_ms == base.median_ms:
+        for r in ordered:
             r.speedup = base.median_ms / r.median_ms
-    return rows
+    return ordered
+
+
+def _timed_row(case: Case, name: str, ms: float, n: int, peak: int, ceilings: Ceilings) -> Row:
+    if case.bound == "memory":
+        rate, unit, ceiling = case.bytes_moved / ms / 1e6, "GB/s", ceilings.copy_gbps
+    else:
+        rate, unit, ceiling = case.flops / ms / 1e9, "TFLOP/s", ceilings.matmul_tflops
+    return Row(case.op, case.shape, name, ms, rate, unit, rate / ceiling, peak / 2**20, samples=n)
 
 
 _PREFIXES = (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0))

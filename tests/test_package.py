@@ -178,6 +178,18 @@ def test_bench_adaptive_sampling_counts():
     assert len(slow) == 3  # the budget is spent: only the minimum
 
 
+def test_bench_interleaves_providers_on_the_cpu():
+    from bench.harness import Timing, interleaved_samples_ms
+
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    samples = interleaved_samples_ms(steps, Timing(min_samples=2, samples=4, budget_s=60.0))
+    assert {n: len(v) for n, v in samples.items()} == {"a": 4, "b": 4, "c": 4}
+    # after one calibration call each, every round samples every provider (k calls each), starting one later
+    rounds = [n for i, n in enumerate(calls[3:]) if i == 0 or calls[3 + i - 1] != n]
+    assert rounds == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
 def test_bench_memory_meter_drops_the_profilers_chatter_only():
     """The CPU peak-memory meter (torch.profiler) prints USDT/STAGE lines and an allocator warning from C++;
     the bench filters exactly those, and other stderr output still reaches the user."""
