@@ -25,7 +25,13 @@ Everything computes in float32 (float64 for float64 logits) under any autocast.
 
 Backends: ``triton`` (CUDA; Triton's interpreter on CPU tensors), ``torch``
 (chunked over rows so a chunk's float32 workspace stays small), ``reference``
-(the eager formulas, through autograd).
+(the eager formulas, through autograd). The ops pick ``triton`` or ``torch`` from
+their tables (``_FWD_IMPLS``, ``_BWD_IMPLS``) through ``rlkernels._backend.resolve``,
+at run time inside the op; the reference is served in one place before the op
+(:func:`_serves_reference`). Options travel as one frozen :class:`LogprobsOptions`.
+
+Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
+with autograd -> public function.
 
 The ``torch`` backend is the CPU default, so its pass count is its speed: per
 chunk of rows the forward is a max, one fused multiply-add (scale by
@@ -41,180 +47,164 @@ overflow of ``max·log2(e)`` itself past 2.4e38, would no longer cancel.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from rlkernels import _backend, _checks, reference
 from rlkernels._aot import KernelConfig
-from rlkernels._triton import HAS_TRITON, jit, tl
+from rlkernels._device import block_max, block_sum, expm1
+from rlkernels._host import TRITON_DTYPE_NAMES, op_schema
+from rlkernels._triton import jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
 
-if HAS_TRITON:
 
-    # Reductions through tl.reduce with the standard library's combine functions:
-    # tl.max/tl.sum are plain triton.jit functions, which the interpreter cannot
-    # call from a kernel, while tl.reduce with these combiners runs compiled and,
-    # interpreted, takes numpy's fast path.
-    @jit
-    def _block_max(x):
-        return tl.reduce(x, 0, tl.standard._elementwise_max)
+@jit
+def _online_row_stats(row_ptr, V, v_end, inv_temp, BLOCK_V: tl.constexpr):
+    """One read of a row's first ``v_end`` logits (``V`` or 0) in blocks: ``(x_max, s, w)``, its max logit,
+    ``s = Σ e^(z - m)`` and ``w = Σ e^(z - m) (z - m)`` with ``z = x/T``, ``m = x_max/T``, kept as running values
+    re-centred on every new max (online log-sum-exp)."""
+    cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    # Everything is shifted by the running max logit before the temperature scales it: z - max(z) =
+    # (x - x_max)/T is then exactly 0 at the max and exact near it at any magnitude. (x·inv_temp - m,
+    # which the compiler contracts into one fma, would leave the product's rounding residual at the
+    # max: up to ulp(m)/2, which e^(·) cannot absorb once |logits/T| passes ~1e9.)
+    x_max = tl.full([], float("-inf"), tl.float32)  # running max logit
+    s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m), m = x_max / T
+    w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
+    for start in range(0, v_end, BLOCK_V):
+        offs = start + cols  # [BLOCK_V]
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        x_new = tl.maximum(x_max, block_max(x, 0))
+        # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
+        x_safe = tl.where(x_new == float("-inf"), 0.0, x_new)
+        step = (x_max - x_safe) * inv_temp  # m - m' <= 0 (-inf while nothing was seen)
+        alpha = tl.exp(step)
+        d = (x - x_safe) * inv_temp  # [BLOCK_V] z - m'
+        e = tl.exp(d)  # [BLOCK_V]
+        # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
+        shift = tl.where(alpha > 0, step, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
+        w = alpha * (w + shift * s)
+        w += block_sum(e * tl.where(e > 0, d, 0.0), 0)
+        s = alpha * s + block_sum(e, 0)
+        x_max = x_new
+    return x_max, s, w
 
-    @jit
-    def _block_sum(x):
-        return tl.reduce(x, 0, tl.standard._sum_combine)
 
-    @jit
-    def _expm1(x):
-        """``exp(x) - 1`` without cancellation near 0: a degree-9 Taylor polynomial for |x| < 0.5
-        (truncation error below 1e-9 relative), ``exp(x) - 1`` elsewhere (no cancellation there)."""
-        small = tl.abs(x) < 0.5
-        xs = tl.where(small, x, 0.0)
-        poly = 1.0 + xs / 9.0
-        poly = 1.0 + xs / 8.0 * poly
-        poly = 1.0 + xs / 7.0 * poly
-        poly = 1.0 + xs / 6.0 * poly
-        poly = 1.0 + xs / 5.0 * poly
-        poly = 1.0 + xs / 4.0 * poly
-        poly = 1.0 + xs / 3.0 * poly
-        poly = 1.0 + xs / 2.0 * poly
-        return tl.where(small, xs * poly, tl.exp(x) - 1.0)
+@jit
+def _logprobs_fwd_kernel(
+    logits_ptr,  # [O, I, V] rows at outer/inner strides, last stride 1; fp32/bf16/fp16
+    labels_ptr,  # [N] int64, N = O * I
+    logp_ptr,  # [N] fp32
+    entropy_ptr,  # [N] fp32
+    stats_ptr,  # [N, 2] fp32, saved for the backward: (max logit, Σ e^(z - max z)); (0, 1) on ignored rows
+    stride_outer,
+    stride_inner,
+    inner,  # I: rows per outer index
+    V,
+    inv_temp,  # 1 / temperature
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    in_range = (label >= 0) & (label < V)
+    # ignored rows run zero iterations: their logits are never read
+    x_max, s, w = _online_row_stats(row_ptr, V, tl.where(valid, V, 0), inv_temp, BLOCK_V)
+    s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
+    # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
+    x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
+    log_s = tl.log(s)
+    entropy = log_s - w / s
+    # the chosen logit, read in float32 from the row itself; never read out of bounds
+    safe_label = tl.where(valid & in_range, label, 0)
+    x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
+    # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
+    # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
+    logp = (x_y - x_max) * inv_temp - log_s
+    # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
+    # valid range; comparisons are false for NaN, so NaN stays NaN
+    logp = tl.where(logp > 0, 0.0, logp)
+    entropy = tl.where(entropy < 0, 0.0, entropy)
+    bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
+    logp = tl.where(bad, float("nan"), logp)
+    entropy = tl.where(bad, float("nan"), entropy)
+    x_max = tl.where(bad, float("nan"), x_max)
+    s = tl.where(bad, float("nan"), s)
+    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
+    tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+    tl.store(stats_ptr + 2 * row, x_max)
+    tl.store(stats_ptr + 2 * row + 1, s)
 
-    @jit
-    def _logprobs_fwd_kernel(
-        logits_ptr,  # [O, I, V] rows at outer/inner strides, last stride 1; fp32/bf16/fp16
-        labels_ptr,  # [N] int64, N = O * I
-        logp_ptr,  # [N] fp32
-        entropy_ptr,  # [N] fp32
-        stats_ptr,  # [N, 2] fp32, saved for the backward: (max logit, Σ e^(z - max z)); (0, 1) on ignored rows
-        stride_outer,
-        stride_inner,
-        inner,  # I: rows per outer index
-        V,
-        inv_temp,  # 1 / temperature
-        ignore_index,
-        BLOCK_V: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
-        label = tl.load(labels_ptr + row)
-        valid = label != ignore_index
-        in_range = (label >= 0) & (label < V)
-        # ignored rows run zero iterations: their logits are never read
-        v_end = tl.where(valid, V, 0)
-        cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        # Everything is shifted by the running max logit before the temperature scales it: z - max(z) =
-        # (x - x_max)/T is then exactly 0 at the max and exact near it at any magnitude. (x·inv_temp - m,
-        # which the compiler contracts into one fma, would leave the product's rounding residual at the
-        # max: up to ulp(m)/2, which e^(·) cannot absorb once |logits/T| passes ~1e9.)
-        x_max = tl.full([], float("-inf"), tl.float32)  # running max logit
-        s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m), m = x_max / T
-        w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
-        for start in range(0, v_end, BLOCK_V):
-            offs = start + cols  # [BLOCK_V]
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-            x_new = tl.maximum(x_max, _block_max(x))
-            # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
-            x_safe = tl.where(x_new == float("-inf"), 0.0, x_new)
-            step = (x_max - x_safe) * inv_temp  # m - m' <= 0 (-inf while nothing was seen)
-            alpha = tl.exp(step)
-            d = (x - x_safe) * inv_temp  # [BLOCK_V] z - m'
-            e = tl.exp(d)  # [BLOCK_V]
-            # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
-            shift = tl.where(alpha > 0, step, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
-            w = alpha * (w + shift * s)
-            w += _block_sum(e * tl.where(e > 0, d, 0.0))
-            s = alpha * s + _block_sum(e)
-            x_max = x_new
-        s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
-        # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
-        x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
-        log_s = tl.log(s)
-        entropy = log_s - w / s
-        # the chosen logit, read in float32 from the row itself; never read out of bounds
-        safe_label = tl.where(valid & in_range, label, 0)
-        x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
-        # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
-        # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
-        logp = (x_y - x_max) * inv_temp - log_s
-        # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
-        # valid range; comparisons are false for NaN, so NaN stays NaN
-        logp = tl.where(logp > 0, 0.0, logp)
-        entropy = tl.where(entropy < 0, 0.0, entropy)
-        bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
-        logp = tl.where(bad, float("nan"), logp)
-        entropy = tl.where(bad, float("nan"), entropy)
-        x_max = tl.where(bad, float("nan"), x_max)
-        s = tl.where(bad, float("nan"), s)
-        tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
-        tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
-        tl.store(stats_ptr + 2 * row, x_max)
-        tl.store(stats_ptr + 2 * row + 1, s)
 
-    @jit
-    def _bf16_round_bits(x):
-        """float32 ``x`` rounded to the nearest bfloat16 (ties to even), still as float32, so that a
-        truncating cast to bf16 is exact: the interpreter's cast truncates (2x the GPU's error). A carry
-        may reach inf, as the GPU's rounding does; NaN of any payload (the GPU's canonical 0x7FFFFFFF
-        would carry into the sign bit and become -0.0) is returned as a NaN that truncates to NaN."""
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        return tl.where(x != x, float("nan"), rounded)
+@jit
+def _bf16_round_bits(x):
+    """float32 ``x`` rounded to the nearest bfloat16 (ties to even), still as float32, so that a
+    truncating cast to bf16 is exact: the interpreter's cast truncates (2x the GPU's error). A carry
+    may reach inf, as the GPU's rounding does; NaN of any payload (the GPU's canonical 0x7FFFFFFF
+    would carry into the sign bit and become -0.0) is returned as a NaN that truncates to NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, float("nan"), rounded)
 
-    @jit
-    def _logprobs_bwd_kernel(
-        logits_ptr,  # [O, I, V] as in the forward
-        labels_ptr,  # [N] int64
-        stats_ptr,  # [N, 2] fp32 from the forward: (max logit, Σ e^(z - max z))
-        entropy_ptr,  # [N] fp32
-        g_logp_ptr,  # [N] fp32
-        g_entropy_ptr,  # [N] fp32
-        dlogits_ptr,  # [N, V] contiguous, the logits dtype
-        stride_outer,
-        stride_inner,
-        inner,
-        V,
-        inv_temp,
-        ignore_index,
-        BLOCK_V: tl.constexpr,
-        INTERPRETED: tl.constexpr,  # running under Triton's interpreter (CPU tensors)
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
-        out_ptr = dlogits_ptr + row * V
-        label = tl.load(labels_ptr + row)
-        valid = label != ignore_index
-        in_range = (label >= 0) & (label < V)
-        x_max = tl.load(stats_ptr + 2 * row)  # the max logit
-        s = tl.load(stats_ptr + 2 * row + 1)
-        log_s = tl.log(s)
-        inv_s = 1.0 / s
-        ent = tl.load(entropy_ptr + row)
-        g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
-        g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
-        # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
-        safe_label = tl.where(valid & in_range, label, 0)
-        x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
-        one_minus_p_y = -_expm1((x_y - x_max) * inv_temp - log_s)
-        v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
-        cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        for start in range(0, V, BLOCK_V):
-            offs = start + cols  # [BLOCK_V]
-            mask = offs < V
-            # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
-            x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-            # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
-            d = (x - x_max) * inv_temp  # [BLOCK_V]
-            p = tl.exp(d) * inv_s  # [BLOCK_V]
-            logp = d - log_s  # [BLOCK_V]
-            # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
-            d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
-            g = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent  # [BLOCK_V]
-            g = tl.where(valid, g * inv_temp, 0.0)
-            if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
-                g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
-            tl.store(out_ptr + offs, g.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+@jit
+def _logprobs_bwd_kernel(
+    logits_ptr,  # [O, I, V] as in the forward
+    labels_ptr,  # [N] int64
+    stats_ptr,  # [N, 2] fp32 from the forward: (max logit, Σ e^(z - max z))
+    entropy_ptr,  # [N] fp32
+    g_logp_ptr,  # [N] fp32
+    g_entropy_ptr,  # [N] fp32
+    dlogits_ptr,  # [N, V] contiguous, the logits dtype
+    stride_outer,
+    stride_inner,
+    inner,
+    V,
+    inv_temp,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # running under Triton's interpreter (CPU tensors)
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+    out_ptr = dlogits_ptr + row * V
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    in_range = (label >= 0) & (label < V)
+    x_max = tl.load(stats_ptr + 2 * row)  # the max logit
+    s = tl.load(stats_ptr + 2 * row + 1)
+    log_s = tl.log(s)
+    inv_s = 1.0 / s
+    ent = tl.load(entropy_ptr + row)
+    g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
+    g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
+    # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
+    safe_label = tl.where(valid & in_range, label, 0)
+    x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
+    one_minus_p_y = -expm1((x_y - x_max) * inv_temp - log_s)
+    v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
+    cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols  # [BLOCK_V]
+        mask = offs < V
+        # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
+        x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
+        d = (x - x_max) * inv_temp  # [BLOCK_V]
+        p = tl.exp(d) * inv_s  # [BLOCK_V]
+        logp = d - log_s  # [BLOCK_V]
+        # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
+        d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
+        g = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent  # [BLOCK_V]
+        g = tl.where(valid, g * inv_temp, 0.0)
+        if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
+            g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
+        tl.store(out_ptr + offs, g.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- launcher
@@ -222,11 +212,29 @@ if HAS_TRITON:
 
 @dataclass(frozen=True)
 class LogprobsOptions:
-    """The non-tensor options of one call."""
+    """The non-tensor options of one :func:`logprobs` call, validated: its keyword arguments under their own names
+    and meanings, down to the kernels (which receive ``1 / temperature`` and ``ignore_index``). They cross each
+    custom op as ``*dataclasses.astuple(opt)`` and come back as ``LogprobsOptions(*args)``; the defaults live in
+    the public signature only."""
 
-    temperature: float = 1.0
-    ignore_index: int = -100
-    return_entropy: bool = False
+    temperature: float  # > 0, divides the logits
+    return_entropy: bool  # False: the entropy output is zeros and its gradient is ignored
+    ignore_index: int  # label value whose rows give 0 and no gradient
+
+
+def _validate(*, logits, labels, temperature, return_entropy, ignore_index) -> LogprobsOptions:
+    """Checks :func:`logprobs`'s arguments (each error names its argument); returns the options."""
+    _checks.floating(logits, "logits")
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension [..., V], got a 0-d tensor")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension, got V = 0")
+    _checks.integer(labels, "labels")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
+    _checks.same_device((logits, "logits"), (labels, "labels"))
+    _checks.positive(temperature, "temperature")
+    return LogprobsOptions(temperature=float(temperature), return_entropy=bool(return_entropy), ignore_index=int(ignore_index))
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,6 @@ class _LaunchConfig:
 _SMALL_V = _LaunchConfig(block_v=1024, num_warps=4, num_stages=2)  # V <= 1024: one block per row
 _LARGE_V = _LaunchConfig(block_v=4096, num_warps=8, num_stages=2)  # 16 elements per thread per block
 _LAUNCH_CONFIGS = (_SMALL_V, _LARGE_V)
-_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # Below this, exp() is exactly 0 in float32 and float64: clamping log p (or z - m) to it turns
 # the 0 · -inf of a -inf logit into 0 · finite, and keeps b · log p finite. NaN stays NaN.
@@ -286,7 +293,7 @@ def aot_configs() -> list[KernelConfig]:
     """Every (kernel, dtype, BLOCK_V, warps, stages) the launcher can pick on a GPU (compiled, so the
     backward's ``INTERPRETED`` is False)."""
     out = []
-    for dtype in _TRITON_DTYPES.values():
+    for dtype in TRITON_DTYPE_NAMES.values():
         for cfg in _LAUNCH_CONFIGS:
             out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
             constexprs = {"BLOCK_V": cfg.block_v, "INTERPRETED": False}
@@ -365,14 +372,14 @@ def _finish(logp, entropy, stats, valid, bad):
     return logp, entropy, stats
 
 
-def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_entropy: bool):
+def _torch_forward(logits, labels, opt: LogprobsOptions):
     """Chunked over rows; a chunk's workspace is two [c, V] buffers of <= _CHUNK_BYTES each,
     allocated once. Per chunk: max, one fused scale-and-shift, exp2, sum (+ multiply, sum for H).
 
     Returns ``(logp, entropy, stats)``: ``stats`` [..., 2] holds each row's max logit ``m`` and shifted
     sum ``s = Σ e^((x - m)/T)``, which the backward uses as they are: it shifts by ``m`` and divides by
     ``s`` separately, so log p keeps the relative precision of ``z - max`` rather than the absolute one
-    of a log-sum-exp. Without ``with_entropy`` the entropy is zeros (not computed).
+    of a log-sum-exp. Without ``opt.return_entropy`` the entropy is zeros (not computed).
     """
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
@@ -381,11 +388,11 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
     dev = logits.device
     on_cpu = dev.type == "cpu"
     lab = labels.reshape(-1)  # [N]
-    valid = lab != ignore_index  # [N]
+    valid = lab != opt.ignore_index  # [N]
     in_range = (lab >= 0) & (lab < V)  # [N]
     safe = torch.where(valid & in_range, lab, torch.zeros_like(lab))  # [N]
     logp = torch.empty(N, dtype=cdt, device=dev)  # [N]
-    entropy = torch.empty(N, dtype=cdt, device=dev) if with_entropy else torch.zeros(N, dtype=cdt, device=dev)  # [N]
+    entropy = torch.empty(N, dtype=cdt, device=dev) if opt.return_entropy else torch.zeros(N, dtype=cdt, device=dev)  # [N]
     stats = torch.empty(N, 2, dtype=cdt, device=dev)  # [N, 2] (m, s)
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
     z_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
@@ -399,7 +406,7 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
         # the shift the backward will read from stats: 0 for an all -inf row (no -inf - -inf) and for an
         # ignored row (its values are discarded), so both passes pick the same path in _base2_exponents
         m = torch.where((m == float("-inf")) | ~valid[r0:r1, None], torch.zeros_like(m), m)
-        _base2_exponents(x, m, temperature, z, on_cpu)  # [c, V] u = (x - m)·log2e/T, <= ~0
+        _base2_exponents(x, m, opt.temperature, z, on_cpu)  # [c, V] u = (x - m)·log2e/T, <= ~0
         torch.exp2(z, out=e)  # [c, V] unnormalized probabilities
         s = e.sum(-1)  # [c]
         log_s = torch.log(s)  # [c]
@@ -407,7 +414,7 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
         logp[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1).mul_(_LN2).sub_(log_s)
         stats[r0:r1, 0] = m.squeeze(-1)
         stats[r0:r1, 1] = s
-        if not with_entropy:
+        if not opt.return_entropy:
             continue
         if not on_cpu:
             z.clamp_(min=_LOG_P_FLOOR)  # p (z - m) = 0 where p = 0; NaN stays NaN (no device sync to decide)
@@ -422,7 +429,7 @@ def _torch_forward(logits, labels, temperature: float, ignore_index: int, with_e
     return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
 
 
-def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
     """dz = p (a + b log p) per row with a = -(g_logp + g_H H)/T, b = -g_H/T (a = -g_logp/T, b = 0
     without an entropy gradient); the label's entry then replaced by
     [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y) (its entropy term 0 where p_y = 0).
@@ -441,7 +448,7 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
         return dlogits
     d_rows = dlogits.view(N, V)  # [N, V]
     lab = labels.reshape(-1)  # [N]
-    valid = lab != ignore_index  # [N]
+    valid = lab != opt.ignore_index  # [N]
     safe = torch.where(valid & (lab >= 0) & (lab < V), lab, torch.zeros_like(lab))  # [N]
     zero = torch.zeros((), dtype=cdt, device=dev)
     g_l = torch.where(valid, g_logp.reshape(-1).to(cdt), zero)  # [N]
@@ -452,11 +459,11 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
     m, s = stats[:, 0:1], stats[:, 1]  # [N, 1] max logit, [N] shifted sum
     log_s = torch.log(s)  # [N]
     if g_h is None:
-        a = g_l / (-temperature * s)  # [N] a'
+        a = g_l / (-opt.temperature * s)  # [N] a'
         b = None
     else:
-        a = (g_l + g_h * (ent - log_s)) / (-temperature * s)  # [N] a' = (a - b log s)/s
-        b = g_h * (_LN2 / -temperature) / s  # [N] b'
+        a = (g_l + g_h * (ent - log_s)) / (-opt.temperature * s)  # [N] a' = (a - b log s)/s
+        b = g_h * (_LN2 / -opt.temperature) / s  # [N] b'
     u_y = torch.empty(N, dtype=cdt, device=dev)  # [N] the label's exponent, as the forward had it
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
     z_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
@@ -467,7 +474,7 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
         out = d_rows[r0:r1]  # [c, V]
         z = z_ws[:c]  # [c, V]
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] as in the forward (a vectorized upcast)
-        _base2_exponents(x, m[r0:r1], temperature, z, on_cpu)  # [c, V] u
+        _base2_exponents(x, m[r0:r1], opt.temperature, z, on_cpu)  # [c, V] u
         u_y[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1)
         if b is None:
             torch.mul(z.exp2_(), a[r0:r1, None], out=out)  # [c, V] -g p / T, cast once into dlogits
@@ -484,7 +491,7 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
         p_y = torch.exp(lp)  # [N]
         # p_y (log p_y + H) is 0 where p_y = 0 (a -inf label logit), never 0 · -inf; NaN stays NaN
         d_y = d_y - g_h * torch.where(p_y == 0, zero, p_y * (lp + ent))
-    d_y = d_y / temperature  # [N]
+    d_y = d_y / opt.temperature  # [N]
     # the label entries, then the ignored rows (exactly 0, even where their logits are NaN): one indexed write each
     flat = torch.arange(N, device=dev) * V + safe  # [N]
     d_rows.view(-1).index_put_((flat,), torch.where(valid, d_y, zero).to(dlogits.dtype))
@@ -497,7 +504,7 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperatu
     return dlogits
 
 
-def _triton_forward(logits, labels, temperature: float, ignore_index: int, with_entropy: bool):
+def _triton_forward(logits, labels, opt: LogprobsOptions):
     """The forward kernel; returns ``(logp, entropy, stats)`` as :func:`_torch_forward` does."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
@@ -509,16 +516,16 @@ def _triton_forward(logits, labels, temperature: float, ignore_index: int, with_
     if N:
         cfg = _launch_config(V)
         _logprobs_fwd_kernel.launch(
-            (N,), rows, lab, logp, entropy, stats, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            (N,), rows, lab, logp, entropy, stats, rows.stride(0), rows.stride(1), I, V, 1.0 / opt.temperature, opt.ignore_index,
             BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if not with_entropy:
+    if not opt.return_entropy:
         entropy.zero_()  # as the torch backend: the op's outputs do not depend on the backend
     shape = labels.shape
     return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
 
 
-def _triton_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature: float, ignore_index: int):
+def _triton_backward(logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -530,83 +537,83 @@ def _triton_backward(logits, labels, stats, entropy, g_logp, g_entropy, temperat
         cfg = _launch_config(V)
         _logprobs_bwd_kernel.launch(
             (N,), rows, lab, stats.reshape(N, 2).to(torch.float32).contiguous(), flat(entropy), flat(g_logp),
-            flat(g_entropy), dlogits, rows.stride(0), rows.stride(1), I, V, 1.0 / temperature, ignore_index,
+            flat(g_entropy), dlogits, rows.stride(0), rows.stride(1), I, V, 1.0 / opt.temperature, opt.ignore_index,
             BLOCK_V=cfg.block_v, INTERPRETED=logits.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return dlogits
 
 
-# ---------------------------------------------------------------- torch.library registration
+# ---------------------------------------------------------------- torch.library ops with autograd
+
+# Each op's backends: the implementation serving a call is chosen at run time, inside the op, by
+# _backend.resolve over the table's keys (so torch.compile traces none of it; RLKERNELS_BACKEND is read at
+# every call). Every row returns the same statistics (stats: max logit, shifted sum), so the backward may be
+# served by another row than the forward. float64 logits never reach Triton (resolve keeps them on torch).
+_FWD_IMPLS = {"torch": _torch_forward, "triton": _triton_forward}
+_BWD_IMPLS = {"torch": _torch_backward, "triton": _triton_backward}
 
 
-@torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=())
-def _logprobs_fwd_op(
-    logits: torch.Tensor,  # [..., V]
-    labels: torch.Tensor,  # [...] int64
-    temperature: float,
-    ignore_index: int,
-    backend: str,
-    with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(logp, entropy, stats)``: ``logp``, ``entropy`` [...] and ``stats`` [..., 2], each row's
-    max logit and shifted sum ``Σ e^((x - max)/T)`` ((0, 1) on ignored rows, NaN for a label out
-    of range), the same layout and values (to float32 rounding) for every backend; the backward needs
-    only ``stats`` and ``entropy``. Without ``with_entropy`` the entropy is zeros and the backward ignores
-    an entropy gradient. On the CPU a label out of ``[0, V)`` raises here (inside the op, so also when
-    compiled)."""
-    _checks.labels(labels, logits.shape[-1], ignore_index)
-    forward = _triton_forward if backend == "triton" else _torch_forward
-    return forward(logits, labels, temperature, ignore_index, with_entropy)
+def _impl(impls: dict, logits: torch.Tensor):
+    """The row of ``impls`` that serves ``logits`` (its device and dtype)."""
+    return impls[_backend.resolve(logits.device, tuple(impls), logits.dtype)]
+
+
+@torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=(),
+                         schema=op_schema("Tensor logits, Tensor labels", LogprobsOptions, "(Tensor, Tensor, Tensor)"))
+def _logprobs_fwd_op(logits, labels, *options):
+    """``logits`` [..., V], int64 ``labels`` [...], then ``*astuple(LogprobsOptions)``. Returns ``(logp, entropy,
+    stats)``: ``logp``, ``entropy`` [...] and ``stats`` [..., 2], each row's max logit and shifted sum
+    ``Σ e^((x - max)/T)`` ((0, 1) on ignored rows, NaN for a label out of range), the same layout and values
+    (to float32 rounding) for every backend; the backward needs only ``stats`` and ``entropy``. Without
+    ``return_entropy`` the entropy is zeros and the backward ignores an entropy gradient. On the CPU a label
+    out of ``[0, V)`` raises here (inside the op, so also when compiled)."""
+    opt = LogprobsOptions(*options)
+    _checks.labels(labels, logits.shape[-1], opt.ignore_index)
+    return _impl(_FWD_IMPLS, logits)(logits, labels, opt)
 
 
 @_logprobs_fwd_op.register_fake
-def _(logits, labels, temperature, ignore_index, backend, with_entropy):
+def _(logits, labels, *options):
     dtype = _out_dtype(logits)
     return (
-        logits.new_empty(labels.shape, dtype=dtype),
-        logits.new_empty(labels.shape, dtype=dtype),
-        logits.new_empty((*labels.shape, 2), dtype=dtype),
+        logits.new_empty(labels.shape, dtype=dtype),  # [...] logp
+        logits.new_empty(labels.shape, dtype=dtype),  # [...] entropy
+        logits.new_empty((*labels.shape, 2), dtype=dtype),  # [..., 2] stats
     )
 
 
-@torch.library.custom_op("rlkernels::logprobs_bwd", mutates_args=())
-def _logprobs_bwd_op(
-    logits: torch.Tensor,  # [..., V]
-    labels: torch.Tensor,  # [...] int64
-    stats: torch.Tensor,  # [..., 2] from the forward
-    entropy: torch.Tensor,  # [...] from the forward
-    g_logp: torch.Tensor,  # [...]
-    g_entropy: torch.Tensor | None,  # [...]; None: no entropy gradient
-    temperature: float,
-    ignore_index: int,
-    backend: str,
-) -> torch.Tensor:
-    """Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
-    backward = _triton_backward if backend == "triton" else _torch_backward
-    return backward(logits, labels, stats, entropy, g_logp, g_entropy, temperature, ignore_index)
+_BWD_TENSORS = "Tensor logits, Tensor labels, Tensor stats, Tensor entropy, Tensor g_logp, Tensor? g_entropy"
+
+
+@torch.library.custom_op("rlkernels::logprobs_bwd", mutates_args=(), schema=op_schema(_BWD_TENSORS, LogprobsOptions, "Tensor"))
+def _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *options):
+    """``logits`` [..., V], ``labels`` [...] int64, ``stats`` [..., 2] and ``entropy`` [...] from the forward,
+    upstream ``g_logp`` [...] and ``g_entropy`` [...] (None: no entropy gradient), then
+    ``*astuple(LogprobsOptions)``. Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
+    opt = LogprobsOptions(*options)
+    if not opt.return_entropy:
+        g_entropy = None  # the entropy output was zeros, not a function of the logits
+    return _impl(_BWD_IMPLS, logits)(logits, labels, stats, entropy, g_logp, g_entropy, opt)
 
 
 @_logprobs_bwd_op.register_fake
-def _(logits, labels, stats, entropy, g_logp, g_entropy, temperature, ignore_index, backend):
-    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+def _(logits, labels, stats, entropy, g_logp, g_entropy, *options):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, temperature, ignore_index, backend, with_entropy = inputs
-    logp, entropy, stats = output
+    logits, labels, *options = inputs
+    _logp, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, entropy)
-    ctx.options = (temperature, ignore_index, backend)
-    ctx.with_entropy = with_entropy
+    ctx.options = LogprobsOptions(*options)
 
 
 def _backward(ctx, g_logp, g_entropy, _g_stats):
-    logits, labels, stats, entropy = ctx.saved_tensors
-    g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp
-    if not ctx.with_entropy:
-        g_entropy = None  # the entropy output was zeros, not a function of the logits
+    logits, labels, stats, entropy = ctx.saved_tensors  # [..., V], [...], [..., 2], [...]
+    g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp  # [...]
     with _backend.float32_compute(logits.device):
-        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *ctx.options)
-    return dlogits, None, None, None, None, None
+        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *dataclasses.astuple(ctx.options))
+    return (dlogits, None) + (None,) * len(dataclasses.fields(LogprobsOptions))
 
 
 _logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -614,18 +621,22 @@ _logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------- public function
 
+# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the custom op: its
+# gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a
+# custom op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the op's tables.
+# (rlkernels.losses serves its reference backend the same way.)
+def _serves_reference(logits: torch.Tensor) -> bool:
+    """Whether ``_backend.resolve`` hands ``logits`` to the reference formulas rather than the ops' tables."""
+    return _backend.resolve(logits.device, ("reference", *_FWD_IMPLS), logits.dtype) == "reference"
 
-def _validate(logits, labels, options: LogprobsOptions) -> None:
-    _checks.floating(logits, "logits")
-    if logits.dim() == 0:
-        raise ValueError("logits must have at least one dimension [..., V], got a 0-d tensor")
-    if logits.shape[-1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension, got V = 0")
-    _checks.integer(labels, "labels")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(labels.shape)}")
-    _checks.same_device((logits, "logits"), (labels, "labels"))
-    _checks.positive(options.temperature, "temperature")
+
+def _reference_logprobs(logits, labels, opt: LogprobsOptions):
+    """:func:`rlkernels.reference.logprobs` with the op's label check (on the CPU, when not compiled: compiled,
+    a bad label gives NaN there, as on a GPU)."""
+    if not torch.compiler.is_compiling():
+        _checks.labels(labels, logits.shape[-1], opt.ignore_index)
+    return reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=opt.return_entropy,
+                              ignore_index=opt.ignore_index)
 
 
 def logprobs(
@@ -670,19 +681,11 @@ def logprobs(
     row only); ignored positions give 0 and zero gradient whatever their logits hold;
     ``log p <= 0`` and ``H >= 0`` always. Computes in float32 under any ``torch.autocast``.
     """
-    options = LogprobsOptions(temperature=temperature, ignore_index=int(ignore_index), return_entropy=bool(return_entropy))
-    _validate(logits, labels, options)
-    # float64 logits never reach Triton (float64 means float64 compute: the chunked PyTorch path does that)
-    backend = _backend.resolve(logits.device, ("reference", "torch", "triton"), logits.dtype)
+    opt = _validate(logits=logits, labels=labels, temperature=temperature, return_entropy=return_entropy,
+                    ignore_index=ignore_index)
     with _backend.float32_compute(logits.device):
-        if backend == "reference":
-            if not torch.compiler.is_compiling():  # compiled, a bad label gives NaN there, as on a GPU
-                _checks.labels(labels, logits.shape[-1], options.ignore_index)
-            return reference.logprobs(
-                logits, labels, temperature=options.temperature, return_entropy=options.return_entropy, ignore_index=options.ignore_index
-            )
+        if _serves_reference(logits):
+            return _reference_logprobs(logits, labels, opt)
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
-        logp, entropy, _ = torch.ops.rlkernels.logprobs_fwd(
-            logits, labels.long(), float(options.temperature), options.ignore_index, backend, options.return_entropy
-        )
-    return (logp, entropy) if options.return_entropy else logp
+        logp, entropy, _ = _logprobs_fwd_op(logits, labels.long(), *dataclasses.astuple(opt))  # [...] x2, [..., 2]
+    return (logp, entropy) if opt.return_entropy else logp

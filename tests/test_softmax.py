@@ -4,6 +4,7 @@ Triton kernels run under the interpreter on CPU tensors, so shapes stay small.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -469,7 +470,7 @@ def test_reference_out_of_range_label_gives_nan_like_the_kernels():
     # the kernels' own forwards (the public function reaches them only after the CPU check) give the same
     kernels = [lp_module._torch_forward] + ([lp_module._triton_forward] if "triton" in backends("cpu") else [])
     for forward in kernels:
-        k_logp, k_ent, _ = forward(logits, labels, 1.0, IGNORE, True)
+        k_logp, k_ent, _ = forward(logits, labels, lp_module.LogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=IGNORE))
         assert torch.isnan(k_logp[[1, 3]]).all() and torch.isnan(k_ent[[1, 3]]).all()
         assert_close_to_truth(k_logp[good], t_logp[good], torch.float32, name=f"{forward.__name__} logp")
         assert_close_to_truth(k_ent[good], t_ent[good], torch.float32, name=f"{forward.__name__} entropy")
@@ -485,8 +486,10 @@ def test_saved_statistics_do_not_depend_on_the_backend():
     valid = labels != IGNORE  # [2, 3]
     truth = torch.stack([torch.where(valid, m, 0.0), torch.where(valid, s, 1.0)], -1)  # [2, 3, 2]
     t_logp, t_ent = reference.logprobs(logits.double(), labels, temperature=0.7, return_entropy=True)
+    opt = lp_module.LogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=IGNORE)
     for backend in [b for b in backends("cpu") if b != "reference"]:  # the reference is eager autograd: no statistics
-        logp, ent, stats = torch.ops.rlkernels.logprobs_fwd(logits, labels, 0.7, IGNORE, backend, True)
+        with forced_backend(backend):
+            logp, ent, stats = torch.ops.rlkernels.logprobs_fwd(logits, labels, *dataclasses.astuple(opt))
         assert stats.shape == (2, 3, 2) and stats.dtype == torch.float32, backend
         assert_close_to_truth(stats, truth, torch.float32, name=f"{backend} stats")
         assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
