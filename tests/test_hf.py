@@ -53,9 +53,9 @@ def _batch(T=11, B=3, seed=1):
     return input_ids, attention_mask, response_mask
 
 
-def _truth(model, input_ids, attention_mask, response_mask, temperature):
+def _truth(model, input_ids, attention_mask, response_mask, temperature, position_ids=None):
     """Eager log-probabilities and entropies from the model's own logits, in the model's dtype."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits / temperature  # [B, T, V]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits / temperature  # [B, T, V]
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, T-1, V]
     logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     ent = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
@@ -82,7 +82,7 @@ def _assert_within(name, ours, truth, bound):
         )
 
 
-def _head_truth(model, input_ids, attention_mask, response_mask, temperature):
+def _head_truth(model, input_ids, attention_mask, response_mask, temperature, position_ids=None):
     """Float64 log-probabilities and entropies of the model's head applied to the model's own float32
     hidden states, with an elementwise bound on the float32 error any correct head may make.
 
@@ -106,7 +106,8 @@ def _head_truth(model, input_ids, attention_mask, response_mask, temperature):
     weight = model.get_output_embeddings().weight  # [V, H]
     bias = getattr(model.get_output_embeddings(), "bias", None)  # [V] or None
     with torch.no_grad():
-        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)
         h = out.last_hidden_state[:, :-1].to(weight.dtype).double()  # [B, T-1, H]
         W = weight.double()  # [V, H]
         V, H = W.shape
@@ -280,6 +281,105 @@ def test_gradient_reaches_model_parameters(tied, backend):
         _assert_within(name, ours[name], truth[name], n_chain * U * magnitude[name])
     flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(truth)])  # noqa: E731
     assert_close_to_truth(flat(ours), flat(truth), torch.float32, eager=flat(eager), name="all gradients")
+
+
+def _left_padded(T=11, B=3, seed=4):
+    """Left-padded prompts (as the trainer and TRL batch them) and the positions generate() gave them."""
+    ids, _, _ = _batch(T, B, seed)
+    am = torch.ones(B, T, dtype=torch.long)  # [B, T]
+    am[0, :3] = 0  # three pad tokens before row 0's prompt
+    am[2, :1] = 0
+    rm = torch.zeros(B, T, dtype=torch.long)  # [B, T]
+    rm[:, 6:] = 1
+    position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    return ids, am, rm, position_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_position_ids_of_left_padded_prompts(kind):
+    """With position_ids, the log-probs are those of the model's own logits at those positions (the sampling
+    distribution for left-padded prompts), within the float32 bounds of _head_truth."""
+    model = _tiny(kind, False)
+    ids, am, rm, pos = _left_padded()
+    with torch.no_grad(), forced_backend("torch"):
+        want_lp, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 0.8, position_ids=pos)
+        logp, ent = response_logprobs(model, ids, am, rm, position_ids=pos, temperature=0.8, return_entropy=True)
+        eager_lp, eager_ent = _truth(model, ids, am, rm, 0.8, position_ids=pos)
+        default_lp = response_logprobs(model, ids, am, rm, temperature=0.8)
+    _assert_within("logp", logp, want_lp, lp_bound)
+    _assert_within("entropy", ent, want_ent, ent_bound)
+    assert_close_to_truth(logp, want_lp, torch.float32, eager=eager_lp, name="logp")
+    assert_close_to_truth(ent, want_ent, torch.float32, eager=eager_ent, name="entropy")
+    if kind == "gpt2":  # absolute position embeddings: row 0's shifted positions change its log-probs
+        assert float((default_lp[0] - logp[0]).abs().max()) > 1e-3
+    else:  # rotary embeddings see relative positions only: a shift of a whole row changes nothing but rounding
+        torch.testing.assert_close(default_lp, logp)
+    with pytest.raises(ValueError, match="position_ids"):
+        response_logprobs(model, ids, am, rm, position_ids=pos[:, :-1])
+
+
+def test_only_response_positions_reach_the_head():
+    """The head's kernel sees the scored positions only (N rows), and the result equals scoring every position."""
+    import rlkernels
+
+    model = _tiny("llama", False)
+    ids, am, rm = _batch()
+    rows = []
+
+    def recording(hidden, weight, labels, **kwargs):  # hidden [N, H]
+        rows.append(tuple(hidden.shape))
+        assert bool((labels != -100).all())
+        return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
+
+    with torch.no_grad(), forced_backend("torch"):
+        logp, ent = response_logprobs(model, ids, am, rm, return_entropy=True, linear_logprobs=recording)
+        want_lp, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 1.0)
+    assert rows == [(int(rm[:, 1:].sum()), model.config.hidden_size)]
+    _assert_within("logp", logp, want_lp, lp_bound)
+    _assert_within("entropy", ent, want_ent, ent_bound)
+    # no scored token at all: zeros, still connected to the model's parameters (a differentiable zero)
+    out = response_logprobs(model, ids, am, torch.zeros_like(rm))
+    assert torch.equal(out, torch.zeros(ids.shape)) and out.requires_grad
+
+
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.0625),
+                                          ("lm_head_multiplier", 2.0), ("logits_scaling", 8.0)])
+def test_refuses_a_softcapped_or_scaled_head(field, value):
+    """linear_logprobs computes hidden @ W.T + b: a head whose config caps or scales the logits is refused,
+    naming the config field, rather than scored as another distribution."""
+    model = _tiny("llama", False)
+    setattr(model.config, field, value)
+    ids, am, rm = _batch()
+    with pytest.raises(NotImplementedError, match=f"^{field}={value}"):
+        response_logprobs(model, ids, am, rm)
+    with pytest.raises(NotImplementedError, match=field):
+        hf.lm_head(model)
+    setattr(model.config, field, None if field == "final_logit_softcapping" else 1.0)  # the plain head again
+    assert hf.lm_head(model)[0] is model.get_output_embeddings().weight
+
+
+class _PeftLike(torch.nn.Module):
+    """The shape of a peft.PeftModel: ``base_model`` is the tuner wrapping the causal LM (its forward is the
+    LM's, returning logits), ``get_base_model()`` the causal LM itself, ``peft_config`` set."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.peft_config = {"default": None}
+        self.base_model = types.SimpleNamespace(model=lm, __call__=lm)
+        self._lm = lm
+
+    def get_base_model(self):
+        return self._lm
+
+
+def test_peft_wrapped_model_uses_the_causal_lm_underneath():
+    model = _tiny("qwen2", False)
+    ids, am, rm = _batch()
+    with torch.no_grad(), forced_backend("torch"):
+        want = response_logprobs(model, ids, am, rm)
+        got = response_logprobs(_PeftLike(model), ids, am, rm)
+    assert torch.equal(got, want)
+    assert hf.backbone(_PeftLike(model)) is model.model
 
 
 def test_never_applies_lm_head_to_the_sequence():
