@@ -4,7 +4,9 @@ Triton kernels run under the interpreter on CPU tensors, so shapes stay small.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import re
 
@@ -494,6 +496,70 @@ def test_saved_statistics_do_not_depend_on_the_backend():
         assert_close_to_truth(stats, truth, torch.float32, name=f"{backend} stats")
         assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
         assert_close_to_truth(ent, t_ent, torch.float32, name=f"{backend} entropy")
+
+
+# ---------------------------------------------------------------- one path per concern
+
+
+def _kwonly(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _option_args(op) -> list[str]:
+    """The op's non-tensor schema arguments, in order."""
+    return [a.name for a in op.default._schema.arguments if "Tensor" not in str(a.type)]
+
+
+def test_options_keep_their_names_down_to_the_kernel():
+    """LogprobsOptions holds the public keyword arguments under their own names, in order; both ops take exactly
+    those (as *astuple(opt)), no backend string; the kernels receive 1/temperature and ignore_index."""
+    fields = [f.name for f in dataclasses.fields(lp_module.LogprobsOptions)]
+    assert fields == _kwonly(rlkernels.logprobs) == _kwonly(reference.logprobs)
+    assert fields == _kwonly(lp_module._validate)[2:]  # after the tensors logits, labels
+    assert _option_args(torch.ops.rlkernels.logprobs_fwd) == fields
+    assert _option_args(torch.ops.rlkernels.logprobs_bwd) == fields
+    pytest.importorskip("triton")
+    for kernel in (lp_module._logprobs_fwd_kernel, lp_module._logprobs_bwd_kernel):
+        assert {"inv_temp", "ignore_index"} <= set(kernel.arg_names), kernel.arg_names
+
+
+def test_backend_is_resolved_at_run_time_inside_the_op(monkeypatch):
+    """Forward and backward choose their row of _FWD_IMPLS/_BWD_IMPLS through _backend.resolve at every call, also
+    when compiled code calls them (RLKERNELS_BACKEND read at run time), and float64 logits, which the Triton
+    kernels do not load, stay on torch."""
+    pytest.importorskip("triton")
+    calls = []
+    for table in (lp_module._FWD_IMPLS, lp_module._BWD_IMPLS):
+        for name, fn in list(table.items()):
+            monkeypatch.setitem(table, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    logits, labels, g_logp, g_ent = _make_inputs(300, (2, 3), torch.float32, "contiguous", seed=31)
+
+    def step(x):
+        logp, ent = rlkernels.logprobs(x, labels, temperature=0.9, return_entropy=True)
+        return (logp * g_logp).sum() + (ent * g_ent).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for backend in ("torch", "triton"):
+        with forced_backend(backend):
+            x = logits.clone().requires_grad_(True)
+            torch.autograd.grad(compiled(x), x)
+    with forced_backend("triton"):
+        x = logits.double().requires_grad_(True)
+        torch.autograd.grad(step(x), x)
+    assert calls == ["torch"] * 2 + ["triton"] * 2 + ["torch"] * 2
+
+
+def test_kernels_are_defined_at_module_level_and_short():
+    """Every jitted function of softmax.py is a module-level def (not indented under ``if HAS_TRITON:``), and no
+    function in the module is over 80 lines."""
+    tree = ast.parse(inspect.getsource(lp_module))
+    jitted = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+        isinstance(d, ast.Name) and d.id == "jit" for d in n.decorator_list)}
+    assert {"_logprobs_fwd_kernel", "_logprobs_bwd_kernel", "_bf16_round_bits"} <= jitted, jitted
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80}
+    assert not long, long
 
 
 # ---------------------------------------------------------------- bad input
