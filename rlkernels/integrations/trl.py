@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import functools
 import types
-from contextlib import nullcontext
 
 import torch
 
 import rlkernels
+from rlkernels import hf
 
 try:
     from trl import GRPOTrainer
@@ -94,20 +94,13 @@ def check_supported(args, model=None, ref_model=None, *, aux_loss_enabled: bool 
         )
 
 
-def _base(model):
-    """The transformers model under PEFT (the model whose forward the LM head patch replaces)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
-
-
 def _head_problem(model) -> str | None:
-    config = _base(model).config.get_text_config()
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return f"final_logit_softcapping={config.final_logit_softcapping} (logit soft-capping)"
-    for attr in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
-        value = getattr(config, attr, None)
-        if value is not None and value != 1.0:
-            return f"{attr}={value} (scaled logits)"
+    """Why ``rlkernels.hf.lm_head`` refuses the model's head (soft-capped or scaled logits, naming the config
+    field), or None: the check lives in rlkernels.hf, shared with the bundled trainer."""
+    try:
+        hf.lm_head(model)
+    except (NotImplementedError, TypeError) as error:
+        return str(error)
     return None
 
 
@@ -120,13 +113,16 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
 
     Wraps whatever forward the model has now (TRL's own fused head, installed by GRPOTrainer): calls without
     ``fused_lm_head=True`` (generation) go to it unchanged. With it, the backbone runs, and only the positions
-    whose next-token label is not -100 are scored, from the last hidden states and the LM head weight.
+    whose next-token label is not -100 are scored, from the last hidden states and the LM head weight, by
+    ``rlkernels.hf.label_logprobs`` (the path ``hf.response_logprobs`` and the bundled trainer take). With
+    ``cast_lm_head_to_fp32`` the head is applied in float32.
     """
-    model = _base(model)
+    model = hf.causal_lm(model)
     problem = _head_problem(model)
     if problem:
         raise UnsupportedGRPOOption(f"rlkernels' LM head cannot reproduce {problem}")
     inner_forward = model.forward
+    head_dtype = torch.float32 if cast_lm_head_to_fp32 else None
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
     def _rlkernels_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
@@ -137,32 +133,15 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
                 if value is not None:
                     kwargs[key] = value
             return inner_forward(*args, **kwargs)
-        kwargs["use_cache"] = False
-        backbone_outputs = self.base_model(*args, **kwargs)
+        hidden = hf.final_hidden(hf.backbone(self), *args, **kwargs)  # [B, L, H]
         if shift_labels is None:
-            hidden = backbone_outputs.last_hidden_state[:, :-1]  # [B, L-1, H]
-            labels = labels[:, 1:]  # [B, L-1]
+            hidden, labels = hidden[:, :-1], labels[:, 1:]  # [B, L-1, H], [B, L-1]: t-1 predicts token t
         else:
-            hidden = backbone_outputs.last_hidden_state  # [B, L, H]
-            labels = shift_labels
-        lm_head = self.get_output_embeddings()
-        weight, bias = lm_head.weight, lm_head.bias  # [V, H], [V]
-        hidden = hidden.to(weight.device)
-        labels = labels.to(weight.device)
-        mask = labels != -100  # [B, L-1]
-        ctx = nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            ctx = torch.autocast(hidden.device.type, enabled=False)
-        with ctx:
-            # only the scored positions: prompts and padding never enter the kernel
-            out = rlkernels.linear_logprobs(
-                hidden[mask], weight, labels[mask], bias=bias, temperature=temperature, return_entropy=entropy
-            )  # [N] (, [N])
-        logp, ent = out if entropy else (out, None)
-        # masked_scatter keeps an all-masked micro-batch connected to the graph (a differentiable zero)
-        log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)  # [B, L-1]
-        ent = None if ent is None else ent.new_zeros(mask.shape).masked_scatter(mask, ent)
+            labels = shift_labels  # [B, L] already aligned with the hidden states (context parallelism)
+        out = hf.label_logprobs(self, hidden, labels, temperature=temperature, return_entropy=entropy,
+                                dtype=head_dtype)  # [B, L-1] (x2)
+        log_probs, ent = out if entropy else (out, None)
+        mask = labels.to(log_probs.device) != -100  # [B, L-1]
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=ent, label_mask=mask)
 
@@ -179,7 +158,7 @@ class RLKernelsGRPOMixin:
     def _rlkernels_install(self) -> None:
         check_supported(self.args, self.model, self.ref_model, aux_loss_enabled=self.aux_loss_enabled)
         for m, ent in ((self.model, True), (self.ref_model, False)):
-            if m is not None and not getattr(_base(m), "_rlkernels_lm_head", False):
+            if m is not None and not getattr(hf.causal_lm(m), "_rlkernels_lm_head", False):
                 add_rlkernels_lm_head(m, temperature=self.temperature,
                                       cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, entropy=ent)
 
