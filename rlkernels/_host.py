@@ -36,3 +36,20 @@ def op_schema(tensors: str, options: type, returns: str) -> str:
 
     fields = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}" for f in dataclasses.fields(options))
     return f"({tensors}, {fields}) -> {returns}"
+
+
+def lse_merge(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None):
+    """Merges online log-sum-exp partials of the same rows, taken over disjoint chunks of their columns (vocabulary
+    chunks, Triton vocabulary splits), along dim 0: ``(m_all [N], s_all [N], u_all [N] or None)``.
+
+    Partial ``k`` holds, for the columns ``z`` of its chunk, ``m[k]`` (their max, or any finite floor where the chunk
+    saw nothing finite: then ``s[k] = u[k] = 0`` and no ``0 · inf`` arises), ``s[k] = Σ exp(z - m[k])`` and,
+    optionally, ``u[k] = Σ exp(z - m[k]) (z - m[k])`` (the entropy's numerator). Each is re-centred on the row max
+    ``m_all``: ``s_all = Σ_k e^(m[k] - m_all) s[k]``, ``u_all = Σ_k e^(m[k] - m_all) (u[k] + s[k] (m[k] - m_all))``.
+    The row max and ``s_all`` stay apart (``log p = (z - m_all) - log s_all``): one rounded ``lse`` would carry
+    ``ulp(m_all)`` into every ``log p``. ``m``, ``s``, ``u``: ``[S, N]``."""
+    m_all = m.amax(0)  # [N]
+    scale = torch.exp(m - m_all)  # [S, N]
+    s_all = (s * scale).sum(0)  # [N]
+    u_all = None if u is None else (scale * (u + s * (m - m_all))).sum(0)  # [N]
+    return m_all, s_all, u_all
