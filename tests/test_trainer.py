@@ -117,10 +117,88 @@ def test_updates_prefer_rewarded_completions(tmp_path, algo, losses):
     batch = _designed_batch(tr)
     before = _expected_group_reward(tr, batch)  # [prompts]
     for step in range(1, 9):
-        tr.advantages(batch)
-        tr.update(batch, step)
+        tr.update(tr.advantages(tr.score_tokens(batch)), step)
     after = _expected_group_reward(tr, batch)  # [prompts]
     assert bool((after > before).all()), (before, after)
+
+
+# ------------------------------------------------------------------ phases and the minibatch loss
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_phases_return_what_they_compute(tmp_path, algo):
+    """Each phase returns a new batch with its own fields filled; nothing is stashed on the trainer (a run
+    leaves the same attributes __init__ created)."""
+    import dataclasses
+
+    tr = Trainer(tiny(tmp_path, losses="eager", algo=algo, epochs=2, kl_coef=0.05))
+    attributes = set(vars(tr))
+    rollout = tr.rollout(1)
+    scored = tr.score(rollout, 1)
+    tokens = tr.score_tokens(scored)
+    done = tr.advantages(tokens)
+    def filled(batch):
+        return {f.name for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
+
+    inputs = {"ids", "attention_mask", "labels", "mask", "prompts", "completions", "answers"}
+    assert filled(rollout) == inputs
+    assert filled(scored) == inputs | {"scores"}
+    token_fields = {"old_logp", "ref_logp"} | ({"old_values"} if algo == "ppo" else set())
+    assert filled(tokens) == filled(scored) | token_fields
+    assert filled(done) == filled(tokens) | ({"advantages", "returns", "kl_seq"} if algo == "ppo" else {"advantages"})
+    tr.run()
+    assert set(vars(tr)) == attributes
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_minibatch_loss_is_the_reference_loss(tmp_path, algo):
+    """minibatch_loss is a function of its arguments returning (loss, metrics) under namespaced keys: the fused
+    loss equals rlkernels.reference's policy_loss (+ value_coef * value_loss for PPO) evaluated in float64 on
+    the same per-token log-probs, entropies and values; token_scale multiplies the token means only."""
+    from rlkernels import reference
+    from rlkernels.trainer.loop import minibatch_loss
+    from tests.helpers import assert_close_to_truth
+
+    import dataclasses
+
+    tr = Trainer(tiny(tmp_path, losses="fused", algo=algo, epochs=2, kl_coef=0.05, entropy_coef=0.01, max_new_tokens=3))
+    cfg = tr.cfg
+    batch = tr.advantages(tr.score_tokens(_designed_batch(tr)))
+    noise = 0.3 * torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(5))  # [B, R]
+    batch = dataclasses.replace(batch, old_logp=batch.old_logp + noise * batch.mask)  # ratios off 1: clipping acts
+    before = [p.detach().clone() for p in _trained(tr)]
+    loss, metrics = minibatch_loss(cfg, tr.ops, tr.policy_lp, tr.critic, batch)
+    again, metrics_again = minibatch_loss(cfg, tr.ops, tr.policy_lp, tr.critic, batch)
+    assert torch.equal(loss, again) and metrics == metrics_again
+    assert all(torch.equal(p, q) for p, q in zip(_trained(tr), before)) and all(p.grad is None for p in _trained(tr))
+
+    with torch.no_grad():
+        logp, entropy = tr.policy_lp(batch.ids, batch.attention_mask, batch.labels)  # [B, R] x2
+    f64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    grpo = algo == "grpo"
+    want, want_policy = reference.policy_loss(
+        f64(logp), f64(batch.old_logp), f64(batch.advantages), batch.mask, clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=f64(batch.ref_logp) if grpo else None,
+        kl_coef=cfg.kl_coef if grpo else 0.0, kl_estimator=cfg.kl_estimator, entropy=f64(entropy),
+        entropy_coef=cfg.entropy_coef, agg=cfg.agg,
+    )
+    want_metrics = {"loss/policy": want, **{f"policy/{k}": v for k, v in want_policy.items()}}
+    if not grpo:
+        with torch.no_grad():
+            values = tr.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]
+        value, want_value = reference.value_loss(f64(values), f64(batch.old_values), f64(batch.returns), batch.mask,
+                                                 clip=cfg.value_clip)
+        want = want + cfg.value_coef * value
+        want_metrics.update({"loss/value": value, **{f"critic/{k}": v for k, v in want_value.items()}})
+    assert float(want_metrics["policy/clipfrac"]) > 0  # the clip is exercised
+    assert_close_to_truth(loss.detach(), want, torch.float32, name="loss")
+    assert set(metrics) == set(want_metrics)
+    for key, value in want_metrics.items():
+        assert_close_to_truth(torch.tensor(metrics[key]), value, torch.float32, name=key)
+    scaled, scaled_metrics = minibatch_loss(cfg, tr.ops, tr.policy_lp, tr.critic, batch, token_scale=2.0)
+    assert scaled_metrics == metrics  # the metrics are this process's own
+    # agg = token-mean: the policy loss and the value loss (always a token mean) both double
+    assert_close_to_truth(scaled.detach(), 2 * want, torch.float32, name="scaled loss")
 
 
 # ------------------------------------------------------------------ resume
@@ -185,7 +263,7 @@ def _designed_batch(tr, step: int = 1):
         response.masked_fill(~mask, -100), mask, [e.prompt for e in examples for _ in range(G)],
         tok.batch_decode(response.masked_fill(~mask, tr.pad_id), skip_special_tokens=True), answers,
     )
-    tr.score(batch, step)  # the configured reward on the designed completions
+    batch = tr.score(batch, step)  # the configured reward on the designed completions
     groups = batch.scores.view(-1, G)  # [prompts, G]
     assert bool((groups.max(1).values > groups.min(1).values).all()), batch.scores  # by design, not by luck
     return batch
@@ -197,7 +275,7 @@ def _global_batch(tr, advantages=True):
     tr.rank, tr.world, tr.distributed = 0, 1, False
     batch = _designed_batch(tr)
     if advantages:
-        tr.advantages(batch)
+        batch = tr.advantages(tr.score_tokens(batch))
     tr.rank, tr.world, tr.distributed = rank, world, distributed
     return batch
 
@@ -239,7 +317,7 @@ def _whiten_case():
 def _ddp_worker(rank, world, init_file, out_dir, cfg_dict):
     import torch.distributed as dist
 
-    from rlkernels.trainer.loop import masked_whiten_global
+    import rlkernels
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -251,11 +329,11 @@ def _ddp_worker(rank, world, init_file, out_dir, cfg_dict):
         B = batch.ids.shape[0]
         shard = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
         if ppo:
-            tr.advantages(shard)
+            shard = tr.advantages(tr.score_tokens(shard))
         tr.update(shard, 1)
         x, mask = _whiten_case()
         result = {"state": _params_and_grads(tr), "advantages": shard.advantages,
-                  "whiten": masked_whiten_global(x[rank], mask[rank])}
+                  "whiten": rlkernels.masked_whiten(x[rank], mask[rank], process_group=dist.group.WORLD)}
         torch.save(result, os.path.join(out_dir, f"ddp{rank}.pt"))
     finally:
         dist.destroy_process_group()

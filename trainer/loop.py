@@ -8,6 +8,7 @@ whitening use global statistics, so N processes take the step one process would.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,16 +16,17 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import rlkernels
+
 from . import checkpoint
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
-from .models import Critic, TokenLogprobs, backbone_of, frozen_copy, load_critic, load_policy, ops_provider
+from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
 from .rewards import load_reward
 
 
@@ -32,9 +34,12 @@ class NonFiniteError(RuntimeError):
     """A reward or loss was NaN/inf; the message names the step and the batch."""
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
 class Rollout:
-    """One step's batch, all tensors [B, ...] on the training device."""
+    """One step's batch, all tensors [B, ...] on the training device. Each phase returns a copy with the
+    fields it computed filled in (``dataclasses.replace``): rollout, then score (``scores``) and
+    score_tokens (``old_logp``, ``ref_logp``, ``old_values``), then advantages (``advantages``,
+    ``returns``, ``kl_seq``)."""
 
     ids: torch.Tensor  # [B, L] prompt (left-padded) + response
     attention_mask: torch.Tensor  # [B, L]
@@ -49,39 +54,48 @@ class Rollout:
     old_values: torch.Tensor | None = None  # [B, R]
     advantages: torch.Tensor | None = None  # [B] (GRPO) or [B, R] (PPO)
     returns: torch.Tensor | None = None  # [B, R]
+    kl_seq: torch.Tensor | None = None  # [B] PPO: the k1 KL to the reference summed over each response
 
     def select(self, idx: torch.Tensor) -> "Rollout":
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        ids = idx.tolist()
-        return Rollout(
-            self.ids[idx], self.attention_mask[idx], self.labels[idx], self.mask[idx],
-            [self.prompts[i] for i in ids], [self.completions[i] for i in ids], [self.answers[i] for i in ids],
-            pick(self.scores), pick(self.old_logp), pick(self.ref_logp), pick(self.old_values),
-            pick(self.advantages), pick(self.returns),
-        )
+        """The rows ``idx`` [b] of every field."""
+        rows = idx.tolist()
+
+        def pick(value):
+            if value is None:
+                return None
+            return value[idx] if isinstance(value, torch.Tensor) else [value[i] for i in rows]
+
+        return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
-def masked_whiten_global(x, mask, eps: float = 1e-8) -> torch.Tensor:
-    """``rlkernels.masked_whiten`` over the union of every process's masked entries.
+def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0):
+    """The loss of one minibatch and its metrics: ``(loss, metrics)``, no state read or written.
 
-    ``(x - mean) * rsqrt(var + eps)`` with the masked mean and unbiased masked variance of
-    the global batch (variance 0 below two entries), float32, no gradient. The count and
-    sum, then the sum of squared deviations from the global mean, are all-reduced in
-    float64 (two passes: no cancellation from a sum of squares).
+    ``policy`` is a :class:`TokenLogprobs` (or its DDP wrapper), ``critic`` a :class:`Critic` (PPO) or
+    None, ``ops`` the op provider. The loss is ``ops.policy_loss`` (GRPO: with the KL to the reference;
+    PPO: the KL is in the rewards) plus, for PPO, ``value_coef`` times ``ops.value_loss``. Token means
+    are multiplied by ``token_scale`` (what makes DDP's gradient average a global token mean).
+    ``metrics`` holds floats under namespaced keys: ``loss/policy``, ``policy/<policy_loss metric>``,
+    and for PPO ``loss/value``, ``critic/<value_loss metric>``.
     """
-    xf = x.detach().float()  # [B, R]
-    m = mask.bool()  # [B, R]
-    x64 = xf.double()  # [B, R]
-    zero = torch.zeros((), dtype=torch.float64, device=x.device)
-    # where, not multiply by the mask: a NaN/inf at a masked-out position must not enter the statistics
-    stats = torch.stack([m.sum().double(), torch.where(m, x64, zero).sum()])  # [2] count, sum
-    dist.all_reduce(stats)
-    count, total = stats[0], stats[1]
-    mean = total / count.clamp(min=1.0)
-    sq = torch.where(m, (x64 - mean).square(), zero).sum().reshape(1)  # [1]
-    dist.all_reduce(sq)
-    var = sq[0] / (count - 1.0).clamp(min=1.0)
-    return (xf - mean.float()) * torch.rsqrt(var.float() + eps)
+    logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
+    old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
+    grpo_kl = cfg.algo == "grpo" and mb.ref_logp is not None  # PPO: the KL is in the rewards
+    loss, metrics = ops.policy_loss(
+        logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=mb.ref_logp if cfg.algo == "grpo" else None,
+        kl_coef=cfg.kl_coef if grpo_kl else 0.0, kl_estimator=cfg.kl_estimator, entropy=entropy,
+        entropy_coef=cfg.entropy_coef, agg=cfg.agg,
+    )
+    logs = {"loss/policy": float(loss.detach()), **{f"policy/{k}": float(v) for k, v in metrics.items()}}
+    total = loss * (token_scale if cfg.agg == "token-mean" else 1.0)  # sequence means need no rescaling
+    if critic is not None:
+        values = critic(mb.ids, mb.attention_mask, mb.labels)  # [b, R]
+        vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip)
+        total = total + cfg.value_coef * token_scale * vloss  # the value loss is always a token mean
+        logs["loss/value"] = float(vloss.detach())
+        logs.update({f"critic/{k}": float(v) for k, v in vmetrics.items()})
+    return total, logs
 
 
 # fields a checkpoint cannot be resumed under once changed: other models, another optimizer layout
@@ -115,11 +129,6 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
         raise ConfigError(f"output_dir: {out} holds an earlier run ({', '.join(used)}); --resume continues it, "
                           "--overwrite deletes it, or choose another --output-dir")
     return []
-
-
-def _masked_mean(x, mask):
-    m = mask.float()
-    return float((x.float() * m).sum() / m.sum().clamp(min=1))
 
 
 class Trainer:
@@ -172,12 +181,14 @@ class Trainer:
             groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
         self.step = 0
+        self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
 
     # ------------------------------------------------------------------ phases
 
     @torch.no_grad()
     def rollout(self, step: int) -> Rollout:
+        """Rollout phase: this process's share of the step's prompts, ``group_size`` sampled responses each."""
         cfg = self.cfg
         local = cfg.prompts_per_step // self.world
         examples = self.prompts.batch(step, cfg.prompts_per_step)[self.rank * local : (self.rank + 1) * local]
@@ -209,7 +220,8 @@ class Trainer:
         return Rollout(ids, attention, labels, mask, [e.prompt for e in examples for _ in range(G)], completions,
                        [e.answer for e in examples for _ in range(G)])
 
-    def score(self, batch: Rollout, step: int) -> None:
+    def score(self, batch: Rollout, step: int) -> Rollout:
+        """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each)."""
         raw = self.reward_fn(batch.prompts, batch.completions, batch.answers)
         scores = torch.as_tensor(raw, dtype=torch.float32, device=self.device)  # [B]
         if scores.shape != (batch.ids.shape[0],):
@@ -221,88 +233,88 @@ class Trainer:
                 f"non-finite reward at step {step}: {len(bad)} of {len(raw)} samples (batch indices {bad[:8]}); "
                 f"first: reward={raw[i]!r} prompt={batch.prompts[i]!r} completion={batch.completions[i]!r}"
             )
-        batch.scores = scores
+        return dataclasses.replace(batch, scores=scores)
 
     @torch.no_grad()
-    def advantages(self, batch: Rollout) -> None:
+    def score_tokens(self, batch: Rollout) -> Rollout:
+        """Score phase, tokens: the batch with what the models before this step's update say of its responses.
+
+        ``old_logp`` [B, R], the policy's log-probs, when the update needs them apart from its own forward
+        (PPO, or several epochs or minibatches); ``ref_logp`` [B, R] when there is a reference model;
+        ``old_values`` [B, R], the critic's values (PPO). Each is None otherwise.
+        """
+        cfg = self.cfg
+        inputs = (batch.ids, batch.attention_mask, batch.labels)
+        separate_pass = cfg.algo == "ppo" or cfg.epochs > 1 or cfg.minibatches > 1
+        return dataclasses.replace(
+            batch,
+            old_logp=self.policy_lp(*inputs, return_entropy=False) if separate_pass else None,
+            ref_logp=self.ref(*inputs, return_entropy=False) if self.ref is not None else None,
+            old_values=self.critic(*inputs) if self.critic is not None else None,
+        )
+
+    @torch.no_grad()
+    def advantages(self, batch: Rollout) -> Rollout:
+        """Advantages phase: the batch with ``advantages`` (and, PPO, ``returns`` and ``kl_seq``).
+
+        GRPO: ``group_advantages`` of the scores, [B]. PPO: per-token rewards ``-kl_coef * k1`` plus the
+        score on each response's last token, GAE over the critic's ``old_values``, advantages whitened
+        with the statistics of the global batch (every process's tokens), [B, R]; ``kl_seq`` [B] is the
+        k1 KL of each response (0 without a reference model).
+        """
         cfg, ops = self.cfg, self.ops
-        first_pass = cfg.algo == "ppo" or cfg.epochs > 1 or cfg.minibatches > 1
-        if first_pass:  # old log-probs from the policy before any update of this step
-            batch.old_logp = self.policy_lp(batch.ids, batch.attention_mask, batch.labels, return_entropy=False)
-        if self.ref is not None:
-            batch.ref_logp = self.ref(batch.ids, batch.attention_mask, batch.labels, return_entropy=False)
         if cfg.algo == "grpo":
-            batch.advantages = ops.group_advantages(batch.scores, cfg.group_size, mode=cfg.advantage)  # [B]
-            return
-        batch.old_values = self.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]
-        m = batch.mask.float()
+            return dataclasses.replace(batch, advantages=ops.group_advantages(batch.scores, cfg.group_size,
+                                                                              mode=cfg.advantage))  # [B]
+        m = batch.mask.float()  # [B, R]
         kl = (batch.old_logp - batch.ref_logp) * m if batch.ref_logp is not None else torch.zeros_like(m)  # [B, R] k1
         rewards = -self.kl_coef * kl  # [B, R]
         last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
         rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
-        batch.advantages = masked_whiten_global(adv, batch.mask) if self.distributed else ops.masked_whiten(adv, batch.mask)
-        batch.returns = ret
-        self._seq_kl = float(kl.sum(-1).mean())
+        if self.distributed:
+            adv = rlkernels.masked_whiten(adv, batch.mask, process_group=dist.group.WORLD)  # [B, R]
+        else:
+            adv = ops.masked_whiten(adv, batch.mask)  # [B, R]
+        return dataclasses.replace(batch, advantages=adv, returns=ret, kl_seq=kl.sum(-1))
 
-    def _global_count(self, n: float) -> float:
+    def _token_scale(self, mb: Rollout) -> float:
+        """DDP averages gradients over processes; a token mean is multiplied by this so that the result is
+        the global token mean (local tokens * processes / global tokens; 1 in one process)."""
         if not self.distributed:
-            return n
-        t = torch.tensor([n], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return float(t)
+            return 1.0
+        local = float(mb.mask.sum())
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return local * self.world / float(total)
 
     def update(self, batch: Rollout, step: int) -> dict:
-        cfg, ops = self.cfg, self.ops
+        """Update phase: ``epochs`` passes of ``minibatches`` optimizer steps on :func:`minibatch_loss`;
+        returns the mean of the minibatches' metrics (plus ``policy/grad_norm`` when clipping)."""
+        cfg = self.cfg
         B = batch.ids.shape[0]
         size = B // cfg.minibatches
-        sums: dict[str, float] = {}
-        n = 0
+        history = []
         for epoch in range(cfg.epochs):
             order = torch.randperm(B, device=self.device) if cfg.minibatches > 1 else torch.arange(B, device=self.device)
             for k in range(cfg.minibatches):
                 mb = batch.select(order[k * size : (k + 1) * size])
-                logp, entropy = self.policy_ddp(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
-                old = mb.old_logp if mb.old_logp is not None else logp.detach()
-                loss, metrics = ops.policy_loss(
-                    logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                    dual_clip=cfg.dual_clip, ratio=cfg.ratio,
-                    ref_logp=mb.ref_logp if cfg.algo == "grpo" else None,  # PPO: the KL is in the rewards
-                    kl_coef=cfg.kl_coef if cfg.algo == "grpo" and mb.ref_logp is not None else 0.0,
-                    kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef, agg=cfg.agg,
-                )
-                logs = {"loss/policy": float(loss.detach())}
-                logs.update({f"policy/{k_}": float(v) for k_, v in metrics.items()})
-                # DDP averages gradients over processes; a token mean is rescaled so the result is the
-                # global token mean (sequence means need nothing: every process holds as many sequences)
-                token_scale = 1.0
-                if self.distributed:
-                    local = float(mb.mask.sum())
-                    token_scale = local * self.world / self._global_count(local)
-                total = loss * (token_scale if cfg.agg == "token-mean" else 1.0)
-                if self.critic is not None:
-                    values = self.critic_ddp(mb.ids, mb.attention_mask, mb.labels)  # [b, R]
-                    vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip)
-                    total = total + cfg.value_coef * token_scale * vloss  # the value loss is always a token mean
-                    logs["loss/value"] = float(vloss.detach())
-                    logs.update({f"critic/{k_}": float(v) for k_, v in vmetrics.items()})
-                if not math.isfinite(float(total.detach())):
+                loss, logs = minibatch_loss(cfg, self.ops, self.policy_ddp, self.critic_ddp, mb, self._token_scale(mb))
+                if not math.isfinite(float(loss.detach())):
                     raise NonFiniteError(
                         f"non-finite loss at step {step} (epoch {epoch}, minibatch {k}): {logs}; "
                         f"batch prompts {mb.prompts[:4]!r} completions {mb.completions[:4]!r}"
                     )
                 self.optimizer.zero_grad(set_to_none=True)
-                total.backward()
+                loss.backward()
                 if cfg.max_grad_norm > 0:
                     logs["policy/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm))
                     if self.critic is not None:
                         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
-                for key, v in logs.items():
-                    sums[key] = sums.get(key, 0.0) + v
-                n += 1
-        return {k: v / n for k, v in sums.items()}
+                history.append(logs)
+        return {key: sum(logs[key] for logs in history) / len(history) for key in history[0]}
 
     def adapt_kl(self, seq_kl: float) -> None:
         """Adaptive KL controller (Ziegler et al. 2019): move kl_coef toward the target KL."""
@@ -312,24 +324,33 @@ class Trainer:
         error = max(-0.2, min(0.2, seq_kl / cfg.kl_target - 1.0))
         self.kl_coef *= 1.0 + error * cfg.prompts_per_step * cfg.group_size / cfg.kl_horizon
 
+    def batch_metrics(self, batch: Rollout) -> dict:
+        """Log phase: the rollout's reward and length, and for PPO the KL in its rewards and its coefficient."""
+        metrics = {
+            "reward/mean": float(batch.scores.mean()),
+            "reward/std": float(batch.scores.std()) if batch.scores.numel() > 1 else 0.0,
+            "reward/solved": float((batch.scores >= 1.0).float().mean()),
+            "response/length": float(batch.mask.float().sum(-1).mean()),
+        }
+        if self.cfg.algo == "ppo":
+            if self.ref is not None:  # without a reference model there is no KL to report (it is not 0)
+                metrics["policy/kl_seq"] = float(batch.kl_seq.mean())
+            metrics["policy/kl_coef"] = self.kl_coef
+        return metrics
+
     def train_step(self, step: int) -> dict:
+        """One step: rollout -> score -> advantages -> update -> log; returns the step's metrics (averaged
+        over processes)."""
         cfg = self.cfg
         start = time.perf_counter()
         torch.manual_seed((cfg.seed * 1_000_003 + step) * 1009 + self.rank)
         batch = self.rollout(step)  # rollout
-        self.score(batch, step)  # score
-        self.advantages(batch)  # advantages
+        batch = self.score_tokens(self.score(batch, step))  # score: rewards, then tokens
+        batch = self.advantages(batch)  # advantages
         metrics = self.update(batch, step)  # update
-        # ------------------------------------------------------------ log
-        metrics["reward/mean"] = float(batch.scores.mean())
-        metrics["reward/std"] = float(batch.scores.std()) if batch.scores.numel() > 1 else 0.0
-        metrics["reward/solved"] = float((batch.scores >= 1.0).float().mean())
-        metrics["response/length"] = float(batch.mask.float().sum(-1).mean())
+        metrics.update(self.batch_metrics(batch))  # log
         if cfg.algo == "ppo":
-            if self.ref is not None:  # without a reference model there is no KL to report (it is not 0)
-                metrics["policy/kl_seq"] = self._seq_kl
-            metrics["policy/kl_coef"] = self.kl_coef
-            self.adapt_kl(self._seq_kl)
+            self.adapt_kl(float(batch.kl_seq.mean()))  # after logging the coefficient this step used
         if self.distributed:  # average the logged scalars over processes
             keys = sorted(metrics)
             t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)

@@ -1,8 +1,9 @@
 """Models: loading (built-in tiny Llama, directory, GGUF), the per-token log-prob module, the critic.
 
-Training never forms logits over the sequence: the backbone's final hidden
-states at the response positions go to ``linear_logprobs`` together with the
-output-embedding weight.
+Training never forms logits over the sequence: the log-probs come from
+``rlkernels.hf.response_logprobs`` (the backbone's final hidden states at the
+response positions through ``linear_logprobs`` with the output-embedding weight),
+the one path the TRL adapter and users take too.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import types
 
 import torch
 from torch import nn
+
+from rlkernels import hf
 
 
 def ops_provider(name: str) -> types.ModuleType:
@@ -80,30 +83,21 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return ref
 
 
-def backbone_of(model: nn.Module) -> nn.Module:
-    """The decoder stack without the LM head (``model.model`` for Llama-like models)."""
-    base = getattr(model, "base_model_prefix", "model")
-    inner = getattr(model, base, None)
-    if inner is None or inner is model:
-        raise ValueError(f"cannot find the backbone of {type(model).__name__}")
-    return inner
-
-
-def _final_hidden(backbone, ids, attention_mask, prompt_len):
-    """Final hidden states at the positions that predict the response tokens: [B, R, H]."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    out = backbone(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, L, H]
-    return hidden[:, prompt_len - 1 : -1]  # [B, R, H]
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] position ids counted from each row's first real token, as ``generate`` numbered the left-padded
+    prompts when sampling (0 on the padding before it)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
 class TokenLogprobs(nn.Module):
-    """Per-token response log-probs (and entropies) of a causal LM, via ``linear_logprobs``.
+    """Per-token response log-probs (and entropies) of a causal LM, via ``rlkernels.hf.response_logprobs``.
 
     ``forward(ids [B, L], attention_mask [B, L], labels [B, R])`` where the last R
     positions of ``ids`` are the response; ``labels`` is the response with
-    ``-100`` at padding. Returns ``(logp [B, R], entropy [B, R])`` in float32.
-    Wrapped in DistributedDataParallel under torchrun.
+    ``-100`` at padding. Returns ``(logp [B, R], entropy [B, R])`` in float32 (``logp``
+    alone with ``return_entropy=False``). Only the response tokens go through the head,
+    through the op provider's ``linear_logprobs``. Wrapped in DistributedDataParallel
+    under torchrun.
     """
 
     def __init__(self, model: nn.Module, ops, temperature: float = 1.0):
@@ -113,14 +107,13 @@ class TokenLogprobs(nn.Module):
         self.temperature = temperature
 
     def forward(self, ids, attention_mask, labels, return_entropy: bool = True):
-        prompt_len = ids.shape[1] - labels.shape[1]
-        hidden = _final_hidden(backbone_of(self.model), ids, attention_mask, prompt_len)  # [B, R, H]
-        head = self.model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        return self.ops.linear_logprobs(
-            hidden, head.weight, labels, bias=bias, temperature=self.temperature,
-            return_entropy=return_entropy, ignore_index=-100,
-        )
+        R = labels.shape[1]
+        scored = torch.cat([torch.zeros_like(ids[:, :-R], dtype=torch.bool), labels != -100], 1)  # [B, L]
+        out = hf.response_logprobs(
+            self.model, ids, attention_mask, scored, position_ids=left_padded_positions(attention_mask),
+            temperature=self.temperature, return_entropy=return_entropy, linear_logprobs=self.ops.linear_logprobs,
+        )  # [B, L] (x2)
+        return tuple(x[:, -R:] for x in out) if return_entropy else out[:, -R:]  # [B, R]
 
 
 class Critic(nn.Module):
@@ -134,15 +127,17 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, ids, attention_mask, labels):
-        prompt_len = ids.shape[1] - labels.shape[1]
-        hidden = _final_hidden(self.backbone, ids, attention_mask, prompt_len)  # [B, R, H]
+        R = labels.shape[1]
+        hidden = hf.final_hidden(self.backbone, input_ids=ids, attention_mask=attention_mask,
+                                 position_ids=left_padded_positions(attention_mask))  # [B, L, H]
+        hidden = hidden[:, -R - 1 : -1]  # [B, R, H]: the states that predict the response tokens
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [B, R]
 
 
 def load_critic(cfg, policy: nn.Module) -> Critic:
     """The critic starts from the policy's backbone, or from ``cfg.critic_model``."""
     if not cfg.critic_model:
-        backbone = copy.deepcopy(backbone_of(policy))
+        backbone = copy.deepcopy(hf.backbone(policy))
     else:
         from transformers import AutoModel
 
