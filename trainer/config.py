@@ -136,89 +136,94 @@ class TrainConfig:
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
+        self._check_choices()
+        self._check_ranges()
+        self._check_sources()
+        self._check_device()
+        if self.resume and self.overwrite:
+            self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
+        return self
 
-        def bad(name, why):
-            raise ConfigError(f"{name}: {why} (got {getattr(self, name)!r})")
+    def _bad(self, name: str, why: str):
+        raise ConfigError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+    def _check_choices(self) -> None:
+        from rlkernels.reference import AGG_MODES, GROUP_MODES, KL_ESTIMATORS, RATIO_MODES
 
         choices = {
-            "preset": tuple(PRESETS),
-            "algo": ("grpo", "ppo"),
-            "losses": ("fused", "eager"),
-            "ratio": ("token", "sequence"),
-            "agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-            "advantage": ("grpo", "dr_grpo", "rloo"),
-            "kl_estimator": ("k1", "k2", "k3", "abs"),
-            "dtype": ("float32", "bfloat16"),
+            "preset": tuple(PRESETS), "algo": ("grpo", "ppo"), "losses": ("fused", "eager"), "ratio": RATIO_MODES,
+            "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                bad(name, f"must be one of {list(allowed)}")
+                self._bad(name, f"must be one of {list(allowed)}")
+
+    def _check_ranges(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "epochs", "minibatches",
                      "log_every", "tiny_hidden", "tiny_layers", "kl_horizon"):
             if getattr(self, name) < 1:
-                bad(name, "must be >= 1")
+                self._bad(name, "must be >= 1")
         for name in ("save_every", "threads"):
             if getattr(self, name) < 0:
-                bad(name, "must be >= 0")
+                self._bad(name, "must be >= 0")
         for name in ("lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
-                bad(name, "must be > 0")
+                self._bad(name, "must be > 0")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm", "value_coef"):
             if not getattr(self, name) >= 0:
-                bad(name, "must be >= 0")
+                self._bad(name, "must be >= 0")
         if self.clip_low >= 1:
-            bad("clip_low", "must be < 1")
+            self._bad("clip_low", "must be < 1")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
-                bad(name, "must be in [0, 1]")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            bad("dual_clip", "must be > 1 or None")
-        if self.kl_target is not None and not self.kl_target > 0:
-            bad("kl_target", "must be > 0 or None")
-        if self.value_clip is not None and not self.value_clip > 0:
-            bad("value_clip", "must be > 0 or None")
+                self._bad(name, "must be in [0, 1]")
+        for name, floor in (("dual_clip", 1), ("kl_target", 0), ("value_clip", 0)):
+            if getattr(self, name) is not None and not getattr(self, name) > floor:
+                self._bad(name, f"must be > {floor} or None")
         if self.algo == "grpo" and self.group_size < 2:
-            bad("group_size", "GRPO needs at least 2 samples per prompt")
+            self._bad("group_size", "GRPO needs at least 2 samples per prompt")
         if self.tiny_hidden % 4:
-            bad("tiny_hidden", "must be a multiple of 4 (4 attention heads)")
+            self._bad("tiny_hidden", "must be a multiple of 4 (4 attention heads)")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
-            bad("minibatches", f"must divide prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+            self._bad("minibatches", f"must divide prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
+
+    def _check_sources(self) -> None:
+        """The model, critic, prompts, task and reward exist (paths, names, modules)."""
         if self.model != "tiny":
             if not os.path.exists(self.model):
-                bad("model", "no such model directory or .gguf file")
+                self._bad("model", "no such model directory or .gguf file")
             if os.path.isfile(self.model) and not self.model.endswith(".gguf"):
-                bad("model", "a file must be a .gguf; otherwise give a model directory")
+                self._bad("model", "a file must be a .gguf; otherwise give a model directory")
         if self.critic_model and not os.path.exists(self.critic_model):
-            bad("critic_model", "no such model directory or .gguf file")
+            self._bad("critic_model", "no such model directory or .gguf file")
         if self.critic_model and self.model == "tiny":
-            bad("critic_model", "the tiny model's critic is a copy of its backbone; leave critic_model empty")
+            self._bad("critic_model", "the tiny model's critic is a copy of its backbone; leave critic_model empty")
         if self.prompts and not os.path.isfile(self.prompts):
-            bad("prompts", "no such JSONL file")
+            self._bad("prompts", "no such JSONL file")
         if not self.prompts:
             from .data import TASKS
 
             if self.task not in TASKS:
-                bad("task", f"must be one of {sorted(TASKS)}")
+                self._bad("task", f"must be one of {sorted(TASKS)}")
             if self.model == "tiny" and self.task not in TINY_TASKS:
-                bad("task", f"the tiny model's tokenizer only covers {sorted(TINY_TASKS)}")
+                self._bad("task", f"the tiny model's tokenizer only covers {sorted(TINY_TASKS)}")
         from .rewards import check_reward_spec
 
         why = check_reward_spec(self.reward)
         if why:
-            bad("reward", why)
+            self._bad("reward", why)
+
+    def _check_device(self) -> None:
         if not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
-            bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
+            self._bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
         if self.device != "cpu":
             import torch
 
             if not torch.cuda.is_available():
                 why = "this torch has no CUDA support" if torch.version.cuda is None else "torch sees no GPU"
-                bad("device", f"CUDA is not available ({why}, torch {torch.__version__}); use --device cpu")
+                self._bad("device", f"CUDA is not available ({why}, torch {torch.__version__}); use --device cpu")
             if ":" in self.device and int(self.device[5:]) >= torch.cuda.device_count():
-                bad("device", f"only {torch.cuda.device_count()} CUDA device(s) visible")
-        if self.resume and self.overwrite:
-            bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
-        return self
+                self._bad("device", f"only {torch.cuda.device_count()} CUDA device(s) visible")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
