@@ -77,6 +77,7 @@ def load_policy(cfg):
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in eval mode without gradients (the reference policy)."""
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
@@ -93,8 +94,8 @@ class TokenLogprobs(nn.Module):
     """Per-token response log-probs (and entropies) of a causal LM, via ``rlkernels.hf.response_logprobs``.
 
     ``forward(ids [B, L], attention_mask [B, L], labels [B, R])`` where the last R
-    positions of ``ids`` are the response; ``labels`` is the response with
-    ``-100`` at padding. Returns ``(logp [B, R], entropy [B, R])`` in float32 (``logp``
+    positions of ``ids`` are the response; ``labels`` is that response with
+    ``-100`` at padding (the scored tokens are read from ``ids``). Returns ``(logp [B, R], entropy [B, R])`` in float32 (``logp``
     alone with ``return_entropy=False``). Only the response tokens go through the head,
     through the op provider's ``linear_logprobs``. Wrapped in DistributedDataParallel
     under torchrun.
