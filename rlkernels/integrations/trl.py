@@ -32,7 +32,7 @@ import types
 import torch
 
 import rlkernels
-from rlkernels import hf
+from rlkernels import hf, reference
 
 try:
     from trl import GRPOTrainer
@@ -163,14 +163,15 @@ class RLKernelsGRPOMixin:
                                       cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, entropy=ent)
 
     def _rlkernels_aggregate(self, x, mask, mode, inputs):
-        """TRL's normalization of per-token ``x`` [B, T] for this loss_type (eager; used for the IS-corrected KL)."""
-        if self.loss_type == "grpo":
-            return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-        if self.loss_type == "bnpo":
-            return (x * mask).sum() / mask.sum().clamp(min=1.0)
-        if self.loss_type == "dr_grpo":
-            return (x * mask).sum() / (x.size(0) * self.max_completion_length)
-        return (x * mask).sum()  # dapo: divided by its normalizer in _compute_loss
+        """TRL's normalization of per-token ``x`` [B, T] for this loss_type (eager; used for the IS-corrected KL),
+        through rlkernels' one definition of the agg modes (``reference.aggregate``)."""
+        norm_length = self.max_completion_length if self.loss_type == "dr_grpo" else None
+        loss = reference.aggregate(x, mask, _AGG[self.loss_type], norm_length)
+        if self.loss_type == "grpo":  # TRL's sequence mean counts the sequences with no token too
+            return loss * (mask.sum(-1) > 0).sum() / max(x.size(0), 1)
+        if self.loss_type == "dapo":  # a token sum: divided by its normalizer in _compute_loss
+            return loss * mask.sum().clamp(min=1.0)
+        return loss
 
     def _compute_loss(self, model, inputs):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
