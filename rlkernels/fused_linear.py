@@ -12,7 +12,7 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   token's logit ``z_y``, read from the float32 accumulator. Splitting the
   vocabulary gives ``N/BLOCK_N × V/(SPLIT_TILES·BLOCK_V)`` programs, enough to
   fill the GPU at RL batch sizes; the splits' partials (``[S, N]`` float32, O(N))
-  are merged by a log-sum-exp in PyTorch. The row max ``m``, ``log s`` (kept
+  are merged by a log-sum-exp in PyTorch (:func:`rlkernels._host.lse_merge`). The row max ``m``, ``log s`` (kept
   apart: one float32 ``lse = m + log s`` would carry ulp(m) into every log p)
   and ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
   ``p log p`` counts 0 where ``p = 0`` (a ``-inf`` logit, e.g. a masked bias entry).
@@ -44,176 +44,214 @@ offsets are 64-bit. Under Triton's interpreter (CPU tensors) the kernels sum eac
 K chunk's products with an explicit float32 reduction instead of ``np.matmul``,
 whose summation order changes with the tile's shape, so there too the backward's
 logits are the forward's bits.
-- ``reference``: :func:`rlkernels.reference.linear_logprobs`.
 
-The op is registered with ``torch.library`` (``rlkernels::linear_logprobs`` and
-its backward), so it runs under ``torch.compile(fullgraph=True)``.
+Backends: the two custom ops (``rlkernels::linear_logprobs`` and its backward, so
+``torch.compile(fullgraph=True)`` runs them) pick ``triton`` or ``torch`` from their
+tables (``_FWD_IMPLS``, ``_BWD_IMPLS``) through ``rlkernels._backend.resolve``, at run
+time inside the op; every row returns the same saved statistics, so the backward may
+be served by another row than the forward. ``reference``
+(:func:`rlkernels.reference.linear_logprobs`, through autograd) is served in one
+place before the ops (:func:`_serves_reference`). Options travel as one frozen
+:class:`LinearLogprobsOptions`.
+
+Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
+with autograd -> public function.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from rlkernels import _checks, reference
-from rlkernels._backend import float32_compute, select
-from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
+from rlkernels import _backend, _checks, reference
+from rlkernels._aot import KernelConfig
+from rlkernels._device import block_max, block_sum, expm1
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, op_schema, unit_stride
+from rlkernels._triton import cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
 
-# Reductions go through tl.reduce with the standard combine functions: tl.sum /
-# tl.max / tl.zeros are plain @triton.jit library functions that Triton's
-# interpreter can call only when TRITON_INTERPRET was set at import, whereas
-# tl.reduce with these combine functions is recognized by the interpreter (and
-# is exactly what tl.sum / tl.max expand to when compiled).
-if HAS_TRITON:
 
-    @jit
-    def _logits_tile(
-        h_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V]
-        rows, cols, row_ok, col_ok,  # [BLOCK_N], [BLOCK_V]
-        H, stride_hn, stride_wv, temperature,  # the H dimension has unit stride (the launcher ensures it)
-        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        """``(hidden[rows] @ weight[cols].T + bias[cols]) / T`` accumulated in float32.
+@jit
+def _logits_tile(
+    h_ptr, w_ptr, b_ptr,  # hidden [N, H], weight [V, H], bias [V]
+    rows, cols, row_ok, col_ok,  # [BLOCK_N], [BLOCK_V]
+    H, stride_hn, stride_wv, temperature,  # the H dimension has unit stride (the launcher ensures it)
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``(hidden[rows] @ weight[cols].T + bias[cols]) / T`` accumulated in float32.
 
-        The forward and the backward both call this with the same ``BLOCK_K`` and flags, so a
-        logit comes out bit for bit the same in both (the K chunks are summed in the same order)."""
-        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
-        ks = tl.arange(0, BLOCK_K)
-        # 64-bit row offsets: row * stride passes 2^31 elements at N >= 524288 for H = 4096
-        h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_hn  # [BLOCK_N, 1] pointers
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wv  # [BLOCK_V, 1] pointers
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + ks  # [BLOCK_K]
-            k_ok = k < H  # H need not be a multiple of BLOCK_K
-            a = tl.load(h_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
-            if DOT_F32:
-                # Interpreter only (CPU tensors): a float32 dot as products summed over K. Triton's
-                # interpreter multiplies bf16 as raw uint16 bits, and its np.matmul sums K in an
-                # order that depends on the tile's shape (BLAS kernels), so the forward's 128x128
-                # tile and the backward's 64x128 one would round a logit differently; a GPU MMA
-                # sums each element's K chunk the same way whatever the tile shape.
-                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
-                acc = acc + tl.reduce(prod, 2, tl.standard._sum_combine)
-            elif IEEE:  # float32 inputs: no silent TF32 rounding
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
-        if HAS_BIAS:
-            b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_V]
-            acc = acc + b[None, :]
-        return acc / temperature
-
-    @jit
-    def _fwd_kernel(
-        h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
-        m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
-        N, V, H, stride_hn, stride_wv, temperature,
-        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        row_ok = rows < N
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
-        # finite start: keeps the first rescale free of 0 * inf
-        m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max of z
-        s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
-        u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
-        zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # z of the label, from the float32 accumulator
-        v_start = split * SPLIT_TILES * BLOCK_V
-        for t in range(0, SPLIT_TILES):
-            v0 = v_start + t * BLOCK_V
-            if v0 < V:
-                cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-                col_ok = cols < V
-                z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
-                                 stride_hn, stride_wv, temperature,
-                                 HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-                z = tl.where(col_ok[None, :], z, float("-inf"))
-                m_new = tl.maximum(m, tl.reduce(z, 1, tl.standard._elementwise_max))  # [BLOCK_N]
-                alpha = tl.exp(m - m_new)
-                d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-                e = tl.exp(d)
-                # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
-                # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
-                ed = e * tl.where(d == float("-inf"), 0.0, d)
-                u = alpha * (u + s * (m - m_new)) + tl.reduce(ed, 1, tl.standard._sum_combine)
-                s = alpha * s + tl.reduce(e, 1, tl.standard._sum_combine)
-                zy += tl.reduce(tl.where(cols[None, :] == label[:, None], z, 0.0), 1, tl.standard._sum_combine)
-                m = m_new
-        out = split.to(tl.int64) * N + rows  # [BLOCK_N]
-        tl.store(m_ptr + out, m, mask=row_ok)
-        tl.store(s_ptr + out, s, mask=row_ok)
-        tl.store(u_ptr + out, u, mask=row_ok)
-        tl.store(zy_ptr + out, zy, mask=row_ok)
-
-    @jit
-    def _dz_kernel(
-        h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
-        m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
-        dz_ptr,  # [n, V] input dtype, contiguous
-        resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
-        N, V, H, stride_hn, stride_wv, temperature, ignore_index,
-        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        pid_v = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        row_ok = rows < N
-        col_ok = cols < V
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
-                         stride_hn, stride_wv, temperature,
-                         HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-        label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
-        m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
-        log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        g_lp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)
-        g_h = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        valid = label != ignore_index
-        g_lp = tl.where(valid, g_lp, 0.0)
-        g_h = tl.where(valid, g_h, 0.0)
-        # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
-        # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
-        logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
-        p = tl.exp(logp)
-        # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
-        ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
-        is_y = cols[None, :] == label[:, None]
-        # 1 - p_y without cancellation (-expm1(logp_y)): a Taylor series near 0, where
-        # exp(logp) ~ 1 would cancel, and 1 - p elsewhere (p <= 0.78, no cancellation)
-        x = logp
-        one_minus_p = tl.where(
-            x > -0.25,
-            -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (1.0 / 720.0)))))),
-            1.0 - p,
-        )
-        dz = tl.where(is_y, g_lp[:, None] * one_minus_p, -g_lp[:, None] * p) - ent_term
-        dz = tl.where(valid[:, None], dz / temperature, 0.0)
-        offs = rows[:, None].to(tl.int64) * V + cols[None, :]
-        dz_low = dz.to(dz_ptr.dtype.element_ty)
-        tl.store(dz_ptr + offs, dz_low, mask=row_ok[:, None] & col_ok[None, :])
-        # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
-        # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
-        lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
-        has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
-        tl.store(resid_ptr + rows, tl.reduce(lost, 1, tl.standard._sum_combine), mask=has_y)
+    The forward and the backward both call this with the same ``BLOCK_K`` and flags, so a
+    logit comes out bit for bit the same in both (the K chunks are summed in the same order)."""
+    acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+    ks = tl.arange(0, BLOCK_K)
+    # 64-bit row offsets: row * stride passes 2^31 elements at N >= 524288 for H = 4096
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_hn  # [BLOCK_N, 1] pointers
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wv  # [BLOCK_V, 1] pointers
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + ks  # [BLOCK_K]
+        k_ok = k < H  # H need not be a multiple of BLOCK_K
+        a = tl.load(h_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_V, BLOCK_K]
+        if DOT_F32:
+            # Interpreter only (CPU tensors): a float32 dot as products summed over K. Triton's
+            # interpreter multiplies bf16 as raw uint16 bits, and its np.matmul sums K in an
+            # order that depends on the tile's shape (BLAS kernels), so the forward's 128x128
+            # tile and the backward's 64x128 one would round a logit differently; a GPU MMA
+            # sums each element's K chunk the same way whatever the tile shape.
+            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+            acc = acc + block_sum(prod, 2)
+        elif IEEE:  # float32 inputs: no silent TF32 rounding
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_V]
+        acc = acc + b[None, :]
+    return acc / temperature
 
 
-# ---------------------------------------------------------------- launcher
+@jit
+def _fwd_kernel(
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
+    m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
+    N, V, H, stride_hn, stride_wv, temperature,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < N
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
+    # finite start: keeps the first rescale free of 0 * inf
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max of z
+    s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
+    u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
+    zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # z of the label, from the float32 accumulator
+    v_start = split * SPLIT_TILES * BLOCK_V
+    for t in range(0, SPLIT_TILES):
+        v0 = v_start + t * BLOCK_V
+        if v0 < V:
+            cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            col_ok = cols < V
+            z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
+                             stride_hn, stride_wv, temperature,
+                             HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+            alpha = tl.exp(m - m_new)
+            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+            e = tl.exp(d)
+            # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
+            # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
+            ed = e * tl.where(d == float("-inf"), 0.0, d)
+            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+            s = alpha * s + block_sum(e, 1)
+            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+            m = m_new
+    out = split.to(tl.int64) * N + rows  # [BLOCK_N]
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(u_ptr + out, u, mask=row_ok)
+    tl.store(zy_ptr + out, zy, mask=row_ok)
+
+
+@jit
+def _dz_kernel(
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
+    m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
+    dz_ptr,  # [n, V] input dtype, contiguous
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    N, V, H, stride_hn, stride_wv, temperature, ignore_index,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    row_ok = rows < N
+    col_ok = cols < V
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
+                     stride_hn, stride_wv, temperature,
+                     HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
+    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
+    g_lp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
+    g_h = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
+    valid = label != ignore_index
+    g_lp = tl.where(valid, g_lp, 0.0)
+    g_h = tl.where(valid, g_h, 0.0)
+    # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
+    # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
+    logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
+    p = tl.exp(logp)
+    # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
+    ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
+    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
+    # 1 - p_y without cancellation where p_y ~ 1, formed per row from the label's log p (the one entry of the row
+    # this tile may hold): expm1's polynomial over the whole tile cost ~12 more PTX instructions per element
+    one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
+    dz = tl.where(is_y, (g_lp * one_minus_p_y)[:, None], -g_lp[:, None] * p) - ent_term
+    dz = tl.where(valid[:, None], dz / temperature, 0.0)
+    offs = rows[:, None].to(tl.int64) * V + cols[None, :]
+    dz_low = dz.to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptr + offs, dz_low, mask=row_ok[:, None] & col_ok[None, :])
+    # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
+    # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
+    lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
+    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
+
+
+# ---------------------------------------------------------------- launchers
 
 
 @dataclass(frozen=True)
-class _Options:
-    temperature: float
-    ignore_index: int
+class LinearLogprobsOptions:
+    """The validated non-tensor arguments of one :func:`linear_logprobs` call, under the public keyword names and
+    meanings, down to the kernels (which receive ``temperature`` and ``ignore_index`` as they are). Both custom ops
+    take them as ``*dataclasses.astuple(opt)`` and rebuild ``LinearLogprobsOptions(*args)``; defaults live only in
+    the public signature."""
+
+    temperature: float  # > 0: divides the logits
+    return_entropy: bool  # False: the entropy output is zeros (the torch backend skips its work) with no gradient
+    ignore_index: int  # the label value whose tokens give 0 in both outputs and no gradient
+
+
+def _validate(*, hidden, weight, labels, bias, temperature, return_entropy, ignore_index) -> LinearLogprobsOptions:
+    """Checks :func:`linear_logprobs`'s arguments (each error names its argument); returns the options. The labels'
+    range is checked where they are read (the op, or the reference path), on the CPU."""
+    _checks.floating(hidden, "hidden")
+    _checks.floating(weight, "weight")
+    _checks.integer(labels, "labels")
+    if hidden.dim() < 1:
+        raise ValueError(f"hidden must have at least one dimension [..., H], got shape {tuple(hidden.shape)}")
+    _checks.rank(weight, "weight", 2)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight of shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        _checks.floating(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
+    _checks.same_device((hidden, "hidden"), (weight, "weight"), (labels, "labels"), (bias, "bias"))
+    return LinearLogprobsOptions(temperature=_checks.positive(temperature, "temperature"),
+                                 return_entropy=bool(return_entropy), ignore_index=int(ignore_index))
 
 
 @dataclass(frozen=True)
@@ -246,7 +284,6 @@ _BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_16.block_k, s
 # float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows)
 _FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=2)
 _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, split_tiles=1, num_warps=8, num_stages=2)
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
 _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
@@ -263,45 +300,48 @@ def _dot_f32(hidden: torch.Tensor) -> bool:
     return hidden.device.type == "cpu"
 
 
-def _triton_dtype(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+def _kernel_flags(dtype: torch.dtype, has_bias: bool, dot_f32: bool, t: _Tiles) -> dict:
+    """The constexprs both kernels share: the backward's logits are the forward's only with the same ones."""
+    return {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": dot_f32,
+            "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
 
 
-def aot_configs():
-    """Every (kernel, constexprs, warps, stages) the launcher can pick, for the AOT compile test."""
-    from rlkernels._aot import KernelConfig
+_SIZES = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
 
+
+def _fwd_signature(ty: str) -> dict:
+    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
+    partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32"}
+    return {**inputs, **partials, **_SIZES}
+
+
+def _dz_signature(ty: str) -> dict:
+    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
+    rows = {"m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32"}
+    return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64"}
+
+
+def aot_configs() -> list[KernelConfig]:
+    """Every (kernel, constexprs, warps, stages) the launcher can pick on a GPU (compiled, so ``DOT_F32`` is False),
+    for the AOT compile test."""
     configs = []
-    for dtype in _TRITON_DTYPES:
+    for dtype, ty in TRITON_DTYPE_NAMES.items():
         t, tb = _tiles(dtype), _tiles(dtype, backward=True)
-        ty = _triton_dtype(dtype)
         for has_bias in (False, True):
-            flags = {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": False}
-            common = {**flags, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
-            common_b = {**flags, "BLOCK_N": tb.block_n, "BLOCK_V": tb.block_v, "BLOCK_K": tb.block_k}
-            scalars = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
-            fwd_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
-                       "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32", **scalars}
-            fwd_consts = {**common, "SPLIT_TILES": t.split_tiles}
-            fwd_sig.update({k: "constexpr" for k in fwd_consts})
+            fwd_consts = {**_kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles}
+            dz_consts = _kernel_flags(dtype, has_bias, False, tb)
+            fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
+            dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
             configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
-            dz_sig = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64",
-                      "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32",
-                      "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **scalars, "ignore_index": "i64"}
-            dz_sig.update({k: "constexpr" for k in common_b})
-            configs.append(KernelConfig(_dz_kernel, dz_sig, common_b, tb.num_warps, tb.num_stages))
+            configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
     return configs
 
 
-def _unit_k_stride(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with stride 1 along H: the kernels' K loop reads contiguous runs, which lets Triton
-    stage the tiles with cp.async and pipeline them (a copy only for an H-strided view)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _forward_triton(hidden, weight, labels, bias, opt: _Options):
-    # hidden [N, H], weight [V, H], labels [N], bias [V] or None
-    hidden, weight = _unit_k_stride(hidden), _unit_k_stride(weight)
+def _forward_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """``_fwd_kernel`` over (token blocks, vocabulary splits), then the splits' partials merged on the host.
+    Returns ``(logp [N], entropy [N], stats [2, N])`` as :func:`_forward_torch` does (float32)."""
+    # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None; the K loop reads unit-stride rows
+    hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     N, H = hidden.shape
     V = weight.shape[0]
     t = _tiles(hidden.dtype)
@@ -313,24 +353,23 @@ def _forward_triton(hidden, weight, labels, bias, opt: _Options):
         _fwd_kernel.launch(
             grid, hidden, weight, bias if bias is not None else weight, labels,
             part[0], part[1], part[2], part[3],
-            N, V, H, hidden.stride(0), weight.stride(0), float(opt.temperature),
-            HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
-            BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles,
+            N, V, H, hidden.stride(0), weight.stride(0), opt.temperature,
+            **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t), SPLIT_TILES=t.split_tiles,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     m, s, u, zy = part.unbind(0)  # each [S, N]
-    m_all = m.max(0).values  # [N]
-    scale = torch.exp(m - m_all)  # [S, N]
-    s_all = (s * scale).sum(0)  # [N]
-    u_all = (scale * (u + s * (m - m_all))).sum(0)  # [N]
+    m_all, s_all, u_all = lse_merge(m, s, u)  # [N] each
     log_s = torch.log(s_all)  # [N]
-    entropy = log_s - u_all / s_all  # [N]
+    # without return_entropy the entropy is zeros, as the torch backend returns it: outputs never depend on the backend
+    entropy = log_s - u_all / s_all if opt.return_entropy else torch.zeros_like(log_s)  # [N]
     logp = (zy.sum(0) - m_all) - log_s  # [N] as log_softmax forms it (never z - one rounded lse)
     return _finish(logp, entropy, torch.stack((m_all, log_s)), labels, V, opt)
 
 
-def _finish(logp, entropy, stats, labels, V, opt: _Options):
-    # logp, entropy, labels (int64): [N]; stats [2, N]: row max, log Σ exp(z - max)
+def _finish(logp, entropy, stats, labels, V, opt: LinearLogprobsOptions):
+    """What every backend returns: 0 in both outputs at ignored tokens, NaN log p for a label out of ``[0, V)``
+    (reachable on a GPU only: the CPU raises). ``logp``, ``entropy``, ``labels`` (int64) [N]; ``stats`` [2, N]:
+    row max, log Σ exp(z - max)."""
     valid = labels != opt.ignore_index
     in_range = (labels >= 0) & (labels < V)
     logp = torch.where(in_range, logp, torch.full_like(logp, float("nan")))  # GPU: a bad label is NaN
@@ -338,9 +377,12 @@ def _finish(logp, entropy, stats, labels, V, opt: _Options):
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), stats
 
 
-def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt: _Options):
+def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+    """``_dz_kernel`` writes a chunk of tokens' ``dz`` (the input dtype) and its label residuals; cuBLAS does the two
+    GEMMs. Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
     # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
-    hidden, weight = _unit_k_stride(hidden), _unit_k_stride(weight)
+    del logp  # the kernel forms log p at the label from the recomputed logits tile itself
+    hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     N, H = hidden.shape
     V = weight.shape[0]
     t = _tiles(hidden.dtype, backward=True)
@@ -352,8 +394,8 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None  # [V]
     dz = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # [chunk, V] workspace
     resid = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)  # [chunk]
-    g_logp = g_logp.float().contiguous()
-    g_ent = g_ent.float().contiguous()
+    g_logp = g_logp.float().contiguous()  # [N]
+    g_ent = g_ent.float().contiguous()  # [N]
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
@@ -368,10 +410,8 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
         _dz_kernel.launch(
             grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
             row_max[c0:c1], log_s[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
-            n, V, H, hidden.stride(0), weight.stride(0),
-            float(opt.temperature), int(opt.ignore_index),
-            HAS_BIAS=bias is not None, IEEE=hidden.dtype == torch.float32, DOT_F32=_dot_f32(hidden),
-            BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,
+            n, V, H, hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
+            **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t),
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
         y_c = safe[c0:c1]  # [n]
@@ -382,7 +422,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
             else:
                 d_weight32.addmm_(dz_c.T, h_c)
         else:
-            r_c = torch.where(valid[c0:c1], r_c, torch.zeros_like(r_c))
+            r_c = torch.where(valid[c0:c1], r_c, torch.zeros_like(r_c))  # [n]
             dh = _mm_f32(dz_c, weight)  # [n, H] float32
             dh += r_c[:, None] * weight[y_c].float()
             d_hidden[c0:c1] = dh
@@ -422,7 +462,6 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc += _mm_f32(a, b)
 
 
-
 # ---- chunked PyTorch
 #
 # On a CPU the GEMMs are cheap next to the elementwise passes over each [rows, vchunk]
@@ -459,7 +498,10 @@ def _logits_into(z, h_c, w_c, b_c, inv_t):
     return z
 
 
-def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bool = True):
+def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """Chunked over tokens and vocabulary; per tile: GEMM, max, subtract, exp, sum (and Σ e·d for the entropy), the
+    vocabulary chunks' partials merged by :func:`lse_merge`. Returns ``(logp, entropy, stats)`` ([N], [N], [2, N]:
+    row max, log Σ exp(z - max)); without ``opt.return_entropy`` the entropy is zeros (not computed)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
@@ -476,7 +518,7 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
     entropy = torch.zeros(N, dtype=cdt, device=dev)  # [N]
     zy = torch.empty(N, dtype=cdt, device=dev)  # [N]
     zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
-    ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if need_entropy else None
+    ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if opt.return_entropy else None
     part = torch.empty(4, S, rows, dtype=cdt, device=dev)  # per vocabulary chunk: max, Σ e, Σ e·d, z at the label's column
     safe = torch.where((labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [N]
     for r0 in range(0, N, rows):
@@ -498,7 +540,7 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
             # max, so that z - max is -inf (p = 0) rather than -inf - -inf = NaN; NaN stays NaN
             torch.clamp(p_m[j], min=lowest, out=p_m[j])
             z.sub_(p_m[j].unsqueeze(1))  # d = z - max
-            if need_entropy:
+            if opt.return_entropy:
                 e = torch.exp(z, out=ebuf[: z.numel()].view_as(z))  # [n, vc]
                 torch.sum(e, 1, out=p_s[j])
                 # Σ e·d (in place: vecdot would allocate the product). e·d is NaN only where
@@ -507,15 +549,11 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
                 torch.nansum(e.mul_(z), 1, out=p_u[j])
             else:
                 torch.sum(z.exp_(), 1, out=p_s[j])
-        # merge the chunks' partials (log-sum-exp), O(S·n)
-        m_all = p_m.amax(0)  # [n]
-        scale = torch.exp(p_m - m_all)  # [S, n]
-        s_all = (p_s * scale).sum(0)  # [n]
+        m_all, s_all, u_all = lse_merge(p_m, p_s, p_u if opt.return_entropy else None)  # [n] each, O(S·n)
         log_s = torch.log(s_all)
         stats[0, r0:r1] = m_all
         stats[1, r0:r1] = log_s
-        if need_entropy:
-            u_all = (scale * (p_u + p_s * (p_m - m_all))).sum(0)  # [n]
+        if u_all is not None:
             entropy[r0:r1] = log_s - u_all / s_all
         zy[r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
     logp = (zy - stats[0]) - stats[1]  # [N] as log_softmax forms it (never z - one rounded lse)
@@ -523,7 +561,55 @@ def _forward_torch(hidden, weight, labels, bias, opt: _Options, need_entropy: bo
     return tuple(x.float() if x.dtype != torch.float64 else x for x in out)
 
 
-def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: _Options):
+def _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V: int, cdt: torch.dtype, opt: LinearLogprobsOptions):
+    """Per token, what the torch backward's ``dz`` needs besides the logits: ``(row_max, a2, c2, a_s, at_y, valid,
+    use_ent)``, each tensor [N] in ``cdt`` (``valid`` bool).
+
+    Off the label, ``dz_j = p_j (a + c log p_j)`` with ``a = -(g_logp + g_H H)/T``, ``c = -g_H/T``. With
+    ``d_j = z_j - max``, ``p_j = e^{d_j}/s`` and ``log p_j = d_j - log s``, that is ``dz_j = e^{d_j} (a2 + c2 d_j)``
+    (``a2 = (a - c log s)/s``, ``c2 = c/s``), or ``e^{d_j} a_s`` (``a_s = a/s``) where the entropy has no gradient
+    (``use_ent`` False). At the label ``dz_y = at_y``, formed without cancellation."""
+    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
+    zero = torch.zeros((), dtype=cdt, device=labels.device)
+    g_lp = torch.where(valid, g_logp.to(cdt), zero)  # [N]
+    g_h = torch.where(valid, g_ent.to(cdt), zero)  # [N]
+    # The entropy's terms cost two passes per tile: skip them when its gradient is zero (not
+    # requested, unused, or a zero coefficient). Checking is free on the CPU; elsewhere assume used.
+    use_ent = labels.device.type != "cpu" or bool(g_h.ne(0).any())
+    ent = entropy.to(cdt)  # [N]
+    row_max, log_s = stats.to(cdt).unbind(0)  # [N] each
+    inv_s = torch.exp(-log_s)  # [N] 1/s
+    inv_t = 1.0 / opt.temperature
+    a = -(g_lp + g_h * ent) * inv_t  # [N]
+    c = -g_h * inv_t  # [N]
+    # at the label, 1 - p_y = -expm1(log p_y) (no cancellation); p_y log p_y is 0 where p_y = 0 (a -inf
+    # logit), never 0 * -inf
+    lp_y = torch.where(valid, logp.to(cdt), zero)  # [N]
+    lp_y_finite = torch.where(lp_y == float("-inf"), zero, lp_y)  # [N]
+    at_y = (g_lp * -torch.expm1(lp_y) - g_h * torch.exp(lp_y) * (lp_y_finite + ent)) * inv_t  # [N]
+    return row_max, (a - c * log_s) * inv_s, c * inv_s, a * inv_s, at_y, valid, use_ent
+
+
+def _labels_by_chunk(valid, labels, at_y, vchunk: int, S: int):
+    """The valid tokens of one chunk of rows grouped by the vocabulary chunk holding their label, so that each tile
+    writes its label entries in one ``index_put_``: ``(tok, cols, vals, starts)``, tokens ``tok`` [k] (row in the
+    chunk), their label's column ``cols`` [k] within its vocabulary chunk and ``dz_y`` values ``vals`` [k]; chunk
+    ``j``'s entries are ``[starts[j], starts[j + 1])``. ``valid``, ``labels`` (in range where valid), ``at_y``: [n]."""
+    tok = valid.nonzero().squeeze(1)  # [k]
+    chunk_of_y = torch.div(labels[tok], vchunk, rounding_mode="floor")  # [k]
+    order = torch.argsort(chunk_of_y, stable=True)
+    tok, chunk_of_y = tok[order], chunk_of_y[order]
+    cols, vals = labels[tok] - chunk_of_y * vchunk, at_y[tok]  # [k]
+    starts = [0]
+    for count in torch.bincount(chunk_of_y, minlength=S).tolist():
+        starts.append(starts[-1] + count)
+    return tok, cols, vals, starts
+
+
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+    """Chunked like :func:`_forward_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
+    (:func:`_dz_coefficients`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``. Returns ``(d_hidden
+    [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
     # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
@@ -534,27 +620,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
-    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
-    zero = torch.zeros((), dtype=cdt, device=dev)
-    g_lp = torch.where(valid, g_logp.to(cdt), zero)  # [N]
-    g_h = torch.where(valid, g_ent.to(cdt), zero)  # [N]
-    # The entropy's terms cost two passes per tile: skip them when its gradient is zero (not
-    # requested, unused, or a zero coefficient). Checking is free on the CPU; elsewhere assume used.
-    use_ent = dev.type != "cpu" or bool(g_h.ne(0).any())
-    ent = entropy.to(cdt)  # [N]
-    row_max, log_s = stats.to(cdt).unbind(0)  # [N] each
-    inv_s = torch.exp(-log_s)  # [N] 1/s
-    # Off the label, dz_j = p_j (a + c log p_j) with a = -(g_logp + g_H H)/T, c = -g_H/T. With
-    # d_j = z_j - max, p_j = e^{d_j}/s and log p_j = d_j - log s, that is dz_j = e^{d_j} (a' + c' d_j):
-    a = -(g_lp + g_h * ent) * inv_t  # [N]
-    c = -g_h * inv_t  # [N]
-    a2 = (a - c * log_s) * inv_s  # [N] a'
-    c2 = c * inv_s  # [N] c'
-    # and at the label, formed without cancellation (1 - p_y = -expm1(log p_y)); p_y log p_y is 0
-    # where p_y = 0 (a -inf logit), never 0 * -inf
-    lp_y = torch.where(valid, logp.to(cdt), zero)  # [N]
-    lp_y_finite = torch.where(lp_y == float("-inf"), zero, lp_y)  # [N]
-    at_y = (g_lp * -torch.expm1(lp_y) - g_h * torch.exp(lp_y) * (lp_y_finite + ent)) * inv_t  # [N]
+    row_max, a2, c2, a_s, at_y, valid, use_ent = _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V, cdt, opt)
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
     # float32 (or float64) accumulators, weight-sized; cast once at the end
@@ -568,17 +634,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
         h_c = hidden[r0:r1].to(cdt)  # [n, H]
         dh_c = torch.zeros(n, H, dtype=cdt, device=dev)  # [n, H]
         m_c = row_max[r0:r1, None]  # [n, 1]
-        a2_c, c2_c, a_s = a2[r0:r1, None], c2[r0:r1, None], (a * inv_s)[r0:r1, None]  # [n, 1] each
-        # the valid rows grouped by the vocabulary chunk of their label: one index_put_ per tile
-        tok = valid[r0:r1].nonzero().squeeze(1)  # [k]
-        chunk_of_y = torch.div(safe[r0:r1][tok], vchunk, rounding_mode="floor")  # [k]
-        order = torch.argsort(chunk_of_y, stable=True)
-        tok, chunk_of_y = tok[order], chunk_of_y[order]
-        cols, vals = safe[r0:r1][tok] - chunk_of_y * vchunk, at_y[r0:r1][tok]  # [k]
-        counts = torch.bincount(chunk_of_y, minlength=S).tolist()
-        starts = [0]
-        for k in counts:
-            starts.append(starts[-1] + k)
+        a2_c, c2_c, a_s_c = a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None]  # [n, 1] each
+        tok, cols, vals, starts = _labels_by_chunk(valid[r0:r1], safe[r0:r1], at_y[r0:r1], vchunk, S)
         for j in range(S):
             v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
@@ -590,7 +647,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
                 e = torch.exp(d, out=pbuf[: d.numel()].view_as(d))  # [n, vc]
                 dz = e.mul_(torch.addcmul(a2_c, d, c2_c, out=d))  # e^d (a' + c' d)
             else:
-                dz = d.exp_().mul_(a_s)  # e^d a / s
+                dz = d.exp_().mul_(a_s_c)  # e^d a / s
             k0, k1 = starts[j], starts[j + 1]
             if k1 > k0:
                 dz.index_put_((tok[k0:k1], cols[k0:k1]), vals[k0:k1])
@@ -606,100 +663,88 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     )
 
 
-def _use_triton(hidden: torch.Tensor) -> bool:
-    return select(hidden.device, ("reference", "torch", "triton")) == "triton" and hidden.dtype in _TRITON_DTYPES
+# ---------------------------------------------------------------- torch.library ops with autograd
+
+# Each op's backends: the row serving a call is chosen at run time, inside the op, by _backend.resolve over the
+# table's keys (torch.compile traces none of it; RLKERNELS_BACKEND is read at every call). Every row returns the
+# same saved statistics (stats: row max, log Σ exp(z - max); the entropy), so the backward may be served by another
+# row than the forward. float64 inputs never reach Triton (resolve keeps them on torch).
+_FWD_IMPLS = {"torch": _forward_torch, "triton": _forward_triton}
+_BWD_IMPLS = {"torch": _backward_torch, "triton": _backward_triton}
 
 
-# ---------------------------------------------------------------- custom op and autograd
+def _impl(impls: dict, hidden: torch.Tensor):
+    """The row of ``impls`` that serves ``hidden`` (its device and dtype)."""
+    return impls[_backend.resolve(hidden.device, tuple(impls), hidden.dtype)]
 
 
-@torch.library.custom_op("rlkernels::linear_logprobs", mutates_args=())
-def _linear_logprobs_op(
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    labels: torch.Tensor,  # [N]
-    bias: torch.Tensor | None,  # [V]
-    temperature: float,
-    ignore_index: int,
-    need_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each row's max logit
-    ``z/T`` and ``log Σ exp(z/T - max)``, kept apart for the backward (never summed into one lse).
+_FWD_TENSORS = "Tensor hidden, Tensor weight, Tensor labels, Tensor? bias"
+_BWD_TENSORS = (
+    "Tensor g_logp, Tensor g_entropy, Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
+    "Tensor stats, Tensor entropy, Tensor logp"
+)
 
-    With ``need_entropy=False`` the torch backend skips the entropy's work and returns zeros in
-    its place (the caller then never exposes it, so its gradient is zero too)."""
-    opt = _Options(temperature, ignore_index)
-    # the public function has checked labels already, except under torch.compile, where a
-    # data-dependent check cannot be traced: this op runs opaque there, so it checks here
-    labels = _checks.labels(labels, weight.shape[0], ignore_index)  # [N] int64
-    with float32_compute(hidden.device):
-        if _use_triton(hidden):
-            logp, ent, stats = _forward_triton(hidden, weight, labels.contiguous(), bias, opt)
-        else:
-            logp, ent, stats = _forward_torch(hidden, weight, labels, bias, opt, need_entropy)
-    return logp, ent, stats.float() if hidden.dtype != torch.float64 else stats
+
+@torch.library.custom_op("rlkernels::linear_logprobs", mutates_args=(),
+                         schema=op_schema(_FWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
+def _linear_logprobs_op(hidden, weight, labels, bias, *options):
+    """``hidden`` [N, H], ``weight`` [V, H], int64 ``labels`` [N], ``bias`` [V] or None, then
+    ``*astuple(LinearLogprobsOptions)``. Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each
+    row's max logit ``z/T`` and ``log Σ exp(z/T - max)``, kept apart for the backward (never summed into one lse),
+    the same layout and values (to float32 rounding) for every backend. Without ``return_entropy`` the entropy is
+    zeros (the caller never exposes it, so it gets no gradient)."""
+    opt = LinearLogprobsOptions(*options)
+    # on the CPU a label out of [0, V) raises here, inside the op, so also when compiled (a data-dependent
+    # check cannot be traced: the op runs opaque)
+    labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [N] int64
+    with _backend.float32_compute(hidden.device):
+        return _impl(_FWD_IMPLS, hidden)(hidden, weight, labels, bias, opt)
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, labels, bias, temperature, ignore_index, need_entropy=True):
+def _(hidden, weight, labels, bias, *options):
     N = hidden.shape[0]
-    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return (hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(2, N, dtype=dt))
+    dt = reference.compute_dtype(hidden)
+    return hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(2, N, dtype=dt)  # [N], [N], [2, N]
 
 
-@torch.library.custom_op("rlkernels::linear_logprobs_backward", mutates_args=())
-def _linear_logprobs_backward_op(
-    g_logp: torch.Tensor,  # [N]
-    g_entropy: torch.Tensor,  # [N]
-    hidden: torch.Tensor,  # [N, H]
-    weight: torch.Tensor,  # [V, H]
-    labels: torch.Tensor,  # [N]
-    bias: torch.Tensor | None,  # [V]
-    stats: torch.Tensor,  # [2, N] the forward's row max and log Σ exp(z - max)
-    entropy: torch.Tensor,  # [N]
-    logp: torch.Tensor,  # [N] the forward's output: log p of the label, exact, for its dz entry
-    temperature: float,
-    ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
-    opt = _Options(temperature, ignore_index)
-    labels = labels.long()  # [N] checked by the forward
-    with float32_compute(hidden.device):  # backward may run inside the caller's autocast region
-        if _use_triton(hidden):
-            dh, dw, db = _backward_triton(g_logp, g_entropy, hidden, weight, labels.contiguous(), bias, stats, entropy, opt)
-        else:
-            dh, dw, db = _backward_torch(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
-    if db is None:
-        db = hidden.new_empty(0)
-    return dh, dw, db
+@torch.library.custom_op("rlkernels::linear_logprobs_backward", mutates_args=(),
+                         schema=op_schema(_BWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
+def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
+    """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
+    ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*astuple(LinearLogprobsOptions)``. Returns
+    ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
+    opt = LinearLogprobsOptions(*options)
+    if not opt.return_entropy:
+        g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
+    with _backend.float32_compute(hidden.device):  # backward may run inside the caller's autocast region
+        dh, dw, db = _impl(_BWD_IMPLS, hidden)(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
+    return dh, dw, hidden.new_empty(0) if db is None else db
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, temperature, ignore_index):
-    db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
-    return torch.empty_like(hidden, memory_format=torch.contiguous_format), torch.empty_like(weight, memory_format=torch.contiguous_format), db
+def _(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
+    db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)  # [V] or [0]
+    dense = torch.contiguous_format
+    return torch.empty_like(hidden, memory_format=dense), torch.empty_like(weight, memory_format=dense), db
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, bias, temperature, ignore_index = inputs[:6]
-    logp, entropy, stats = output
+    hidden, weight, labels, bias, *options = inputs
+    logp, entropy, stats = output  # [N], [N], [2, N]
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, logp)
-    ctx.temperature = temperature
-    ctx.ignore_index = ignore_index
+    ctx.options = LinearLogprobsOptions(*options)
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(stats)
 
 
-def _backward(ctx, g_logp, g_entropy, g_stats):
+def _backward(ctx, g_logp, g_entropy, _g_stats):
     hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
-    if g_logp is None:
-        g_logp = torch.zeros_like(logp)
-    if g_entropy is None:
-        g_entropy = torch.zeros_like(logp)
-    dh, dw, db = _linear_logprobs_backward_op(
-        g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, ctx.temperature, ctx.ignore_index
-    )
-    return dh, dw, None, (db if ctx.has_bias else None), None, None, None
+    g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
+    g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
+    dh, dw, db = _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp,
+                                              *dataclasses.astuple(ctx.options))
+    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * len(dataclasses.fields(LinearLogprobsOptions))
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -707,32 +752,22 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---------------------------------------------------------------- public function
 
+# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the custom op: its
+# gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a custom
+# op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the ops' tables.
+# (rlkernels.softmax and rlkernels.losses serve their reference backends the same way.)
+def _serves_reference(hidden: torch.Tensor) -> bool:
+    """Whether ``_backend.resolve`` hands ``hidden`` to the reference formulas rather than the ops' tables."""
+    return _backend.resolve(hidden.device, ("reference", *_FWD_IMPLS), hidden.dtype) == "reference"
 
-def _validate(hidden, weight, labels, bias, temperature):
-    _checks.floating(hidden, "hidden")
-    _checks.floating(weight, "weight")
-    _checks.integer(labels, "labels")
-    if hidden.dim() < 1:
-        raise ValueError(f"hidden must have at least one dimension [..., H], got shape {tuple(hidden.shape)}")
-    _checks.rank(weight, "weight", 2)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight of shape {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1)")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
-    if bias is not None:
-        _checks.floating(bias, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
-    _checks.same_device((hidden, "hidden"), (weight, "weight"), (labels, "labels"), (bias, "bias"))
-    _checks.positive(temperature, "temperature")
+
+def _reference_linear_logprobs(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """:func:`rlkernels.reference.linear_logprobs` behind the op's label check (on the CPU, when not compiled:
+    compiled, a bad label gives NaN there, as on a GPU)."""
+    if not torch.compiler.is_compiling():
+        labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [...] int64
+    return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
+                                     return_entropy=opt.return_entropy, ignore_index=opt.ignore_index)
 
 
 def linear_logprobs(
@@ -772,28 +807,19 @@ def linear_logprobs(
     Labels of any integer dtype are accepted (compared in int64). A label outside ``[0, V)``
     raises on the CPU, whatever the backend; on a GPU that token's ``logp`` is NaN. Under
     ``torch.autocast`` it still computes in float32.
+
+    Backend: ``RLKERNELS_BACKEND=triton|torch|reference`` forces one; by default Triton on CUDA,
+    chunked PyTorch elsewhere (and for float64 inputs).
     """
-    _validate(hidden, weight, labels, bias, temperature)
-    if torch.compiler.is_compiling():
-        labels = labels.long()  # [...] the range check (data-dependent) runs inside the custom op
-    else:
-        labels = _checks.labels(labels, weight.shape[0], int(ignore_index))  # [...] int64, checked before any backend
-    with float32_compute(hidden.device):
-        return _linear_logprobs(hidden, weight, labels, bias, temperature, return_entropy, ignore_index)
-
-
-def _linear_logprobs(hidden, weight, labels, bias, temperature, return_entropy, ignore_index):
-    # hidden [..., H], weight [V, H], labels [...] int64 (validated), bias [V] or None
-    backend = select(hidden.device, ("reference", "torch", "triton"))
-    if backend == "reference":
-        return reference.linear_logprobs(
-            hidden, weight, labels, bias=bias, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index
-        )
-    lead = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    y = labels.reshape(-1)  # [N]
-    logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, float(temperature), int(ignore_index), bool(return_entropy))
-    logp = logp.reshape(lead)
-    if return_entropy:
-        return logp, entropy.reshape(lead)
-    return logp
+    opt = _validate(hidden=hidden, weight=weight, labels=labels, bias=bias, temperature=temperature,
+                    return_entropy=return_entropy, ignore_index=ignore_index)
+    with _backend.float32_compute(hidden.device):
+        if _serves_reference(hidden):
+            return _reference_linear_logprobs(hidden, weight, labels, bias, opt)
+        lead = hidden.shape[:-1]
+        h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
+        y = labels.reshape(-1).long()  # [N]
+        logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, *dataclasses.astuple(opt))  # [N], [N], [2, N]
+    logp = logp.reshape(lead)  # [...]
+    return (logp, entropy.reshape(lead)) if opt.return_entropy else logp

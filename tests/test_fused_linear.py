@@ -1,10 +1,17 @@
 """linear_logprobs against the float64 reference, for every backend the machine runs."""
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+
 import pytest
 import torch
 
+from rlkernels import fused_linear as fl_module
 from rlkernels import reference
+from rlkernels._backend import TRITON_DTYPES
+from rlkernels._host import lse_merge
 from rlkernels._memory import measure_cpu
 from rlkernels.fused_linear import aot_configs, linear_logprobs
 from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
@@ -301,7 +308,7 @@ def test_triton_backward_uses_the_forward_k_blocking():
     (hence the same K chunks summed in the same order) and the same dot precision flags."""
     import rlkernels.fused_linear as mod
 
-    for dtype in mod._TRITON_DTYPES:
+    for dtype in TRITON_DTYPES:
         assert mod._tiles(dtype).block_k == mod._tiles(dtype, backward=True).block_k, dtype
     fwd = [c for c in mod.aot_configs() if c.kernel is mod._fwd_kernel]
     bwd = [c for c in mod.aot_configs() if c.kernel is mod._dz_kernel]
@@ -405,6 +412,123 @@ def test_row_offsets_past_2_31_elements(backend):
         assert_close_to_truth(got, want, torch.bfloat16, name=name)
 
 
+# ---------------------------------------------------------------- one path per concern
+
+
+def _kwonly(fn) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def _schema_options(op) -> list[str]:
+    """The names of an op's non-tensor schema arguments, in order."""
+    return [a.name for a in op.default._schema.arguments if "Tensor" not in str(a.type)]
+
+
+def test_options_keep_the_public_names_down_to_the_kernels():
+    """LinearLogprobsOptions holds linear_logprobs's non-tensor keyword arguments under their own names, in order;
+    _validate takes them keyword-only and both ops take exactly them (as *astuple(opt), no backend string);
+    the kernels receive temperature and ignore_index under those names."""
+    fields = [f.name for f in dataclasses.fields(fl_module.LinearLogprobsOptions)]
+    assert ["bias", *fields] == _kwonly(linear_logprobs) == _kwonly(reference.linear_logprobs)
+    assert _kwonly(fl_module._validate) == ["hidden", "weight", "labels", "bias", *fields]
+    assert _schema_options(torch.ops.rlkernels.linear_logprobs) == fields
+    assert _schema_options(torch.ops.rlkernels.linear_logprobs_backward) == fields
+    pytest.importorskip("triton")
+    assert "temperature" in fl_module._fwd_kernel.arg_names
+    assert {"temperature", "ignore_index"} <= set(fl_module._dz_kernel.arg_names)
+
+
+def test_backend_is_resolved_at_run_time_inside_the_ops(monkeypatch):
+    """Forward and backward take their row of _FWD_IMPLS/_BWD_IMPLS through _backend.resolve at every call, also
+    when compiled code calls them (RLKERNELS_BACKEND read at run time, no recompile), and float64 inputs, which the
+    Triton kernels do not load, stay on torch."""
+    pytest.importorskip("triton")
+    calls = []
+    for table in (fl_module._FWD_IMPLS, fl_module._BWD_IMPLS):
+        for name, fn in list(table.items()):
+            monkeypatch.setitem(table, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(10, 16, 200, bias=True, seed=91)
+
+    def step(h, w, bb):
+        logp, ent = linear_logprobs(h, w, labels, bias=bb, temperature=0.9, return_entropy=True)
+        return (logp * g_logp.to(logp.dtype)).sum() + (ent * g_ent.to(ent.dtype)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for backend in ("torch", "triton"):
+        leaves = [_leaf(x, torch.float32) for x in (hidden, weight, b)]
+        with forced_backend(backend):
+            torch.autograd.grad(compiled(*leaves), leaves)
+    with forced_backend("triton"):
+        leaves = [_leaf(x, torch.float64) for x in (hidden, weight, b)]
+        torch.autograd.grad(step(*leaves), leaves)
+    assert calls == ["torch"] * 2 + ["triton"] * 2 + ["torch"] * 2
+
+
+def test_kernels_are_defined_at_module_level_and_short():
+    """Every jitted function of fused_linear.py is a module-level def (not indented under ``if HAS_TRITON:``), and
+    no function in the module is over 80 lines."""
+    tree = ast.parse(inspect.getsource(fl_module))
+    jitted = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(
+        isinstance(d, ast.Name) and d.id == "jit" for d in n.decorator_list)}
+    assert {"_logits_tile", "_fwd_kernel", "_dz_kernel"} <= jitted, jitted
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef) and n.end_lineno - n.lineno + 1 > 80}
+    assert not long, long
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_op_outputs_do_not_depend_on_the_backend(return_entropy):
+    """The forward op's outputs, the saved statistics included, are the same on every backend (to float32
+    rounding: each within the float32 tolerance of the float64 truth): logp, the entropy (zeros without
+    return_entropy, on Triton too: it returned the entropy there), each row's max logit and log Σ exp(z - max)."""
+    hidden, weight, b, labels, _, _ = _inputs(23, 40, 700, bias=True, seed=95)
+    z = (hidden @ weight.T + b) / 0.8  # [N, V] float64
+    row_max = z.amax(-1)  # [N]
+    log_s = torch.logsumexp(z - row_max[:, None], -1)  # [N]
+    t_logp, t_ent = reference.linear_logprobs(hidden, weight, labels, bias=b, temperature=0.8, return_entropy=True)
+    opt = fl_module.LinearLogprobsOptions(temperature=0.8, return_entropy=return_entropy, ignore_index=-100)
+    for backend in [x for x in backends("cpu") if x != "reference"]:
+        with forced_backend(backend):
+            logp, ent, stats = fl_module._linear_logprobs_op(hidden.float(), weight.float(), labels, b.float(),
+                                                             *dataclasses.astuple(opt))
+        assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
+        if return_entropy:
+            assert_close_to_truth(ent, t_ent, torch.float32, name=f"{backend} entropy")
+        else:
+            assert torch.all(ent == 0), backend
+        assert_close_to_truth(stats[0], row_max, torch.float32, name=f"{backend} row max")
+        assert_close_to_truth(stats[1], log_s, torch.float32, name=f"{backend} log-sum")
+
+
+def test_lse_merge_of_chunk_partials_is_the_whole_row():
+    """_host.lse_merge: the partials of column chunks (one chunk all -inf, with a finite floor as its max) merge
+    into the row's max, Σ exp(z - max) and Σ exp(z - max)(z - max), checked in float64 against the whole row."""
+    g = torch.Generator().manual_seed(97)
+    N, V, chunk = 7, 50, 8
+    z = torch.randn(N, V, generator=g, dtype=torch.float64) * 4  # [N, V]
+    z[:, 16:24] = float("-inf")  # a whole chunk
+    z[:, 3::7] = float("-inf")
+    floor = torch.finfo(torch.float64).min
+    parts = []
+    for v0 in range(0, V, chunk):
+        zc = z[:, v0:v0 + chunk]  # [N, c]
+        m = zc.amax(1).clamp(min=floor)  # [N]
+        d = zc - m[:, None]  # [N, c]
+        e = torch.exp(d)  # [N, c]
+        parts.append((m, e.sum(1), torch.where(e > 0, e * d, 0.0).sum(1)))
+    m, s, u = (torch.stack(x) for x in zip(*parts))  # [S, N] each
+    m_all, s_all, u_all = lse_merge(m, s, u)
+    row_max = z.amax(1)  # [N]
+    d = z - row_max[:, None]  # [N, V]
+    e = torch.exp(d)  # [N, V]
+    assert torch.equal(m_all, row_max)
+    assert_close_to_truth(s_all, e.sum(1), torch.float64, name="s")
+    assert_close_to_truth(u_all, torch.where(e > 0, e * d, 0.0).sum(1), torch.float64, name="u")
+    assert lse_merge(m, s)[2] is None
+
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -487,7 +611,9 @@ def test_opcheck():
     import rlkernels.fused_linear as mod
 
     hidden, weight, b, labels, _, _ = _inputs(8, 16, 50, bias=True, seed=1)
-    args = (hidden.float().requires_grad_(), weight.float().requires_grad_(), labels, b.float().requires_grad_(), 1.0, -100)
+    opt = mod.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
+    args = (hidden.float().requires_grad_(), weight.float().requires_grad_(), labels, b.float().requires_grad_(),
+            *dataclasses.astuple(opt))
     with forced_backend("torch"):
         torch.library.opcheck(mod._linear_logprobs_op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
