@@ -96,3 +96,16 @@ def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype
     if "csrc" in supported and device.type == "cpu" and csrc_available(device):
         return "csrc"
     return "torch"
+
+
+def implementation(impls: dict, x: torch.Tensor):
+    """The entry of an op's table ``impls`` (backend name -> function) that serves tensors like ``x``."""
+    return impls[resolve(x.device, tuple(impls), x.dtype)]
+
+
+def serves_reference(impls: dict, x: torch.Tensor) -> bool:
+    """Whether tensors like ``x`` go to ``rlkernels.reference``'s eager formulas rather than to ``impls``.
+
+    The reference backend is served before an autograd op, never as an entry of its table: its gradients
+    are autograd's through the eager formulas, and autograd records nothing inside a custom op."""
+    return resolve(x.device, ("reference", *impls), x.dtype) == "reference"

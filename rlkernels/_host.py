@@ -53,3 +53,10 @@ def lse_merge(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None):
     s_all = (s * scale).sum(0)  # [N]
     u_all = None if u is None else (scale * (u + s * (m - m_all))).sum(0)  # [N]
     return m_all, s_all, u_all
+
+
+def no_grads(options: type) -> tuple[None, ...]:
+    """An autograd op's gradients for its option arguments: one None per field of the ``options`` dataclass."""
+    import dataclasses
+
+    return (None,) * len(dataclasses.fields(options))

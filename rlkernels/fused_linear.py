@@ -51,7 +51,7 @@ tables (``_FWD_IMPLS``, ``_BWD_IMPLS``) through ``rlkernels._backend.resolve``, 
 time inside the op; every row returns the same saved statistics, so the backward may
 be served by another row than the forward. ``reference``
 (:func:`rlkernels.reference.linear_logprobs`, through autograd) is served in one
-place before the ops (:func:`_serves_reference`). Options travel as one frozen
+place before the ops (:func:`rlkernels._backend.serves_reference`). Options travel as one frozen
 :class:`LinearLogprobsOptions`.
 
 Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
@@ -67,7 +67,7 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._aot import KernelConfig
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, op_schema, unit_stride
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
 from rlkernels._triton import cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -673,11 +673,6 @@ _FWD_IMPLS = {"torch": _forward_torch, "triton": _forward_triton}
 _BWD_IMPLS = {"torch": _backward_torch, "triton": _backward_triton}
 
 
-def _impl(impls: dict, hidden: torch.Tensor):
-    """The row of ``impls`` that serves ``hidden`` (its device and dtype)."""
-    return impls[_backend.resolve(hidden.device, tuple(impls), hidden.dtype)]
-
-
 _FWD_TENSORS = "Tensor hidden, Tensor weight, Tensor labels, Tensor? bias"
 _BWD_TENSORS = (
     "Tensor g_logp, Tensor g_entropy, Tensor hidden, Tensor weight, Tensor labels, Tensor? bias, "
@@ -698,7 +693,7 @@ def _linear_logprobs_op(hidden, weight, labels, bias, *options):
     # check cannot be traced: the op runs opaque)
     labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [N] int64
     with _backend.float32_compute(hidden.device):
-        return _impl(_FWD_IMPLS, hidden)(hidden, weight, labels, bias, opt)
+        return _backend.implementation(_FWD_IMPLS, hidden)(hidden, weight, labels, bias, opt)
 
 
 @_linear_logprobs_op.register_fake
@@ -718,7 +713,7 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
     if not opt.return_entropy:
         g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
     with _backend.float32_compute(hidden.device):  # backward may run inside the caller's autocast region
-        dh, dw, db = _impl(_BWD_IMPLS, hidden)(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
+        dh, dw, db = _backend.implementation(_BWD_IMPLS, hidden)(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
     return dh, dw, hidden.new_empty(0) if db is None else db
 
 
@@ -744,7 +739,7 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
     dh, dw, db = _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp,
                                               *dataclasses.astuple(ctx.options))
-    return (dh, dw, None, db if ctx.has_bias else None) + (None,) * len(dataclasses.fields(LinearLogprobsOptions))
+    return (dh, dw, None, db if ctx.has_bias else None) + no_grads(LinearLogprobsOptions)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -756,11 +751,6 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 # gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a custom
 # op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the ops' tables.
 # (rlkernels.softmax and rlkernels.losses serve their reference backends the same way.)
-def _serves_reference(hidden: torch.Tensor) -> bool:
-    """Whether ``_backend.resolve`` hands ``hidden`` to the reference formulas rather than the ops' tables."""
-    return _backend.resolve(hidden.device, ("reference", *_FWD_IMPLS), hidden.dtype) == "reference"
-
-
 def _reference_linear_logprobs(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     """:func:`rlkernels.reference.linear_logprobs` behind the op's label check (on the CPU, when not compiled:
     compiled, a bad label gives NaN there, as on a GPU)."""
@@ -814,7 +804,7 @@ def linear_logprobs(
     opt = _validate(hidden=hidden, weight=weight, labels=labels, bias=bias, temperature=temperature,
                     return_entropy=return_entropy, ignore_index=ignore_index)
     with _backend.float32_compute(hidden.device):
-        if _serves_reference(hidden):
+        if _backend.serves_reference(_FWD_IMPLS, hidden):
             return _reference_linear_logprobs(hidden, weight, labels, bias, opt)
         lead = hidden.shape[:-1]
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]

@@ -37,7 +37,7 @@ from rlkernels import _backend, _checks
 from rlkernels import reference as _ref
 from rlkernels._aot import KernelConfig
 from rlkernels._device import block_sum
-from rlkernels._host import mask_u8, unit_stride
+from rlkernels._host import mask_u8, no_grads, op_schema, unit_stride
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
 
@@ -686,31 +686,11 @@ _KL_IMPLS = {"torch": _kl_torch, "triton": _kl_triton}
 _POLICY_IMPLS = {"torch": _policy_torch, "triton": _policy_triton}
 _VALUE_IMPLS = {"torch": _value_torch, "triton": _value_triton}
 
-_SCHEMA_TYPES = {"float": "float", "float | None": "float?", "bool": "bool", "int": "int", "str": "str"}
-
-
-def _schema(tensors: str, options: type, returns: str) -> str:
-    """An op's schema: its tensor arguments, then every field of the frozen ``options`` dataclass in order,
-    which the op receives as ``*dataclasses.astuple(opt)`` and rebuilds as ``options(*args)``."""
-    fields = ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(options))
-    return f"({tensors}, {fields}) -> {returns}"
-
-
-def _impl(impls: dict, x: torch.Tensor):
-    """The row of ``impls`` that serves tensors like ``x`` (device, dtype)."""
-    return impls[_backend.resolve(x.device, tuple(impls), x.dtype)]
-
-
-def _no_grads(options: type) -> tuple[None, ...]:
-    """The backward's gradients of an op's option arguments: one None per field of ``options``."""
-    return (None,) * len(dataclasses.fields(options))
-
-
 @torch.library.custom_op("rlkernels::kl_penalty", mutates_args=(),
-                         schema=_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
+                         schema=op_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
 def _kl_op(logp, ref_logp, *options):
     """-> (kl [...] fp32, dkl/dlogp [...] fp32, or [0] without need_grad)."""
-    return _impl(_KL_IMPLS, logp)(logp, ref_logp, KLOptions(*options))
+    return _backend.implementation(_KL_IMPLS, logp)(logp, ref_logp, KLOptions(*options))
 
 
 @_kl_op.register_fake
@@ -728,7 +708,7 @@ def _kl_setup(ctx, inputs, output):
 def _kl_backward(ctx, d_kl, _d_grad):
     (grad,) = ctx.saved_tensors  # [...] fp32: dkl/dlogp
     g = grad * d_kl
-    return (g.to(ctx.dtypes[0]), (-g).to(ctx.dtypes[1])) + _no_grads(KLOptions)
+    return (g.to(ctx.dtypes[0]), (-g).to(ctx.dtypes[1])) + no_grads(KLOptions)
 
 
 _kl_op.register_autograd(_kl_backward, setup_context=_kl_setup)
@@ -737,11 +717,11 @@ _POLICY_TENSORS = "Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask,
 
 
 @torch.library.custom_op("rlkernels::policy_loss", mutates_args=(),
-                         schema=_schema(_POLICY_TENSORS, PolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+                         schema=op_schema(_POLICY_TENSORS, PolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _policy_op(logp, old_logp, advantages, mask, ref_logp, entropy, *options):
     """-> (loss [], metrics [5], g_logp [B, T], g_ref [B, T] or [0], g_ent [B, T] or [0], w [B])."""
     opt = PolicyOptions(*options)
-    run = _impl(_POLICY_IMPLS, logp)
+    run = _backend.implementation(_POLICY_IMPLS, logp)
     partials, g_logp, g_ref, g_ent = run(logp, old_logp, advantages, mask, ref_logp, entropy, opt)
     w, loss, totals = _reduce(partials, opt.agg, logp.shape[1], opt.norm_length)
     return loss, _masked_means(totals, _POLICY_METRIC_SLOTS), g_logp, g_ref, g_ent, w
@@ -774,19 +754,19 @@ def _policy_backward(ctx, d_loss, *_unused):
     dt_logp, dt_ref, dt_ent = ctx.dtypes
     grad_ref = (g_ref * scale).to(dt_ref) if dt_ref is not None else None
     grad_ent = (g_ent * scale).to(dt_ent) if dt_ent is not None else None
-    return ((g_logp * scale).to(dt_logp), None, None, None, grad_ref, grad_ent) + _no_grads(PolicyOptions)
+    return ((g_logp * scale).to(dt_logp), None, None, None, grad_ref, grad_ent) + no_grads(PolicyOptions)
 
 
 _policy_op.register_autograd(_policy_backward, setup_context=_policy_setup)
 
 
 @torch.library.custom_op("rlkernels::value_loss", mutates_args=(),
-                         schema=_schema("Tensor values, Tensor old_values, Tensor returns, Tensor mask", ValueOptions,
+                         schema=op_schema("Tensor values, Tensor old_values, Tensor returns, Tensor mask", ValueOptions,
                                         "(Tensor, Tensor, Tensor, Tensor)"))
 def _value_op(values, old_values, returns, mask, *options):
     """-> (loss [], metrics [2] (clipfrac, values_mean), g_values [B, T], w [B])."""
     opt = ValueOptions(*options)
-    partials, g_v = _impl(_VALUE_IMPLS, values)(values, old_values, returns, mask, opt)
+    partials, g_v = _backend.implementation(_VALUE_IMPLS, values)(values, old_values, returns, mask, opt)
     w, loss, totals = _reduce(partials, opt.agg, values.shape[1], None)
     return loss, _masked_means(totals, _VALUE_METRIC_SLOTS), g_v, w
 
@@ -805,7 +785,7 @@ def _value_setup(ctx, inputs, output):
 
 def _value_backward(ctx, d_loss, *_unused):
     g_v, w = ctx.saved_tensors  # [B, T] fp32, [B]
-    return ((g_v * (d_loss * w).unsqueeze(-1)).to(ctx.dtype), None, None, None) + _no_grads(ValueOptions)
+    return ((g_v * (d_loss * w).unsqueeze(-1)).to(ctx.dtype), None, None, None) + no_grads(ValueOptions)
 
 
 _value_op.register_autograd(_value_backward, setup_context=_value_setup)
@@ -813,15 +793,9 @@ _value_op.register_autograd(_value_backward, setup_context=_value_setup)
 
 # ================================================================ public functions
 
-# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place for all three ops, here, before
-# the custom op: its gradients are autograd's through rlkernels.reference's eager formulas, and autograd
-# records nothing inside a custom op (the op's implementation runs below the Autograd dispatch key, and
-# torch.func transforms are off when compiled code calls it), so it cannot be a row of the ops' tables.
-def _serves_reference(impls: dict, x: torch.Tensor) -> bool:
-    """Whether ``_backend.resolve`` hands tensors like ``x`` to the reference formulas rather than ``impls``."""
-    return _backend.resolve(x.device, ("reference", *impls), x.dtype) == "reference"
-
-
+# The reference backend (RLKERNELS_BACKEND=reference) is served before each custom op (see
+# _backend.serves_reference): autograd records nothing inside a custom op (its implementation runs below the
+# Autograd dispatch key, and torch.func transforms are off when compiled code calls it).
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate of the policy against a reference policy.
 
@@ -839,7 +813,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     """
     opt = _validate_kl(logp=logp, ref_logp=ref_logp, estimator=estimator)
     with _backend.float32_compute(logp.device):
-        if _serves_reference(_KL_IMPLS, logp):
+        if _backend.serves_reference(_KL_IMPLS, logp):
             return _ref.kl_penalty(logp, ref_logp, opt.estimator)
         kl, _ = _kl_op(logp, ref_logp, *dataclasses.astuple(opt))  # [...] fp32
     return kl
@@ -908,7 +882,7 @@ def policy_loss(
                            norm_length=norm_length)
     constants = (old_logp.detach(), advantages.detach(), mask.detach())  # [B, T], [B, T] or [B], [B, T]
     with _backend.float32_compute(logp.device):
-        if _serves_reference(_POLICY_IMPLS, logp):
+        if _backend.serves_reference(_POLICY_IMPLS, logp):
             return _ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy, **dataclasses.asdict(opt))
         loss, metrics, *_ = _policy_op(logp, *constants, ref_logp, entropy, *dataclasses.astuple(opt))  # [], [5]
     metrics = dict(zip(POLICY_METRICS, metrics.detach()))
@@ -947,7 +921,7 @@ def value_loss(
     opt = _validate_value(values=values, old_values=old_values, returns=returns, mask=mask, clip=clip, agg=agg)
     constants = (old_values.detach(), returns.detach(), mask.detach())  # [B, T] each
     with _backend.float32_compute(values.device):
-        if _serves_reference(_VALUE_IMPLS, values):
+        if _backend.serves_reference(_VALUE_IMPLS, values):
             return _ref.value_loss(values, *constants, **dataclasses.asdict(opt))
         loss, metrics, _, _ = _value_op(values, *constants, *dataclasses.astuple(opt))  # loss [], metrics [2]
     metrics = metrics.detach()

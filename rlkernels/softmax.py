@@ -28,7 +28,7 @@ Backends: ``triton`` (CUDA; Triton's interpreter on CPU tensors), ``torch``
 (the eager formulas, through autograd). The ops pick ``triton`` or ``torch`` from
 their tables (``_FWD_IMPLS``, ``_BWD_IMPLS``) through ``rlkernels._backend.resolve``,
 at run time inside the op; the reference is served in one place before the op
-(:func:`_serves_reference`). Options travel as one frozen :class:`LogprobsOptions`.
+(:func:`rlkernels._backend.serves_reference`). Options travel as one frozen :class:`LogprobsOptions`.
 
 Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
 with autograd -> public function.
@@ -55,7 +55,7 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._aot import KernelConfig
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, op_schema
+from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema
 from rlkernels._triton import jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -553,11 +553,6 @@ _FWD_IMPLS = {"torch": _torch_forward, "triton": _triton_forward}
 _BWD_IMPLS = {"torch": _torch_backward, "triton": _triton_backward}
 
 
-def _impl(impls: dict, logits: torch.Tensor):
-    """The row of ``impls`` that serves ``logits`` (its device and dtype)."""
-    return impls[_backend.resolve(logits.device, tuple(impls), logits.dtype)]
-
-
 @torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=(),
                          schema=op_schema("Tensor logits, Tensor labels", LogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _logprobs_fwd_op(logits, labels, *options):
@@ -569,7 +564,7 @@ def _logprobs_fwd_op(logits, labels, *options):
     out of ``[0, V)`` raises here (inside the op, so also when compiled)."""
     opt = LogprobsOptions(*options)
     _checks.labels(labels, logits.shape[-1], opt.ignore_index)
-    return _impl(_FWD_IMPLS, logits)(logits, labels, opt)
+    return _backend.implementation(_FWD_IMPLS, logits)(logits, labels, opt)
 
 
 @_logprobs_fwd_op.register_fake
@@ -593,7 +588,7 @@ def _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *options
     opt = LogprobsOptions(*options)
     if not opt.return_entropy:
         g_entropy = None  # the entropy output was zeros, not a function of the logits
-    return _impl(_BWD_IMPLS, logits)(logits, labels, stats, entropy, g_logp, g_entropy, opt)
+    return _backend.implementation(_BWD_IMPLS, logits)(logits, labels, stats, entropy, g_logp, g_entropy, opt)
 
 
 @_logprobs_bwd_op.register_fake
@@ -613,7 +608,7 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp  # [...]
     with _backend.float32_compute(logits.device):
         dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *dataclasses.astuple(ctx.options))
-    return (dlogits, None) + (None,) * len(dataclasses.fields(LogprobsOptions))
+    return (dlogits, None) + no_grads(LogprobsOptions)
 
 
 _logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -625,11 +620,6 @@ _logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a
 # custom op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the op's tables.
 # (rlkernels.losses serves its reference backend the same way.)
-def _serves_reference(logits: torch.Tensor) -> bool:
-    """Whether ``_backend.resolve`` hands ``logits`` to the reference formulas rather than the ops' tables."""
-    return _backend.resolve(logits.device, ("reference", *_FWD_IMPLS), logits.dtype) == "reference"
-
-
 def _reference_logprobs(logits, labels, opt: LogprobsOptions):
     """:func:`rlkernels.reference.logprobs` with the op's label check (on the CPU, when not compiled: compiled,
     a bad label gives NaN there, as on a GPU)."""
@@ -684,7 +674,7 @@ def logprobs(
     opt = _validate(logits=logits, labels=labels, temperature=temperature, return_entropy=return_entropy,
                     ignore_index=ignore_index)
     with _backend.float32_compute(logits.device):
-        if _serves_reference(logits):
+        if _backend.serves_reference(_FWD_IMPLS, logits):
             return _reference_logprobs(logits, labels, opt)
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         logp, entropy, _ = _logprobs_fwd_op(logits, labels.long(), *dataclasses.astuple(opt))  # [...] x2, [..., 2]
