@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from rlkernels import _memory
+from rlkernels.testing import memory as _memory
 
 
 @dataclass(frozen=True)
@@ -351,49 +351,101 @@ def interleaved_samples_ms(steps: dict[str, Callable[[], object]], timing: Timin
     return out
 
 
-def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: bool) -> list[Row]:
-    """One row per provider: median time, rate, fraction of the ceiling, peak memory, speedup over the
-    baseline. On the CPU the providers are timed interleaved (each keeps its own inputs meanwhile)."""
-    timing = QUICK if quick else FULL
-    nan = float("nan")
-    rows: dict[str, Row] = {}
-    ready: dict[str, tuple[Callable[[], object], int, tuple]] = {}  # CPU: name -> (step, peak bytes, inputs)
+@dataclass
+class _Measured:
+    """What the passes over one provider collected."""
+
+    samples: list[float] = field(default_factory=list)  # ms per call
+    peak: int | None = None  # bytes, from the first pass
+    error: str = ""
+    skipped: str = ""
+
+
+def _measure_case(case: Case, device: torch.device, timing: Timing, out: dict[str, _Measured]) -> None:
+    """One pass over ``case``: warm each provider on fresh inputs, measure its peak memory (first pass only),
+    then time it (CPU: all providers interleaved, each keeping its inputs meanwhile), appending to ``out``."""
+    ready: dict[str, tuple[Callable[[], object], tuple]] = {}  # CPU: name -> (step, its inputs)
     for name, fn in case.providers.items():
+        got = out.setdefault(name, _Measured())
         if isinstance(fn, Unavailable):
-            rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, skipped=fn.reason)
+            got.skipped = fn.reason
+            continue
+        if got.error:
             continue
         inputs = case.make_inputs()
         step = (lambda fn, inputs: lambda: fn(*inputs))(fn, inputs)
         try:
             step()  # compile / warm caches outside the measurements
             _sync(device)
-            peak = measure_peak_bytes(step, device)
+            if got.peak is None:
+                got.peak = measure_peak_bytes(step, device)
             if device.type == "cpu":
-                ready[name] = (step, peak, inputs)
+                ready[name] = (step, inputs)
                 continue
-            ms, n = time_median_ms(step, device, timing)
+            ms, _ = time_median_ms(step, device, timing)
+            got.samples.append(ms)
         except Exception as error:  # a provider that fails is reported, not fatal
-            rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, error=repr(error)[:120])
-            continue
+            got.error = repr(error)[:120]
         finally:
             del inputs, step
-        rows[name] = _timed_row(case, name, ms, n, peak, ceilings)
     if ready:
         try:
-            samples = interleaved_samples_ms({n: v[0] for n, v in ready.items()}, timing)
-            for name, (_, peak, _) in ready.items():
-                rows[name] = _timed_row(case, name, statistics.median(samples[name]), len(samples[name]), peak,
-                                        ceilings)
+            for name, times in interleaved_samples_ms({n: v[0] for n, v in ready.items()}, timing).items():
+                out[name].samples.extend(times)
         except Exception as error:
             for name in ready:
-                rows[name] = Row(case.op, case.shape, name, nan, nan, "", nan, nan, error=repr(error)[:120])
+                out[name].error = repr(error)[:120]
         ready.clear()
-    ordered = [rows[name] for name in case.providers if name in rows]
-    base = rows.get(case.baseline)
+
+
+def _rows(case: Case, measured: dict[str, _Measured], ceilings: Ceilings) -> list[Row]:
+    nan = float("nan")
+    rows = []
+    for name in case.providers:
+        got = measured[name]
+        if got.skipped or got.error or not got.samples:
+            error = "" if got.skipped else (got.error or "no samples")
+            rows.append(Row(case.op, case.shape, name, nan, nan, "", nan, nan, error=error, skipped=got.skipped))
+        else:
+            rows.append(_timed_row(case, name, statistics.median(got.samples), len(got.samples), got.peak, ceilings))
+    base = next((r for r in rows if r.provider == case.baseline), None)
     if base is not None and base.median_ms == base.median_ms:
-        for r in ordered:
+        for r in rows:
             r.speedup = base.median_ms / r.median_ms
-    return ordered
+    return rows
+
+
+def default_passes(device: torch.device) -> int:
+    """CPU: three passes over all cases, so each row's median mixes three time windows and a slow spell of the
+    machine (which moves every op alike for seconds at a time) shifts at most a third of its samples."""
+    return 3 if device.type == "cpu" else 1
+
+
+def run_cases(cases: list[Case], device: torch.device, ceilings: Ceilings, *, quick: bool, passes: int | None = None,
+              progress: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Rows for every case: median time over ``passes`` passes (each taking ``1/passes`` of the case's samples
+    and budget), rate, fraction of the ceiling, peak memory, speedup over the baseline. ``progress`` gets each
+    case's rows as its last pass finishes."""
+    timing = QUICK if quick else FULL
+    passes = passes or default_passes(device)
+    share = Timing(max(1, math.ceil(timing.min_samples / passes)), max(1, math.ceil(timing.samples / passes)),
+                   timing.budget_s / passes)
+    measured: list[dict[str, _Measured]] = [{} for _ in cases]
+    rows: list[Row] = []
+    for p in range(passes):
+        for case, got in zip(cases, measured):
+            _measure_case(case, device, share, got)
+            if p == passes - 1:
+                case_rows = _rows(case, got, ceilings)
+                rows.extend(case_rows)
+                if progress is not None:
+                    progress(case_rows)
+    return rows
+
+
+def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: bool, passes: int = 1) -> list[Row]:
+    """The rows of one case (see :func:`run_cases`)."""
+    return run_cases([case], device, ceilings, quick=quick, passes=passes)
 
 
 def _timed_row(case: Case, name: str, ms: float, n: int, peak: int, ceilings: Ceilings) -> Row:

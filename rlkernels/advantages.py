@@ -436,7 +436,7 @@ def _whiten_triton(x, mask, shift_mean, eps):
 
 def aot_configs():
     """Every (kernel, constexprs, warps) the Triton launchers above can pick, for AOT compile tests."""
-    from rlkernels._aot import KernelConfig
+    from rlkernels.testing.aot import KernelConfig
 
     configs = []
     for name in _host.TRITON_DTYPE_NAMES.values():

@@ -65,7 +65,6 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks, reference
-from rlkernels._aot import KernelConfig
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
 from rlkernels._triton import cdiv, jit, tl
@@ -324,6 +323,8 @@ def _dz_signature(ty: str) -> dict:
 def aot_configs() -> list[KernelConfig]:
     """Every (kernel, constexprs, warps, stages) the launcher can pick on a GPU (compiled, so ``DOT_F32`` is False),
     for the AOT compile test."""
+    from rlkernels.testing.aot import KernelConfig
+
     configs = []
     for dtype, ty in TRITON_DTYPE_NAMES.items():
         t, tb = _tiles(dtype), _tiles(dtype, backward=True)

@@ -35,7 +35,6 @@ import torch
 
 from rlkernels import _backend, _checks
 from rlkernels import reference as _ref
-from rlkernels._aot import KernelConfig
 from rlkernels._device import block_sum
 from rlkernels._host import mask_u8, no_grads, op_schema, unit_stride
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
@@ -357,6 +356,8 @@ def _value_kernel(
 
 def aot_configs() -> list[KernelConfig]:
     """Every (kernel, constexpr, warps, stages) combination the launchers below can pick."""
+    from rlkernels.testing.aot import KernelConfig
+
     kl_sig = {"logp_ptr": "*bf16", "ref_ptr": "*bf16", "kl_ptr": "*fp32", "grad_ptr": "*fp32", "N": "i32",
               "EST": "constexpr", "WRITE_GRAD": "constexpr", "BLOCK": "constexpr"}
     configs = [

@@ -53,7 +53,6 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks, reference
-from rlkernels._aot import KernelConfig
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema
 from rlkernels._triton import jit, tl
@@ -292,6 +291,8 @@ def _bwd_signature(dtype: str) -> dict:
 def aot_configs() -> list[KernelConfig]:
     """Every (kernel, dtype, BLOCK_V, warps, stages) the launcher can pick on a GPU (compiled, so the
     backward's ``INTERPRETED`` is False)."""
+    from rlkernels.testing.aot import KernelConfig
+
     out = []
     for dtype in TRITON_DTYPE_NAMES.values():
         for cfg in _LAUNCH_CONFIGS:

@@ -41,7 +41,7 @@ def _aot_table(reports) -> str:
 def pytest_terminal_summary(terminalreporter):
     """Write what every Triton configuration compiled ahead of time costs (registers, spills) to a file
     (``$RLKERNELS_AOT_REPORT``, default ``build/aot-report.txt``) and print one line naming it."""
-    _aot = sys.modules.get("rlkernels._aot")  # only when a test compiled something ahead of time
+    _aot = sys.modules.get("rlkernels.testing.aot")  # only when a test compiled something ahead of time
     if _aot is None or not _aot.COMPILED:
         return
     reports = sorted(_aot.COMPILED, key=lambda r: (r.label, r.aligned, r.arch))

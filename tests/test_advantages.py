@@ -573,7 +573,7 @@ def test_public_docstrings_document_arguments():
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_triton_aot_compile(arch):
-    from rlkernels._aot import compile_config
+    from rlkernels.testing.aot import compile_config
 
     configs = adv_mod.aot_configs()
     assert len(configs) == len({c.label + str(c.signature) for c in configs})

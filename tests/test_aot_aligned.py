@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from rlkernels._aot import compile_config  # noqa: E402
+from rlkernels.testing.aot import compile_config  # noqa: E402
 
 MODULES = ("rlkernels.softmax", "rlkernels.fused_linear", "rlkernels.losses", "rlkernels.advantages")
 

@@ -12,7 +12,7 @@ from rlkernels import fused_linear as fl_module
 from rlkernels import reference
 from rlkernels._backend import TRITON_DTYPES
 from rlkernels._host import lse_merge
-from rlkernels._memory import measure_cpu
+from rlkernels.testing.memory import measure_cpu
 from rlkernels.fused_linear import aot_configs, linear_logprobs
 from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
 
@@ -654,7 +654,7 @@ def test_cpu_memory_is_a_fraction_of_eager():
 @pytest.mark.parametrize("arch", [80, 90])
 def test_aot_compiles_every_config(arch):
     pytest.importorskip("triton")
-    from rlkernels._aot import compile_config
+    from rlkernels.testing.aot import compile_config
 
     configs = aot_configs()
     assert len(configs) == 12  # 2 kernels x 3 dtypes x bias on/off

@@ -595,7 +595,7 @@ def test_kl_validation(args, error, match, backend):
 @pytest.mark.parametrize("arch", [80, 90])
 def test_aot_compile_every_config(arch):
     pytest.importorskip("triton")
-    from rlkernels._aot import compile_config
+    from rlkernels.testing.aot import compile_config
 
     configs = losses.aot_configs()
     labels = {c.label for c in configs}

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from rlkernels import _backend, _memory
+from rlkernels import _backend
+from rlkernels.testing import memory as _memory
 
 
 def test_import_is_cheap():
@@ -105,7 +106,6 @@ def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
     """`make test` ends with one summary line; the per-configuration table is in the file it names."""
     import types
 
-    import rlkernels
     from tests import conftest
 
     def report(label, arch, spill):
@@ -114,8 +114,7 @@ def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
 
     fake = types.SimpleNamespace(COMPILED=[report("softmax fwd", 90, 0), report("softmax fwd", 80, 0),
                                            report("linear bwd", 90, 8)])
-    monkeypatch.setitem(sys.modules, "rlkernels._aot", fake)
-    monkeypatch.setattr(rlkernels, "_aot", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "rlkernels.testing.aot", fake)
     path = tmp_path / "reports" / "aot.txt"
     monkeypatch.setenv("RLKERNELS_AOT_REPORT", str(path))
 

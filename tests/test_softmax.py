@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels import _memory, reference
+from rlkernels import reference
+from rlkernels.testing import memory as _memory
 from tests.helpers import DTYPES, EAGER_SLACK, REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
 
 from rlkernels import softmax as lp_module  # noqa: E402
@@ -717,7 +718,7 @@ def test_cpu_memory_backward_holds_only_dlogits_and_a_chunk():
 
 
 def test_aot_every_config_compiles_for_sm80_and_sm90():
-    from rlkernels._aot import compile_config
+    from rlkernels.testing.aot import compile_config
 
     configs = lp_module.aot_configs()
     assert len(configs) == 2 * 3 * len(lp_module._LAUNCH_CONFIGS)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from rlkernels._aot import KernelConfig, compile_config  # noqa: E402
+from rlkernels.testing.aot import KernelConfig, compile_config  # noqa: E402
 from rlkernels._triton import jit, tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
