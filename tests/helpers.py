@@ -23,7 +23,10 @@ def devices() -> list[str]:
 
 
 def backends(device: str) -> list[str]:
-    """Every backend the machine can run for ``device`` (triton on CPU = interpreter)."""
+    """Every backend the machine can run for tensors on ``device`` (triton on CPU = its interpreter); none for
+    ``cuda`` without a GPU. Ops with a csrc kernel add ``csrc`` themselves (tests/test_advantages.py)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return []
     out = ["reference", "torch"]
     with contextlib.suppress(ImportError):
         import triton  # noqa: F401
