@@ -92,21 +92,21 @@ def main(argv=None) -> int:
         f"{at('copy_at')}, matmul {harness.format_rate(ceilings.matmul_tflops, 'TFLOP/s')}{at('matmul_at')}",
         flush=True,
     )
-    rows = []
+    cases = []
     failed_modules = []
     for name in names:
         try:
             module = importlib.import_module(f"bench.bench_{name}")
-            cases = module.cases(device, args.quick)
+            cases.extend(module.cases(device, args.quick))
         except Exception as error:  # one module that cannot set up must not hide the others
             failed_modules.append(name)
             print(f"bench_{name}: could not set up its cases: {error!r}", file=sys.stderr, flush=True)
             traceback.print_exc(limit=3)
-            continue
-        for case in cases:
-            case_rows = harness.run_case(case, device, ceilings, quick=args.quick)
-            rows.extend(case_rows)
-            print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
+    passes = harness.default_passes(device)
+    if passes > 1:
+        print(f"{len(cases)} cases, {passes} passes over all of them (rows print as their last pass ends)", flush=True)
+    rows = harness.run_cases(cases, device, ceilings, quick=args.quick, passes=passes,
+                             progress=lambda r: print(harness.format_table(r).split("\n", 2)[-1], flush=True))
     print()
     print(harness.format_table(rows))
     if device.type == "cpu":

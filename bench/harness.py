@@ -291,7 +291,7 @@ def _bytes(n: int) -> str:
 # and a once-per-process allocator warning. They say nothing about the benchmark.
 _PROFILER_NOISE = re.compile(
     r"^(?:(?:USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\]"
-    r"|\[W\S* \S+ \d+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling)"
+    r"|\[W\S* \S+(?: \d+)? CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling)"
 )
 
 
