@@ -88,7 +88,7 @@ class Timing:
     budget_s: float
 
 
-QUICK = Timing(min_samples=5, samples=21, budget_s=2.0)
+QUICK = Timing(min_samples=6, samples=30, budget_s=3.0)
 FULL = Timing(min_samples=7, samples=41, budget_s=8.0)
 SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: timer overhead < 0.1%
 
