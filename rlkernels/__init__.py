@@ -1,8 +1,8 @@
 """rlkernels: fused kernels for the per-token quantities of PPO/GRPO.
 
 Public functions (see README's table and ``rlkernels.reference`` for their exact meaning):
-``logprobs``, ``linear_logprobs``, ``kl_penalty``, ``policy_loss``, ``value_loss``,
-``gae``, ``group_advantages``, ``masked_whiten``.
+``logprobs``, ``linear_logprobs``, ``linear_policy_loss``, ``logits_policy_loss``, ``kl_penalty``,
+``policy_loss``, ``value_loss``, ``gae``, ``group_advantages``, ``masked_whiten``.
 
 Submodules reachable as attributes, imported on first access: ``rlkernels.hf`` (Hugging Face
 models: ``response_logprobs``, the bundled SmolLM2), ``rlkernels.integrations`` (TRL, verl),
@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "logprobs": "rlkernels.softmax",
     "linear_logprobs": "rlkernels.fused_linear",
+    "linear_policy_loss": "rlkernels.fused_policy",
+    "logits_policy_loss": "rlkernels.fused_policy",
     "kl_penalty": "rlkernels.losses",
     "policy_loss": "rlkernels.losses",
     "value_loss": "rlkernels.losses",
