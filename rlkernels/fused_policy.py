@@ -160,8 +160,8 @@ def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
 
 def _tile_stats(z: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions):
     """On a float32 logits tile ``z`` [n, V] (already divided by the temperature), in place: ``z`` becomes
-    ``d = z - max`` and a second tile ``e = exp(d)``. Returns ``(d, e, row_max [n], log_s [n], logp [n],
-    entropy [n], valid [n])`` with logp/entropy 0 at ignored labels (as linear_logprobs gives)."""
+    ``d = z - max`` and a second tile ``e = exp(d)``. Returns ``(d, e, s [n], log_s [n], logp [n],
+    entropy [n], valid [n])`` (``s = Σ e``) with logp/entropy 0 at ignored labels (as linear_logprobs gives)."""
     lowest = torch.finfo(z.dtype).min
     V = z.shape[1]
     row_max = z.amax(1).clamp(min=lowest)  # [n]; an all -inf row gets a finite max (p = 0, not NaN)
@@ -175,17 +175,17 @@ def _tile_stats(z: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions):
     # Σ e·d; e·d is NaN only where d = -inf (e = 0, p log p counts 0 there)
     entropy = log_s - torch.nansum(e * d, 1) / s if opt.with_entropy else torch.zeros_like(logp)  # [n]
     zero = torch.zeros_like(logp)
-    return d, e, row_max, log_s, torch.where(valid, logp, zero), torch.where(valid, entropy, zero), valid
+    return d, e, s, log_s, torch.where(valid, logp, zero), torch.where(valid, entropy, zero), valid
 
 
-def _dz_in_place(d, e, labels, valid, log_s, logp, entropy, coef_logp, coef_ent, inv_t: float):
+def _dz_in_place(d, e, labels, valid, s, log_s, logp, entropy, coef_logp, coef_ent, inv_t: float):
     """``dL/dz`` for the tile (``z`` the raw logits before the temperature), written into ``e``: off the label
     ``p_j (a + c log p_j)`` with ``a = -(g + g_H·H)/T``, ``c = -g_H/T``; at the label
     ``(g (1 - p_y) - g_H p_y (log p_y + H))/T``, with ``1 - p_y = -expm1(log p_y)`` (no cancellation).
     ``coef_logp`` / ``coef_ent`` [n] are dL/dlogp and dL/dentropy (None: no entropy term)."""
     zero = torch.zeros((), dtype=e.dtype, device=e.device)
     g = torch.where(valid, coef_logp, zero)  # [n]
-    inv_s = torch.exp(-log_s).unsqueeze(1)  # [n, 1]
+    inv_s = s.reciprocal().unsqueeze(1)  # [n, 1] 1/s (exp(-log s) would carry ulp(log s) into every p)
     if coef_ent is None:
         dz = e.mul_(inv_s * (-g * inv_t).unsqueeze(1))  # [n, V] -p_j g / T
         at_y = g * -torch.expm1(logp) * inv_t  # [n]
@@ -229,16 +229,16 @@ def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, m
     inv_t = 1.0 / opt.temperature
     for t0, t1 in _chunks(B, T, V, opt.ratio):
         U, L = _unit_layout(t0, t1, T, opt)
-        unit = lambda x: x[t0:t1].reshape(U, L)  # noqa: E731
+        unit = lambda x: x[t0:t1].reshape(U, L)  # noqa: E731  (a batch-wide [N] tensor's part in this chunk)
         z = tile_fn(t0, t1)  # [n, V] float32
-        d, e, _row_max, log_s, lp, ent, valid = _tile_stats(z, y[t0:t1], opt)
+        d, e, s, log_s, lp, ent, valid = _tile_stats(z, y[t0:t1], opt)
         logp_all[t0:t1], ent_all[t0:t1] = lp, ent
         unit_w = w_tok[t0:t1].reshape(U, L)[:, 0]  # [U]
-        partials, c_lp, c_ent = _policy_chunk(unit(lp), unit(ent), unit(old), unit(adv), unit(m),
+        partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), unit(old), unit(adv), unit(m),
                                               None if ref is None else unit(ref), unit_w, opt)
         parts.append((partials.sum(1) * unit_w.unsqueeze(-1), partials.sum(1)))  # weighted and raw [U, NSLOTS]
         if opt.grad_input or opt.grad_weight or opt.grad_bias:
-            dz = _dz_in_place(d, e, y[t0:t1], valid, log_s, lp, ent, c_lp.reshape(-1),
+            dz = _dz_in_place(d, e, y[t0:t1], valid, s, log_s, lp, ent, c_lp.reshape(-1),
                               None if c_ent is None else c_ent.reshape(-1), inv_t)  # [n, V]
             apply_fn(t0, t1, dz)
     if parts:
@@ -263,7 +263,9 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
     w = weight.to(cdt)  # [V, H]; no copy for float32
     inv_t = 1.0 / opt.temperature
     b = None if bias is None else bias.to(cdt) * inv_t  # [V]
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device) if opt.grad_input else None  # [N, H]
+    # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
+    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator described above
+    d_hidden = torch.empty(N, H, dtype=cdt, device=hidden.device) if opt.grad_input else None  # [N, H]
     d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if opt.grad_bias else None  # [V]
 
@@ -282,11 +284,11 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
             d_bias.add_(dz.sum(0))
 
     loss, metrics, logp, ent = _run_chunks(tile, apply, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt)
-    empty = hidden.new_empty(0)
+    empty = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh [0] per output: outputs may not alias)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
-            empty if d_hidden is None else d_hidden.reshape(B, T, H),
-            empty if d_weight is None else d_weight.to(weight.dtype),
-            empty if d_bias is None else d_bias.to(bias.dtype))
+            empty() if d_hidden is None else d_hidden.reshape(B, T, H),
+            empty() if d_weight is None else d_weight,
+            empty() if d_bias is None else d_bias)
 
 
 def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
@@ -340,12 +342,12 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
     opt = FusedPolicyOptions(*options)
     B, T, H = hidden.shape
     f32 = dict(dtype=torch.float32)
-    dense = torch.contiguous_format
+    cdt = reference.compute_dtype(hidden)
     return (hidden.new_empty((), **f32), hidden.new_empty((len(losses.POLICY_METRICS),), **f32),
             hidden.new_empty((B, T), **f32), hidden.new_empty((B, T), **f32),
-            torch.empty_like(hidden, memory_format=dense) if opt.grad_input else hidden.new_empty(0),
-            torch.empty_like(weight, memory_format=dense) if opt.grad_weight else hidden.new_empty(0),
-            torch.empty_like(bias) if opt.grad_bias and bias is not None else hidden.new_empty(0))
+            hidden.new_empty((B, T, H), dtype=cdt) if opt.grad_input else hidden.new_empty(0),
+            weight.new_empty(weight.shape, dtype=cdt) if opt.grad_weight else hidden.new_empty(0),
+            hidden.new_empty(bias.shape, dtype=cdt) if opt.grad_bias and bias is not None else hidden.new_empty(0))
 
 
 @torch.library.custom_op("rlkernels::logits_policy_loss", mutates_args=(),
@@ -377,15 +379,20 @@ def _no_double_backward():
 def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[4:7])
     ctx.has_bias = inputs[7] is not None
+    ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, None if inputs[7] is None else inputs[7].dtype)
     ctx.mark_non_differentiable(*output[1:7])
 
 
 def _linear_backward(ctx, d_loss, *_unused):
     _no_double_backward()
-    d_hidden, d_weight, d_bias = ctx.saved_tensors
-    scale = lambda g: None if g.numel() == 0 and g.dim() == 1 else g * d_loss.to(g.dtype)  # noqa: E731
-    grads = (scale(d_hidden), scale(d_weight), None, None, None, None, None,
-             scale(d_bias) if ctx.has_bias else None)
+    d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
+    dt_hidden, dt_weight, dt_bias = ctx.dtypes
+
+    def scale(g, dtype):  # [0]: not computed (the input needs no gradient)
+        return None if g.numel() == 0 and g.dim() == 1 else (g * d_loss.to(g.dtype)).to(dtype)
+
+    grads = (scale(d_hidden, dt_hidden), scale(d_weight, dt_weight), None, None, None, None, None,
+             scale(d_bias, dt_bias) if ctx.has_bias else None)
     return grads + no_grads(FusedPolicyOptions)
 
 
@@ -400,7 +407,11 @@ def _logits_setup(ctx, inputs, output):
 def _logits_backward(ctx, d_loss, *_unused):
     _no_double_backward()
     (d_logits,) = ctx.saved_tensors
-    grad = None if d_logits.numel() == 0 and d_logits.dim() == 1 else d_logits * d_loss.to(d_logits.dtype)
+    if d_logits.numel() == 0 and d_logits.dim() == 1:  # not computed
+        return (None,) * 6 + no_grads(FusedPolicyOptions)
+    # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
+    # other than 1 (loss.backward() passes 1) rounds it a second time
+    grad = (d_logits.to(torch.promote_types(d_logits.dtype, torch.float32)) * d_loss).to(d_logits.dtype)
     return (grad, None, None, None, None, None) + no_grads(FusedPolicyOptions)
 
 
@@ -557,6 +568,8 @@ def logits_policy_loss(
     but the logits are read once (statistics and loss, chunk by chunk) and their gradient written once, in the
     forward: two passes over ``[B, T, V]`` instead of three. The gradient has the dtype of ``logits`` and is
     held from the forward to the backward (a ``[B, T, V]`` tensor, as the two-op path's backward would allocate).
+    For 16-bit logits it is rounded to their dtype in the forward, so an upstream gradient other than 1
+    (``loss.backward()`` passes 1) rounds it a second time when the backward scales it.
 
     Args:
         logits: ``[B, T, V]`` float32/bf16/fp16 logits (not divided by the temperature).

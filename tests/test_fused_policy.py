@@ -1,0 +1,289 @@
+"""linear_policy_loss and logits_policy_loss against the float64 truth (reference.linear_logprobs / logprobs then
+reference.policy_loss, in float64), forward and backward, every option, and against the two-op path."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import fused_policy
+from rlkernels import reference as ref
+from tests.helpers import DTYPES, assert_close_to_truth, devices, forced_backend, noncontiguous
+
+BACKENDS = ("torch", "reference")  # the ops' rows (no Triton row yet: RLKERNELS_BACKEND=triton keeps torch)
+AGGS = ref.AGG_MODES
+SCALAR_RTOL, SCALAR_ATOL = 1e-4, 1e-6
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _inputs(B, T, H, V, *, seed=0, adv_per_seq=False, device="cpu"):
+    """Random inputs: logits of O(1..3) so that the softmax is neither flat nor one-hot; log-ratios so that
+    token and sequence ratios get clipped on both sides; one empty mask row and one ignored label."""
+    g = _gen(seed)
+    hidden = torch.randn(B, T, H, generator=g)  # [B, T, H]
+    weight = torch.randn(V, H, generator=g) / H**0.5 * 2  # [V, H]
+    bias = torch.randn(V, generator=g) * 0.5  # [V]
+    labels = torch.randint(0, V, (B, T), generator=g)  # [B, T]
+    labels[0, 1] = -100
+    with torch.no_grad():
+        lp_now = ref.linear_logprobs(hidden.double(), weight.double(), labels, bias=bias.double())  # [B, T]
+    old = (lp_now + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64) +
+           0.4 * torch.randn(B, 1, generator=g, dtype=torch.float64)).float()  # [B, T]
+    adv = torch.randn(B, generator=g) if adv_per_seq else torch.randn(B, T, generator=g)  # [B] or [B, T]
+    mask = torch.rand(B, T, generator=g) > 0.25  # [B, T]
+    mask[0] = True
+    if B > 2:
+        mask[2] = False
+    ref_logp = (lp_now + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()  # [B, T]
+    out = dict(hidden=hidden, weight=weight, bias=bias, labels=labels, old_logp=old, advantages=adv, mask=mask,
+               ref_logp=ref_logp)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _truth(x, options, upstream, dtype_cast, *, with_bias=True):
+    """Loss, metrics, gradients (hidden, weight, bias) of the two reference formulas composed, inputs cast."""
+    h = dtype_cast(x["hidden"]).detach().requires_grad_()
+    w = dtype_cast(x["weight"]).detach().requires_grad_()
+    b = dtype_cast(x["bias"]).detach().requires_grad_() if with_bias else None
+    opts = dict(options)
+    temperature = opts.pop("temperature", 1.0)
+    ent_on = opts.get("entropy_coef", 0.0) != 0
+    out = ref.linear_logprobs(h, w, x["labels"], bias=b, temperature=temperature, return_entropy=ent_on)
+    logp, ent = out if ent_on else (out, None)
+    loss, metrics = ref.policy_loss(logp, x["old_logp"].to(logp.dtype), x["advantages"].to(logp.dtype), x["mask"],
+                                    ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **opts)
+    wrt = [h, w] + ([b] if with_bias else [])
+    grads = torch.autograd.grad(loss * upstream, wrt)
+    return loss, metrics, grads, logp
+
+
+def _fused(x, options, upstream, dtype, backend, *, with_bias=True, hidden_view=None):
+    h = (x["hidden"].to(dtype) if hidden_view is None else hidden_view).detach().requires_grad_()
+    w = x["weight"].to(dtype).detach().requires_grad_()
+    b = x["bias"].to(dtype).detach().requires_grad_() if with_bias else None
+    with forced_backend(backend):
+        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                     bias=b, ref_logp=x["ref_logp"], **options)
+        grads = torch.autograd.grad(loss * upstream, [h, w] + ([b] if with_bias else []))
+    return loss, metrics, grads
+
+
+OPTION_CASES = [
+    dict(),
+    dict(temperature=0.7, kl_coef=0.05, kl_estimator="k3"),
+    dict(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01),
+    dict(kl_coef=0.1, kl_estimator="k2", dual_clip=3.0, clip_high=0.28),
+    dict(kl_coef=0.1, kl_estimator="abs", entropy_coef=0.02, temperature=1.3),
+    dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05),
+    dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4),  # GSPO's tiny clip range: sequences get clipped
+]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("options", OPTION_CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_linear_policy_loss_matches_float64_truth(device, backend, agg, options):
+    x = _inputs(4, 9, 24, 1000, seed=zlib.crc32(f"{agg}{options}".encode()) % 1000, adv_per_seq=options.get("ratio") == "sequence",
+                device=device)
+    options = dict(options, agg=agg)
+    upstream = 1.7
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.double())
+    e_loss, _, e_grads, _ = _truth(x, options, upstream, lambda t: t)
+    loss, metrics, grads = _fused(x, options, upstream, torch.float32, backend)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert set(metrics) == set(t_metrics) | {"token_logp"} | ({"token_entropy"} if options.get("entropy_coef") else set())
+    assert not metrics["token_logp"].requires_grad and metrics["token_logp"].shape == (4, 9)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == torch.float32
+        assert_close_to_truth(g, t, torch.float32, eager=e, name=f"d_{name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_linear_policy_loss_dtypes_and_odd_vocab(dtype, ratio):
+    x = _inputs(3, 7, 40, 4097, seed=5, adv_per_seq=True)
+    options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-mean")
+    upstream = -0.6
+    _, _, t_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype).double())  # truth of the rounded inputs
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, _, grads = _fused(x, options, upstream, dtype, "torch")
+    assert loss.dtype == torch.float32
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+
+
+def test_equals_two_op_path_and_chunking_does_not_matter(monkeypatch):
+    """Against linear_logprobs + policy_loss, with the chunk budget forcing many chunks (token runs that split
+    sequences; whole sequences for GSPO) and with one chunk."""
+    x = _inputs(5, 11, 16, 300, seed=9)
+    for ratio in ("token", "sequence"):
+        options = dict(ratio=ratio, kl_coef=0.1, entropy_coef=0.05, agg="token-mean", temperature=0.8)
+        h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        logp, ent = rlkernels.linear_logprobs(h, w, x["labels"], bias=b, temperature=0.8, return_entropy=True)
+        two_loss, _ = rlkernels.policy_loss(logp, x["old_logp"], x["advantages"], x["mask"], ref_logp=x["ref_logp"],
+                                            entropy=ent, **{k: v for k, v in options.items() if k != "temperature"})
+        two = torch.autograd.grad(two_loss, (h, w, b))
+        for budget in (fused_policy._CHUNK_BYTES, 3 * 4 * 300 * 7):  # one chunk; 7 tokens per chunk
+            monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", budget)
+            loss, _, grads = _fused(x, options, 1.0, torch.float32, "torch")
+            torch.testing.assert_close(loss, two_loss, rtol=1e-5, atol=1e-6)
+            for g, t in zip(grads, two):
+                torch.testing.assert_close(g, t, rtol=1e-4, atol=1e-6)
+    chunks = fused_policy._chunks(5, 11, 300, "token")
+    assert len(chunks) > 1 and any(t0 % 11 for t0, _ in chunks)  # runs of tokens cut through sequences
+    assert all(t0 % 11 == 0 for t0, _ in fused_policy._chunks(5, 11, 300, "sequence"))
+
+
+def test_noncontiguous_hidden_and_no_bias():
+    x = _inputs(3, 6, 20, 257, seed=2)
+    view = noncontiguous(x["hidden"])
+    options = dict(kl_coef=0.05)
+    t_loss, _, t_grads, _ = _truth(x, options, 1.0, lambda t: t.double(), with_bias=False)
+    loss, _, grads = _fused(x, options, 1.0, torch.float32, "torch", with_bias=False, hidden_view=view)
+    torch.testing.assert_close(loss.double(), t_loss, rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for g, t in zip(grads, t_grads):
+        assert_close_to_truth(g, t, torch.float32)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_empty_mask_gives_zero_loss_and_zero_gradients(agg):
+    x = _inputs(3, 5, 8, 50, seed=3)
+    x["mask"] = torch.zeros(3, 5, dtype=torch.bool)
+    loss, metrics, grads = _fused(x, dict(agg=agg, entropy_coef=0.1, kl_coef=0.1), 1.0, torch.float32, "torch")
+    assert float(loss) == 0.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+    assert all(torch.isfinite(v).all() for v in metrics.values())
+
+
+def test_empty_batch():
+    x = _inputs(2, 3, 8, 50, seed=3)
+    for k in ("hidden", "labels", "old_logp", "advantages", "mask", "ref_logp"):
+        x[k] = x[k][:0]
+    loss, metrics, grads = _fused(x, dict(), 1.0, torch.float32, "torch")
+    assert float(loss) == 0.0 and grads[0].shape == (0, 3, 8) and torch.count_nonzero(grads[1]) == 0
+
+
+def test_frozen_weight_and_no_grad_skip_work():
+    """A frozen head gets no gradient (and the op computes none: LoRA-style training costs two GEMMs)."""
+    x = _inputs(2, 4, 8, 64, seed=4)
+    h = x["hidden"].clone().requires_grad_()
+    loss, _ = rlkernels.linear_policy_loss(h, x["weight"], x["labels"], x["old_logp"], x["advantages"], x["mask"])
+    (dh,) = torch.autograd.grad(loss, h)
+    t_loss, _, t_grads, _ = _truth(x, {}, 1.0, lambda t: t.double(), with_bias=False)
+    assert_close_to_truth(dh, t_grads[0], torch.float32)
+    opt = fused_policy.FusedPolicyOptions(1.0, -100, 0.2, 0.2, None, "token", 0.0, "k3", 0.0, "token-mean", None,
+                                          True, False, False)
+    out = fused_policy._linear_torch(x["hidden"], x["weight"], x["labels"], x["old_logp"], x["advantages"],
+                                     x["mask"], None, None, opt)
+    assert out[5].numel() == 0 and out[6].numel() == 0  # no d_weight, no d_bias formed
+    with torch.no_grad():
+        loss2, _ = rlkernels.linear_policy_loss(h, x["weight"], x["labels"], x["old_logp"], x["advantages"], x["mask"])
+    torch.testing.assert_close(loss2, loss.detach())
+
+
+def test_retain_graph_gives_same_gradients_and_double_backward_raises():
+    x = _inputs(2, 4, 8, 64, seed=6)
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"].clone().requires_grad_()
+    loss, _ = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"])
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, (h, w), create_graph=True)
+
+
+def test_compile_fullgraph():
+    x = _inputs(2, 4, 8, 64, seed=7)
+
+    def step(h, w):
+        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                     entropy_coef=0.01)
+        return loss, metrics["clipfrac"]
+
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"].clone().requires_grad_()
+    eager_loss, _ = step(h, w)
+    eager = torch.autograd.grad(eager_loss, (h, w))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss, _ = compiled(h, w)
+    grads = torch.autograd.grad(loss, (h, w))
+    torch.testing.assert_close(loss, eager_loss)
+    for a, b in zip(grads, eager):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(hidden=torch.randn(2, 4)), "hidden"),
+    (dict(weight=torch.randn(10, 7)), "weight"),
+    (dict(labels=torch.zeros(2, 3, dtype=torch.long)), "labels"),
+    (dict(labels=torch.full((2, 4), 64)), "labels"),
+    (dict(old_logp=torch.zeros(2, 5)), "old_logp"),
+    (dict(advantages=torch.zeros(3)), "advantages"),
+    (dict(mask=torch.ones(2, 5)), "mask"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(agg="mean"), "agg"),
+    (dict(dual_clip=0.5), "dual_clip"),
+    (dict(kl_coef=float("nan")), "kl_coef"),
+    (dict(kl_coef=0.1, ref_logp=None), "ref_logp"),
+])
+def test_bad_input_names_the_argument(bad, match):
+    x = _inputs(2, 4, 8, 64, seed=8)
+    args = dict(hidden=x["hidden"], weight=x["weight"], labels=x["labels"], old_logp=x["old_logp"],
+                advantages=x["advantages"], mask=x["mask"])
+    kwargs = dict(ref_logp=x["ref_logp"])
+    for k, v in bad.items():
+        (args if k in args else kwargs)[k] = v
+    with pytest.raises((ValueError, TypeError), match=match):
+        rlkernels.linear_policy_loss(*args.values(), **kwargs)
+
+
+# ---------------------------------------------------------------- logits_policy_loss
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", OPTION_CASES[1:], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_logits_policy_loss_matches_float64_truth(dtype, backend, options):
+    x = _inputs(3, 6, 8, 1000, seed=11, adv_per_seq=options.get("ratio") == "sequence")
+    logits = (torch.randn(3, 6, 1000, generator=_gen(12)) * 2).to(dtype)  # [B, T, V]
+    options = dict(options, agg="seq-mean-token-sum")
+    temperature = options.pop("temperature", 1.0)
+    ent_on = options.get("entropy_coef", 0.0) != 0
+
+    def run(fn_logits, cast):
+        z = cast(logits).detach().requires_grad_()
+        out = ref.logprobs(z, x["labels"], temperature=temperature, return_entropy=ent_on)
+        logp, ent = out if ent_on else (out, None)
+        loss, metrics = ref.policy_loss(logp, x["old_logp"].to(logp.dtype), x["advantages"].to(logp.dtype), x["mask"],
+                                        ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **options)
+        return loss, metrics, torch.autograd.grad(loss * upstream, z)[0]
+
+    # 16-bit logits: the gradient is stored rounded in the forward, so only loss.backward()'s upstream 1 keeps it
+    # to one rounding (documented in logits_policy_loss); float32 takes a random upstream
+    upstream = 1.0 if dtype in (torch.bfloat16, torch.float16) else 0.8
+    t_loss, t_metrics, t_grad = run(None, lambda t: t.double())
+    _, _, e_grad = run(None, lambda t: t)
+    z = logits.clone().requires_grad_()
+    with forced_backend(backend):
+        loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                     ref_logp=x["ref_logp"], temperature=temperature, **options)
+        (grad,) = torch.autograd.grad(loss * upstream, z)
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert grad.dtype == dtype
+    assert_close_to_truth(grad, t_grad, dtype, eager=e_grad, name="d_logits")
+    assert torch.equal(z.detach(), logits)  # the caller's logits are never written
