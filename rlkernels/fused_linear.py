@@ -24,7 +24,8 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   on tensor cores). A row of dz is dominated by the label's entry
   ``g_logp (1 - p_y)``; what rounding that entry to 16 bits loses is written in
   float32 (``[chunk]``) and added back after the GEMMs as ``r · W[y]`` and
-  ``r · hidden`` (O(N·H)), which keeps the gradients as close to the float64
+  ``r · hidden`` (O(N·H); into ``d_weight`` as a sorted segment sum per label, no atomics, so
+  the gradients are the same bits run to run), which keeps the gradients as close to the float64
   truth as an all-float32 eager computation. Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
   ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
   float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
@@ -432,16 +433,28 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
                 d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
             else:
                 _addmm_f32(d_weight32, dz_c.T, h_c)
-            d_weight32.index_add_(0, y_c, r_c[:, None] * h_c.float())
+            _add_at_labels(d_weight32, y_c, r_c[:, None] * h_c.float())
         if d_bias32 is not None:
             d_bias32 += dz_c.sum(0, dtype=torch.float32)
             if low:
-                d_bias32.index_add_(0, y_c, r_c)
+                _add_at_labels(d_bias32, y_c, r_c)
     if d_weight32 is None:  # N == 0
         d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
     d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
     d_bias = d_bias32.to(bias.dtype) if bias is not None else None
     return d_hidden, d_weight, d_bias
+
+
+def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
+    """``acc[labels[i]] += rows[i]`` for every token ``i``, deterministically (``index_add_`` on a GPU adds with
+    atomics, in an order that changes from run to run): the tokens sorted by label (stable), each label's run summed
+    in token order (``segment_reduce``), then one write per distinct label. ``acc`` [V, ...] float32, ``labels`` [n]
+    int64, ``rows`` [n, ...] float32."""
+    if labels.numel() == 0:
+        return
+    y, order = torch.sort(labels, stable=True)  # [n]
+    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] each
+    acc[uniq] += torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)  # [u, ...]; labels distinct
 
 
 # torch builds with cuBLAS's "16-bit inputs, float32 output" matmul (aten::mm.dtype, torch >= 2.8)

@@ -14,7 +14,7 @@ from rlkernels._backend import TRITON_DTYPES
 from rlkernels._host import lse_merge
 from rlkernels.testing.memory import measure_cpu
 from rlkernels.fused_linear import aot_configs, linear_logprobs
-from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
+from tests.helpers import REL_TOL, assert_close_to_truth, backends, devices, forced_backend, noncontiguous
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -410,6 +410,70 @@ def test_row_offsets_past_2_31_elements(backend):
     for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight"], (out[0], out[1], *out[2]),
                                (truth[0], truth[1], *truth[2])):
         assert_close_to_truth(got, want, torch.bfloat16, name=name)
+
+
+def _repeated_label_inputs(device, dtype):
+    """Few vocabulary entries, many tokens on each label (every label's d_weight row sums several tokens), a bias,
+    some ignored tokens."""
+    hidden, weight, bias, labels, g_logp, g_ent = _inputs(48, 40, 300, bias=True, seed=91)
+    labels = torch.where(labels == -100, labels, labels % 5)  # [N] 5 distinct labels, ~8 tokens each
+    leaves = [_leaf(x.to(device), dtype) for x in (hidden, weight, bias)]
+    return leaves, labels.to(device), g_logp.to(device), g_ent.to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_bitwise_deterministic(device, dtype):
+    """Two backward runs under torch.use_deterministic_algorithms(True) give the same bits, for every backend on
+    every device (none raises for lack of a deterministic implementation)."""
+    leaves, labels, g_logp, g_ent = _repeated_label_inputs(device, dtype)
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for backend in backends(device):
+            with forced_backend(backend):
+                runs = [_run(linear_logprobs, *leaves, labels, g_logp, g_ent, 0.8) for _ in range(2)]
+            for a, b in zip((runs[0][0], runs[0][1], *runs[0][2]), (runs[1][0], runs[1][1], *runs[1][2])):
+                assert torch.equal(a, b), backend
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
+_ATOMIC_OPS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_reduce", "index_reduce_",
+               "scatter_reduce", "scatter_reduce_", "_index_put_impl_", "embedding_dense_backward"}
+
+
+@pytest.mark.parametrize("backend", [b for b in backends("cpu") if b != "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_adds_no_gradient_by_scatter(backend, dtype):
+    """The backward forms d_weight and d_bias without any scatter-add (index_add_, scatter_add_, index_put_ with
+    accumulate=True): on a GPU those add with atomics, in an order that changes from run to run. The ops are
+    recorded on the CPU (the same host code launches the GPU's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in ("index_put", "index_put_") and (kwargs.get("accumulate") or (len(args) > 3 and args[3])):
+                name += "(accumulate)"
+            seen.append(name)
+            return func(*args, **kwargs)
+
+    leaves, labels, g_logp, g_ent = _repeated_label_inputs("cpu", dtype)
+    hidden, weight, bias = (x.detach() for x in leaves)
+    opt = fl_module.LinearLogprobsOptions(temperature=0.8, return_entropy=True, ignore_index=-100)
+    # the backward's implementation called directly: a dispatch mode sees a custom op's call, not the ops inside it
+    with forced_backend(backend):
+        logp, ent, stats = fl_module._FWD_IMPLS[backend](hidden, weight, labels, bias, opt)  # [N], [N], [2, N]
+        with Record():
+            fl_module._BWD_IMPLS[backend](g_logp.float(), g_ent.float(), hidden, weight, labels, bias, stats, ent,
+                                          logp, opt)
+    assert seen, "the recorder saw no op"
+    bad = sorted({n for n in seen if n in _ATOMIC_OPS or n.endswith("(accumulate)")})
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------- one path per concern
