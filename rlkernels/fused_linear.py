@@ -40,7 +40,8 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   call on the same tiles, so the same bits).
 
 Labels of any integer dtype are checked (CPU) and widened to int64 before any
-backend runs; every path computes in float32 under ``torch.autocast``; kernel row
+backend runs; tokens labelled ``ignore_index`` are dropped before any backend runs (both ops
+run it on the kept rows; the dropped rows' outputs and gradients are exact zeros); every path computes in float32 under ``torch.autocast``; kernel row
 offsets are 64-bit. Under Triton's interpreter (CPU tensors) the kernels sum each
 K chunk's products with an explicit float32 reduction instead of ``np.matmul``,
 whose summation order changes with the tile's shape, so there too the backward's
@@ -694,20 +695,40 @@ _BWD_TENSORS = (
 )
 
 
+def _kept_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Token compaction: the rows whose label is not ``ignore_index`` (``[k]`` int64), or None when every row is kept.
+    Both ops run their backend on the kept rows only (no GEMM sees an ignored token) and give the others exact
+    zeros: log p, entropy, statistics and d_hidden."""
+    valid = labels != ignore_index  # [N]
+    if bool(valid.all()):
+        return None
+    return valid.nonzero().squeeze(1)  # [k]
+
+
 @torch.library.custom_op("rlkernels::linear_logprobs", mutates_args=(),
                          schema=op_schema(_FWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_op(hidden, weight, labels, bias, *options):
     """``hidden`` [N, H], ``weight`` [V, H], int64 ``labels`` [N], ``bias`` [V] or None, then
     ``*astuple(LinearLogprobsOptions)``. Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each
     row's max logit ``z/T`` and ``log Σ exp(z/T - max)``, kept apart for the backward (never summed into one lse),
-    the same layout and values (to float32 rounding) for every backend. Without ``return_entropy`` the entropy is
+    the same layout and values (to float32 rounding) for every backend; at rows labelled ``ignore_index`` all three
+    are exact zeros (:func:`_kept_rows`: no backend sees those rows). Without ``return_entropy`` the entropy is
     zeros (the caller never exposes it, so it gets no gradient)."""
     opt = LinearLogprobsOptions(*options)
     # on the CPU a label out of [0, V) raises here, inside the op, so also when compiled (a data-dependent
     # check cannot be traced: the op runs opaque)
     labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [N] int64
+    impl = _backend.implementation(_FWD_IMPLS, hidden)
+    keep = _kept_rows(labels, opt.ignore_index)  # [k] or None: every row kept
     with _backend.float32_compute(hidden.device):
-        return _backend.implementation(_FWD_IMPLS, hidden)(hidden, weight, labels, bias, opt)
+        if keep is None:
+            return impl(hidden, weight, labels, bias, opt)
+        N = labels.shape[0]
+        dt = reference.compute_dtype(hidden)
+        logp, entropy, stats = (hidden.new_zeros(*shape, dtype=dt) for shape in ((N,), (N,), (2, N)))  # [N], [N], [2, N]
+        if keep.numel():
+            logp[keep], entropy[keep], stats[:, keep] = impl(hidden[keep], weight, labels[keep], bias, opt)
+        return logp, entropy, stats
 
 
 @_linear_logprobs_op.register_fake
@@ -726,8 +747,18 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
     opt = LinearLogprobsOptions(*options)
     if not opt.return_entropy:
         g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
+    impl = _backend.implementation(_BWD_IMPLS, hidden)
+    keep = _kept_rows(labels, opt.ignore_index)  # [k] or None: every row kept
     with _backend.float32_compute(hidden.device):  # backward may run inside the caller's autocast region
-        dh, dw, db = _backend.implementation(_BWD_IMPLS, hidden)(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
+        if keep is None:
+            dh, dw, db = impl(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
+        else:
+            dh = hidden.new_zeros(hidden.shape)  # [N, H] exact zeros at the ignored rows
+            dw = weight.new_zeros(weight.shape)  # [V, H]
+            db = None if bias is None else bias.new_zeros(bias.shape)  # [V]
+            if keep.numel():
+                dh[keep], dw, db = impl(g_logp[keep], g_entropy[keep], hidden[keep], weight, labels[keep], bias,
+                                        stats[:, keep], entropy[keep], logp[keep], opt)
     return dh, dw, hidden.new_empty(0) if db is None else db
 
 

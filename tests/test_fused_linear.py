@@ -476,6 +476,48 @@ def test_backward_adds_no_gradient_by_scatter(backend, dtype):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("backend", [b for b in backends("cpu") if b != "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ignored_tokens_are_dropped_before_any_gemm(backend, dtype, monkeypatch):
+    """Token compaction: both ops hand their backend only the rows whose label is not ignore_index; the ignored
+    rows' log p, entropy and d_hidden are exact zeros, and the rest matches the float64 truth."""
+    hidden, weight, bias, labels, g_logp, g_ent = _inputs(40, 48, 1000, bias=True, seed=93)
+    labels[1::3] = -100  # with _inputs' labels[::5]: 19 of 40 ignored
+    seen = []
+
+    def recording(table, key):
+        impl = table[key]
+
+        def run(*args):
+            seen.append((table is fl_module._FWD_IMPLS, args[0 if table is fl_module._FWD_IMPLS else 2].shape[0]))
+            return impl(*args)
+        return run
+
+    for table in (fl_module._FWD_IMPLS, fl_module._BWD_IMPLS):
+        monkeypatch.setitem(table, backend, recording(table, backend))
+    leaves = [_leaf(x, dtype) for x in (hidden, weight, bias)]
+    with forced_backend(backend):
+        out = _run(linear_logprobs, *leaves, labels, g_logp, g_ent, 1.0)
+    kept = int((labels != -100).sum())
+    assert seen == [(True, kept), (False, kept)]
+    ignored = labels == -100
+    for x in (out[0], out[1], out[2][0]):
+        assert torch.equal(x[ignored], torch.zeros_like(x[ignored]))
+    truth = _run(reference.linear_logprobs, *[_leaf(x, torch.float64) for x in (hidden, weight, bias)], labels,
+                 g_logp, g_ent, 1.0)
+    for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], (out[0], out[1], *out[2]),
+                               (truth[0], truth[1], *truth[2])):
+        assert_close_to_truth(got, want, dtype, name=name)
+
+    # every token ignored: no backend runs at all, everything is zero
+    seen.clear()
+    with forced_backend(backend):
+        out = _run(linear_logprobs, *leaves, torch.full_like(labels, -100), g_logp, g_ent, 1.0)
+    assert seen == []
+    for x in (out[0], out[1], *out[2]):
+        assert torch.equal(x, torch.zeros_like(x))
+
+
 # ---------------------------------------------------------------- one path per concern
 
 
@@ -545,7 +587,8 @@ def test_kernels_are_defined_at_module_level_and_short():
 def test_op_outputs_do_not_depend_on_the_backend(return_entropy):
     """The forward op's outputs, the saved statistics included, are the same on every backend (to float32
     rounding: each within the float32 tolerance of the float64 truth): logp, the entropy (zeros without
-    return_entropy, on Triton too: it returned the entropy there), each row's max logit and log Σ exp(z - max)."""
+    return_entropy, on Triton too: it returned the entropy there), each kept row's max logit and log Σ exp(z - max)
+    (zeros at ignored rows)."""
     hidden, weight, b, labels, _, _ = _inputs(23, 40, 700, bias=True, seed=95)
     z = (hidden @ weight.T + b) / 0.8  # [N, V] float64
     row_max = z.amax(-1)  # [N]
@@ -561,8 +604,10 @@ def test_op_outputs_do_not_depend_on_the_backend(return_entropy):
             assert_close_to_truth(ent, t_ent, torch.float32, name=f"{backend} entropy")
         else:
             assert torch.all(ent == 0), backend
-        assert_close_to_truth(stats[0], row_max, torch.float32, name=f"{backend} row max")
-        assert_close_to_truth(stats[1], log_s, torch.float32, name=f"{backend} log-sum")
+        kept = labels != -100  # compaction: an ignored token's statistics are exact zeros (never computed)
+        assert torch.equal(stats[:, ~kept], torch.zeros_like(stats[:, ~kept])), backend
+        assert_close_to_truth(stats[0, kept], row_max[kept], torch.float32, name=f"{backend} row max")
+        assert_close_to_truth(stats[1, kept], log_s[kept], torch.float32, name=f"{backend} log-sum")
 
 
 def test_lse_merge_of_chunk_partials_is_the_whole_row():
