@@ -1,0 +1,114 @@
+"""linear_policy_loss (the PPO/GRPO loss from hidden states, head gradient formed in the forward), forward + backward.
+
+Bound (compute): THREE GEMMs of ``2 · N · H · V`` FLOPs each — the logits ``hidden @ W.T`` (1), ``d_hidden =
+dz @ W`` (2) and ``d_weight = dz.T @ hidden`` (3): ``flops = 6 · N · H · V``. The two-op path
+(``linear_logprobs`` then ``policy_loss``) does four (its backward recomputes the logits), eager does three but
+holds ``[N, V]`` float32 logits and their gradient. Bytes: hidden and weight read, their gradients written.
+
+Providers: ``eager`` (the two reference formulas as a user writes them: logits, log_softmax in float32, gather,
+entropy, the clipped surrogate with a k3 KL and an entropy bonus, autograd), ``torch.compile`` of the same,
+``rlkernels two-op`` (``linear_logprobs`` + ``policy_loss``), ``rlkernels`` (``linear_policy_loss``), and Liger's
+``LigerFusedLinearGRPOLoss`` on CUDA where installed.
+The CPU target: ``rlkernels`` >= 1.25x faster than ``rlkernels two-op`` at SmolLM2's head (H = 576, V = 49152).
+"""
+from __future__ import annotations
+
+import torch
+
+import rlkernels
+from bench import harness
+from bench.harness import Case
+from rlkernels import reference
+
+T_SEQ = 256  # tokens per sequence: N = B · T_SEQ
+OPTIONS = dict(clip_low=0.2, kl_coef=0.04, kl_estimator="k3", entropy_coef=0.01, agg="token-mean")
+
+
+def _eager(hidden, weight, labels, old, adv, mask, ref_logp):
+    logits = hidden @ weight.T  # [B, T, V]
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
+    loss, _ = reference.policy_loss(logp, old, adv, mask, ref_logp=ref_logp, entropy=entropy, **OPTIONS)
+    return loss
+
+
+_compiled = None
+
+
+def _compiled_fn(*args):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_eager)
+    return _compiled(*args)
+
+
+def _two_op(hidden, weight, labels, old, adv, mask, ref_logp):
+    logp, entropy = rlkernels.linear_logprobs(hidden, weight, labels, return_entropy=True)
+    return rlkernels.policy_loss(logp, old, adv, mask, ref_logp=ref_logp, entropy=entropy, **OPTIONS)[0]
+
+
+def _fused(hidden, weight, labels, old, adv, mask, ref_logp):
+    return rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
+
+
+def _step(fn):
+    def step(hidden, weight, *rest):  # hidden [B, T, H], weight [V, H] leaves
+        return torch.autograd.grad(fn(hidden, weight, *rest), [hidden, weight])
+
+    return step
+
+
+def _peers(device: torch.device) -> dict:
+    def liger():
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=OPTIONS["kl_coef"], epsilon_low=0.2, epsilon_high=0.2)
+
+        def step(hidden, weight, labels, old, adv, mask, ref_logp):
+            out = loss_fn(hidden, weight, labels, mask, adv[:, 0], ref_per_token_logps=ref_logp, old_per_token_logps=old)
+            return torch.autograd.grad(out[0] if isinstance(out, tuple) else out, [hidden, weight])
+
+        return step
+
+    return {"liger GRPO loss": harness.peer("liger_kernel.chunked_loss", "liger-kernel", device, liger)}
+
+
+def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    B, T = max(1, N // T_SEQ), min(N, T_SEQ)
+
+    def make_inputs():
+        hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(True)  # [B, T, H]
+        weight = (torch.randn(V, H, device=device, dtype=dtype) * H**-0.5).requires_grad_(True)  # [V, H]
+        labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
+        old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T] near log(1/V): ratios around 1
+        adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T] one per sequence
+        mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
+        ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+        return hidden, weight, labels, old, adv, mask, ref_logp
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    providers = {
+        "eager": _step(_eager),
+        "torch.compile": _step(_compiled_fn),
+        "rlkernels two-op": _step(_two_op),
+        "rlkernels": _step(_fused),
+    }
+    providers.update(_peers(device))
+    return Case(
+        op="linear_policy_loss fwd+bwd",
+        shape=f"N={B * T} H={H} V={V} {str(dtype).removeprefix('torch.')}",
+        bytes_moved=2 * (B * T * H + V * H) * itemsize,
+        flops=3 * 2 * B * T * H * V,
+        bound="compute",
+        make_inputs=make_inputs,
+        providers=providers,
+    )
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        return [_case(8192, 4096, 151936, torch.bfloat16, device)]
+    if quick:  # bf16 eager on CPU (a bf16 [N, H] x [H, V] GEMM without fast bf16 units) takes ~35 s at N=512
+        return [_case(1024, 576, 49152, torch.float32, device), _case(256, 576, 49152, torch.bfloat16, device)]
+    return [_case(4096, 576, 49152, torch.float32, device), _case(4096, 576, 49152, torch.bfloat16, device)]
