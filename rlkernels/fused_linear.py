@@ -524,7 +524,6 @@ def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     cdt = reference.compute_dtype(hidden)
     lowest = torch.finfo(cdt).min
     inv_t = 1.0 / opt.temperature
-    w = weight.to(cdt)  # [V, H]; no copy for float32 (weight-sized otherwise)
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
@@ -547,7 +546,8 @@ def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
         for j in range(S):
             v0 = j * vchunk
             v1 = min(V, v0 + vchunk)
-            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
+            # a 16-bit weight is widened one chunk at a time (no weight-sized float32 copy); float32: a view
+            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, weight[v0:v1].to(cdt),
                              None if b is None else b[v0:v1], inv_t)  # [n, vc]
             torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
             torch.amax(z, 1, out=p_m[j])
@@ -621,56 +621,93 @@ def _labels_by_chunk(valid, labels, at_y, vchunk: int, S: int):
     return tok, cols, vals, starts
 
 
+def _dz_tile(z, m_c, coef, labels_of_tile, use_ent):
+    """``dz`` in place of the logits tile ``z`` [n, vc]: ``e^d (a2 + c2 d)`` (``e^d a_s`` without the entropy's
+    gradient), ``d = z - max``, then the label entries ``labels_of_tile = (tok, cols, vals)`` written exactly.
+    ``m_c`` [n, 1] row max; ``coef = (a2, c2, a_s, pbuf)``: [n, 1] each and a scratch buffer (None without use_ent)."""
+    a2_c, c2_c, a_s_c, pbuf = coef
+    d = z.sub_(m_c)  # [n, vc] z - max
+    if use_ent:
+        d.clamp_(min=_EXP_ZERO_BELOW)
+        e = torch.exp(d, out=pbuf[: d.numel()].view_as(d))  # [n, vc]
+        dz = e.mul_(torch.addcmul(a2_c, d, c2_c, out=d))  # e^d (a' + c' d)
+    else:
+        dz = d.exp_().mul_(a_s_c)  # e^d a / s
+    tok, cols, vals = labels_of_tile
+    if tok.numel():
+        dz.index_put_((tok, cols), vals)  # one entry per token: no accumulation
+    return dz
+
+
 def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
     """Chunked like :func:`_forward_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
-    (:func:`_dz_coefficients`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``. Returns ``(d_hidden
-    [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
+    (:func:`_dz_coefficients`, :func:`_dz_tile`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``. With
+    fewer tokens than vocabulary entries the vocabulary is the outer loop: ``d_hidden`` accumulates in a float32
+    ``[N, H]`` buffer and each ``d_weight`` slice is accumulated over the tokens in float32 and written once, so no
+    weight-sized float32 buffer (nor a float32 copy of a 16-bit weight) exists; otherwise the tokens are the outer
+    loop. Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
     # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     cdt = reference.compute_dtype(hidden)
     inv_t = 1.0 / opt.temperature
-    w = weight.to(cdt)  # [V, H]
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
     row_max, a2, c2, a_s, at_y, valid, use_ent = _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V, cdt, opt)
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
-    # float32 (or float64) accumulators, weight-sized; cast once at the end
-    d_weight = torch.zeros(V, H, dtype=cdt, device=dev)  # [V, H]
-    d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None else None  # [V]
     zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
     pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
-    for r0 in range(0, N, rows):
-        r1 = min(N, r0 + rows)
-        n = r1 - r0
-        h_c = hidden[r0:r1].to(cdt)  # [n, H]
-        dh_c = torch.zeros(n, H, dtype=cdt, device=dev)  # [n, H]
-        m_c = row_max[r0:r1, None]  # [n, 1]
-        a2_c, c2_c, a_s_c = a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None]  # [n, 1] each
-        tok, cols, vals, starts = _labels_by_chunk(valid[r0:r1], safe[r0:r1], at_y[r0:r1], vchunk, S)
+    row_starts = list(range(0, N, rows))
+    # per chunk of rows, its label entries grouped by vocabulary chunk (O(N) in all)
+    by_chunk = [_labels_by_chunk(valid[r0:r0 + rows], safe[r0:r0 + rows], at_y[r0:r0 + rows], vchunk, S)
+                for r0 in row_starts]
+
+    def tile(r0, j, h_c, w_j):
+        # (rows r0.., vocabulary chunk j): the forward's logits, then dz in place. h_c [n, H], w_j [vc, H] in cdt
+        n, vc = h_c.shape[0], w_j.shape[0]
+        z = _logits_into(zbuf[: n * vc].view(n, vc), h_c, w_j, None if b is None else b[j * vchunk:j * vchunk + vc],
+                         inv_t)  # [n, vc]
+        tok, cols, vals, starts = by_chunk[r0 // rows]
+        k0, k1 = starts[j], starts[j + 1]
+        r1 = r0 + n
+        coef = (a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None], pbuf)
+        return _dz_tile(z, row_max[r0:r1, None], coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
+
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
+    d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None else None  # [V]
+    if N < V:  # vocabulary outer: float32 [N, H] for d_hidden, one float32 [vc, H] slice of d_weight at a time
+        h = hidden.to(cdt)  # [N, H] (token-sized)
+        dh = torch.zeros(N, H, dtype=cdt, device=dev)  # [N, H]
+        d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
         for j in range(S):
-            v0 = j * vchunk
-            v1 = min(V, v0 + vchunk)
-            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, w[v0:v1],
-                             None if b is None else b[v0:v1], inv_t)  # [n, vc] the forward's logits
-            d = z.sub_(m_c)  # [n, vc] z - max
-            if use_ent:
-                d.clamp_(min=_EXP_ZERO_BELOW)
-                e = torch.exp(d, out=pbuf[: d.numel()].view_as(d))  # [n, vc]
-                dz = e.mul_(torch.addcmul(a2_c, d, c2_c, out=d))  # e^d (a' + c' d)
-            else:
-                dz = d.exp_().mul_(a_s_c)  # e^d a / s
-            k0, k1 = starts[j], starts[j + 1]
-            if k1 > k0:
-                dz.index_put_((tok[k0:k1], cols[k0:k1]), vals[k0:k1])
-            dh_c.addmm_(dz, w[v0:v1])
-            d_weight[v0:v1].addmm_(dz.T, h_c)
-            if d_bias is not None:
-                d_bias[v0:v1] += dz.sum(0)
-        d_hidden[r0:r1] = dh_c
+            v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
+            w_j = weight[v0:v1].to(cdt)  # [vc, H]
+            dw_j = torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
+            for r0 in row_starts:
+                h_c = h[r0:r0 + rows]  # [n, H]
+                dz = tile(r0, j, h_c, w_j)  # [n, vc]
+                dh[r0:r0 + rows].addmm_(dz, w_j)
+                dw_j.addmm_(dz.T, h_c)
+                if d_bias is not None:
+                    d_bias[v0:v1] += dz.sum(0)
+            d_weight[v0:v1] = dw_j
+        d_hidden.copy_(dh)
+    else:  # tokens outer: d_weight accumulates in float32 (weight-sized, smaller than the tokens)
+        w = weight.to(cdt)  # [V, H]
+        d_weight = torch.zeros(V, H, dtype=cdt, device=dev)  # [V, H]
+        for r0 in row_starts:
+            h_c = hidden[r0:r0 + rows].to(cdt)  # [n, H]
+            dh_c = torch.zeros(h_c.shape[0], H, dtype=cdt, device=dev)  # [n, H]
+            for j in range(S):
+                v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
+                dz = tile(r0, j, h_c, w[v0:v1])  # [n, vc]
+                dh_c.addmm_(dz, w[v0:v1])
+                d_weight[v0:v1].addmm_(dz.T, h_c)
+                if d_bias is not None:
+                    d_bias[v0:v1] += dz.sum(0)
+            d_hidden[r0:r0 + rows] = dh_c
     return (
         d_hidden,
         d_weight if d_weight.dtype == weight.dtype else d_weight.to(weight.dtype),

@@ -299,8 +299,11 @@ def test_backward_recomputes_the_forward_logits_bit_for_bit(monkeypatch):
         phase[0] = "backward"
         torch.autograd.grad((logp * g_logp.float()).sum() + (ent * g_ent.float()).sum(), leaves)
     assert len(seen["forward"]) == len(seen["backward"]) > 1
-    for f, bwd in zip(seen["forward"], seen["backward"]):
-        assert torch.equal(f, bwd)
+    # the backward may visit the tiles in another order (vocabulary outer when N < V): match each to its own
+    unmatched = list(seen["forward"])
+    for bwd in seen["backward"]:
+        hit = next(i for i, f in enumerate(unmatched) if f.shape == bwd.shape and torch.equal(f, bwd))
+        unmatched.pop(hit)
 
 
 def test_triton_backward_uses_the_forward_k_blocking():
@@ -755,6 +758,30 @@ def test_cpu_memory_is_a_fraction_of_eager():
           f"eager peak >= {eager_peak / 2**20:.1f} MiB; [N, V] float32 = {nv_bytes / 2**20:.1f} MiB")
     assert ours.largest_bytes < nv_bytes
     assert ours.peak_bytes * 8 <= eager_peak
+
+
+def test_cpu_memory_16bit_weight_needs_no_float32_weight_copy():
+    """N=4096, H=512, V=50257 bfloat16, torch backend: forward+backward peak above the inputs at most
+    1.25 x (d_weight + d_hidden in bfloat16) + 64 MiB. No float32 copy of the weight (the forward widens one
+    vocabulary chunk at a time) and no float32 [V, H] gradient accumulator (with N < V the backward runs over
+    vocabulary chunks, each d_weight slice accumulated in float32 and written once)."""
+    N, H, V = 4096, 512, 50257
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(N, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [N, H]
+    weight = (torch.randn(V, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [V, H]
+    labels = torch.randint(0, V, (N,), generator=g)  # [N]
+
+    def fused():
+        with forced_backend("torch"):
+            logp = linear_logprobs(hidden, weight, labels)
+        return torch.autograd.grad(logp.sum(), [hidden, weight])
+
+    grads_bytes = (V * H + N * H) * 2
+    ours = measure_cpu(fused)
+    print(f"\nfused peak {ours.peak_bytes / 2**20:.1f} MiB (largest {ours.largest_bytes / 2**20:.1f} MiB); "
+          f"gradients {grads_bytes / 2**20:.1f} MiB")
+    assert ours.largest_bytes < V * H * 4  # no weight-sized float32 tensor
+    assert ours.peak_bytes <= 1.25 * grads_bytes + 64 * 2**20
 
 
 # ---------------------------------------------------------------- ahead-of-time compile
