@@ -183,8 +183,10 @@ def test_target_kl_stops_at_the_right_minibatch(tmp_path, monkeypatch):
     Trainer(tiny(tmp_path / "free", target_kl=1e9, **over)).run()
     free, calls[:] = list(calls), []
     assert len(free) == 4 and free[0] == 0.0  # same weights at the first minibatch
-    j = next(i for i in range(1, 4) if free[i] > max(free[:i]))  # a minibatch whose KL tops every earlier one
-    target = (free[j] + max(free[:j])) / 2 / 1.5  # 1.5 * target lies between them
+    # a target the second minibatch exceeds but not 1.5 times: a stop at KL > target would come one minibatch early
+    target = free[1] / 1.2
+    j = next(i for i in range(4) if free[i] > 1.5 * target)
+    assert j >= 2 and free[1] > target
     Trainer(tiny(tmp_path / "stop", target_kl=target, **over)).run()
     assert calls == free[: j + 1]  # the same updates up to the stop, then none
     row = read_metrics(tmp_path / "stop" / "metrics.jsonl")[0]
