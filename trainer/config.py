@@ -139,7 +139,7 @@ class TrainConfig:
     ref_update_every: int = 0
     """Copy the policy into the reference after every N-th step (DeepSeekMath's iterative GRPO); 0 = never. The reference is then saved in checkpoints."""
     ref_mix_alpha: float = 0.0
-    """After every step: reference <- alpha * policy + (1 - alpha) * reference, for every parameter and floating buffer (TRL's reference sync); 0 = off, 1 = copy. The reference is then saved in checkpoints."""
+    """After every step: reference <- alpha * policy + (1 - alpha) * reference, for every parameter and floating buffer (TRL's reference sync); 0 = off, 1 = copy. With ref_update_every too, a step that copies does not also mix. The reference is then saved in checkpoints."""
     kl_in: typing.Optional[str] = None
     """Where the KL to the reference goes, for either algo. 'loss': kl_coef * kl_estimator(logp, ref_logp) per token in the policy loss. 'reward': kl_t = kl_estimator(old_logp, ref_logp) per token at rollout, no gradient; PPO's per-token rewards are -kl_coef * kl_t (+ the score on the last token) before GAE; GRPO's token advantage is A_t = group_advantage - kl_coef * (kl_t + ... + kl_last), the KL's return to go with gamma 1 (the score's advantage is not rescaled by it). None = 'loss' for GRPO, 'reward' for PPO."""
     target_kl: typing.Optional[float] = None
