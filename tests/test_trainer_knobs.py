@@ -78,6 +78,19 @@ def test_reference_update_and_mix_in_the_loop(tmp_path, every, alpha):
     assert "reference" in tr._modules()  # a moving reference is checkpointed
 
 
+def test_resume_restores_a_moving_reference(tmp_path):
+    cfg = tiny(tmp_path, losses="eager", kl_coef=0.05, ref_mix_alpha=0.5, steps=1, reward=DISTINCT)
+    tr = Trainer(cfg)
+    initial = _state(tr.ref.model)
+    tr.run()
+    moved = _state(tr.ref.model)
+    assert any(not torch.equal(moved[n], initial[n]) for n in initial)
+    resumed = Trainer(dataclasses.replace(cfg, resume=True))
+    _assert_state(resumed.ref.model, initial)  # before the checkpoint is read: the initial reference
+    resumed.maybe_resume()
+    _assert_state(resumed.ref.model, moved)
+
+
 def test_ref_model_loads_another_reference(tmp_path):
     tok = tiny_tokenizer()
     other = tiny_model(len(tok), hidden=32, layers=2, seed=123, tokenizer=tok)

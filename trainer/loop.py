@@ -476,7 +476,11 @@ class Trainer:
         path = checkpoint.latest(self.out / "checkpoints")
         if path is None:
             raise ConfigError(f"resume: no checkpoint under {self.out / 'checkpoints'} (start without --resume)")
-        state = checkpoint.load(path, self._modules(), self.optimizer)
+        modules = self._modules()
+        if "reference" in modules and not (path / "reference.safetensors").exists():
+            # written before the reference moved: it was then still the initial one, which self.ref holds now
+            del modules["reference"]
+        state = checkpoint.load(path, modules, self.optimizer)
         self.step = int(state["step"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         if "reward_norm" in state:
