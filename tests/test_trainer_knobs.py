@@ -333,7 +333,7 @@ def test_critic_init_from_the_reward_model(tmp_path):
     tr = Trainer(tiny(tmp_path / "run", losses="eager", algo="ppo", reward=str(tmp_path / "rm"), critic_init="reward",
                       kl_coef=0.0))
     _assert_state(tr.critic.backbone, _state(rm.model))
-    assert torch.equal(tr.critic.value_head.weight, rm.score.weight) and float(tr.critic.value_head.bias) == 0.0
+    assert torch.equal(tr.critic.value_head.weight, rm.score.weight) and float(tr.critic.value_head.bias.detach()) == 0.0
     batch = tr.score(_designed_batch(tr), 1)
     with torch.no_grad():  # the critic's value at each sequence's last token is the reward model's score there
         values = tr.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]
