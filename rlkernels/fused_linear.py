@@ -924,10 +924,10 @@ def linear_logprobs(
     """
     opt = _validate(hidden=hidden, weight=weight, labels=labels, bias=bias, temperature=temperature,
                     return_entropy=return_entropy, ignore_index=ignore_index)
-    from rlkernels import vocab_parallel
+    if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
+        from rlkernels import vocab_parallel
 
-    vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
-    if process_group is not None:
+        vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         logp, entropy = vocab_parallel.linear_logprobs(hidden, weight, labels, bias, opt, process_group, vocab_start)
         return (logp, entropy) if opt.return_entropy else logp
     with _backend.float32_compute(hidden.device):

@@ -542,10 +542,10 @@ def linear_policy_loss(
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
     constants = (old_logp.detach(), advantages.detach(), mask.detach(), None if ref_logp is None else ref_logp.detach())
-    from rlkernels import vocab_parallel
+    if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
+        from rlkernels import vocab_parallel
 
-    vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
-    if process_group is not None:
+        vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         return vocab_parallel.linear_policy_loss(hidden, weight, labels, *constants, bias, opt, process_group,
                                                  vocab_start)
     with _backend.float32_compute(hidden.device):

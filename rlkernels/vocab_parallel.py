@@ -52,7 +52,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from rlkernels import _backend, _checks, fused_linear, reference
+from rlkernels import _backend, _checks, fused_linear, losses, reference
 from rlkernels._host import lse_merge
 
 _OTHER_RANK = -1  # the local label of a token whose label lies in another rank's slice
@@ -213,12 +213,15 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, ref_l
     """:func:`rlkernels.linear_policy_loss` with the vocabulary split over ``process_group`` (validated arguments,
     ``opt`` its :class:`~rlkernels.fused_policy.FusedPolicyOptions`): the merged log-probs (and entropy), then
     :func:`rlkernels.policy_loss` on them, replicated on every rank. Returns ``(loss, metrics)``."""
-    from rlkernels import fused_policy
-
     lp_opt = fused_linear.LinearLogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
     logp, entropy = linear_logprobs(hidden, weight, labels, bias, lp_opt, process_group, vocab_start)  # [B, T] each
-    out = (logp, entropy) if opt.with_entropy else logp
-    return fused_policy._reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
+    ent = entropy if opt.with_entropy else None  # [B, T] or None
+    loss, metrics = losses.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
+                                       **dataclasses.asdict(opt.policy))
+    metrics = dict(metrics, token_logp=logp.detach().float())  # what the single-process op reports
+    if ent is not None:
+        metrics["token_entropy"] = ent.detach().float()
+    return loss, metrics
 
 
 @torch.compiler.disable
