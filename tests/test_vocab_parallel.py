@@ -2,7 +2,8 @@
 processes on the CPU: every rank holds an uneven slice of an odd vocabulary (V = 1001 = 600 + 401, and
 400 + 101 + 500 with the ranks in permuted order), and the merged results equal the single-process op on the full
 weight to float32 rounding, forward and backward (d_hidden summed over the ranks, d_weight / d_bias the rank's
-slice); in float64 they equal the float64 reference to 1e-12 (the merge is exact). Also ignore_index rows,
+slice); in float64 they equal the float64 reference to 1e-12 (the merge is exact); bfloat16 stays within its
+tolerance of the float64 truth. Also ignore_index rows,
 temperature != 1, the verl adapter's tensor-parallel functions, and the errors.
 
 One forked process group per world size runs every scenario (forked: the children reuse the imported modules, so a
@@ -23,7 +24,7 @@ import rlkernels
 from rlkernels import reference as ref
 from rlkernels import _backend, vocab_parallel
 from rlkernels.integrations import verl as rkv
-from tests.helpers import forced_backend
+from tests.helpers import assert_close_to_truth, forced_backend
 
 V = 1001
 H = 24
@@ -114,6 +115,8 @@ def _check_linear_logprobs(rank, P, dtype, backend):
     for name, value in got.items():
         if dtype == torch.float64:  # the merge is exact: float64 agrees with the float64 truth to its rounding
             torch.testing.assert_close(value, truth[name], rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        elif dtype == torch.bfloat16:  # 16-bit gradients: the dtype's tolerance against the float64 truth
+            assert_close_to_truth(value, truth[name], dtype, name=name)
         else:
             _close(value, single[name], name)
             _close(value.double(), truth[name], name + " vs float64")
@@ -121,6 +124,8 @@ def _check_linear_logprobs(rank, P, dtype, backend):
     assert (lp[ignored] == 0).all() and (ent[ignored] == 0).all() and (dh[ignored] == 0).all()
     assert lp.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
 
+    if dtype != torch.float32:
+        return
     # without the entropy: log p only, and its gradient alone
     (lp_only,), (dh_only, dw_only) = _grads(
         lambda h, w: rlkernels.linear_logprobs(h, w, labels, temperature=0.7, process_group=group,
@@ -223,6 +228,7 @@ def _all_checks(rank, P, backends):
     for backend in backends:
         _check_linear_logprobs(rank, P, torch.float32, backend)
     _check_linear_logprobs(rank, P, torch.float64, "torch")
+    _check_linear_logprobs(rank, P, torch.bfloat16, "torch")  # 16-bit: d_hidden's all-reduce in bfloat16
     _check_policy_loss(rank, P)
     _check_verl(rank, P)
     _check_errors(rank, P)
@@ -238,7 +244,7 @@ def _backends(P):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_vocab_parallel_equals_single_process(world_size):
-    """linear_logprobs (forward, backward, with and without the entropy, float32 per backend and float64),
+    """linear_logprobs (forward, backward, with and without the entropy, float32 per backend, float64, bfloat16),
     linear_policy_loss (loss, metrics, gradients; token and sequence ratio) and the verl adapter on
     ``world_size`` gloo ranks equal the single-process ops (and the float64 truth)."""
     _spawn(_all_checks, world_size, _backends(world_size))
