@@ -56,6 +56,12 @@ be served by another row than the forward. ``reference``
 place before the ops (:func:`rlkernels._backend.serves_reference`). Options travel as one frozen
 :class:`LinearLogprobsOptions`.
 
+Vocabulary-parallel calls (``process_group=``, ``vocab_start=``) leave before the ops, for
+:mod:`rlkernels.vocab_parallel`, which runs the forwards' first half on the rank's weight slice
+(``_PARTIALS_IMPLS``: the merged partials ``(m, s, u, z_y)`` per token), merges the ranks' partials, finishes
+with :func:`_from_partials` as every backend does, and takes its gradients from the backward op with the merged
+statistics (a label in another rank's slice: the row's gradient without the label's entry).
+
 Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
 with autograd -> public function.
 """

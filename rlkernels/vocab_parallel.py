@@ -38,8 +38,8 @@ inside the op's chunk loop, one per chunk.
 
 Checks: ``vocab_start`` and ``process_group`` go together (each without the other raises). On the CPU the slices'
 layout is checked after the collective (gaps, overlaps) and a label outside ``[0, V)`` raises, as the op does; on
-a GPU (no device sync) a label that no rank owns, or two ranks own, gives NaN. Token ids and slice bounds travel
-through the float32 collective, exact below 2^24 (16.7M) tokens of vocabulary.
+a GPU (no device sync) a label that no rank owns, or two ranks own, gives NaN. The slice bounds travel in the
+(float32) collective: exact while ``vocab_start + V_r`` stays below 2^24 (16.7M), which is checked.
 
 Backends: the op's ``torch`` and ``triton`` rows (by device, or ``RLKERNELS_BACKEND``); ``reference`` is served
 by ``torch`` here. The collective is from ``torch.distributed`` (gloo on CPU, NCCL on GPU); these functions run
