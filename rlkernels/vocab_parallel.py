@@ -119,7 +119,7 @@ def _merge(part: torch.Tensor, owned: torch.Tensor, labels: torch.Tensor, group,
     mine = torch.cat((part, owned.to(part.dtype)[None]), 0).reshape(-1)  # [5·n]
     gathered = _Gather.apply(torch.cat((mine, header)), group)  # [P, 5·n + 2]
     slices = gathered[:, _ROWS * n:]  # [P, 2]
-    m, s, u, zy, own = gathered[:, :_ROWS * n].reshape(-1, _ROWS, n).unbind(1)  # [P, n] each
+    m, s, u, zy, own = gathered[:, :_ROWS * n].reshape(gathered.shape[0], _ROWS, n).unbind(1)  # [P, n] each
     if part.device.type == "cpu":
         V = _check_layout(slices.detach().long().tolist())
         if labels is not None:

@@ -224,6 +224,18 @@ def _check_errors(rank, P):
         rlkernels.linear_logprobs(hidden, weight[start:start + rows], bad, process_group=group, vocab_start=start)
 
 
+def _check_all_ignored(rank, P):
+    """Every token ignored: zeros and zero gradients, the collectives still matched on every rank."""
+    start, rows = LAYOUTS[P][rank]
+    hidden, weight, _bias, labels, g_logp, g_ent = _inputs(torch.float32)
+    (lp, ent), (dh, dw) = _grads(
+        lambda h, w: rlkernels.linear_logprobs(h, w, torch.full_like(labels, -100), return_entropy=True,
+                                               process_group=dist.group.WORLD, vocab_start=start),
+        (hidden, weight[start:start + rows]), g_logp, g_ent)
+    for name, x in (("logp", lp), ("entropy", ent), ("d_hidden", dh), ("d_weight", dw)):
+        assert (x == 0).all(), name
+
+
 def _all_checks(rank, P, backends):
     for backend in backends:
         _check_linear_logprobs(rank, P, torch.float32, backend)
@@ -232,6 +244,7 @@ def _all_checks(rank, P, backends):
     _check_policy_loss(rank, P)
     _check_verl(rank, P)
     _check_errors(rank, P)
+    _check_all_ignored(rank, P)
 
 
 def _backends(P):
