@@ -7,7 +7,9 @@ tolerance of the float64 truth. Also ignore_index rows,
 temperature != 1, the verl adapter's tensor-parallel functions, and the errors.
 
 One forked process group per world size runs every scenario (forked: the children reuse the imported modules, so a
-test costs seconds, not an import of torch per rank)."""
+test costs seconds, not an import of torch per rank; a forkserver, immune to a lock some thread of the test process
+might hold at the fork, cost ~20 s more per session on the loaded 2-core test machine). A rank that hangs turns
+into a failure after the gloo timeout (120 s), never a stalled suite."""
 from __future__ import annotations
 
 import contextlib
