@@ -78,8 +78,8 @@ def check_group(process_group, vocab_start, V_local: int, name: str = "weight") 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group needs torch.distributed initialised (dist.init_process_group)")
     if V_local + vocab_start >= 1 << 24:
-        raise ValueError(f"vocab_start + {name}.shape[0] = {vocab_start + V_local} passes 2^24: token ids travel "
-                         "through the float32 collective exactly only below it")
+        raise ValueError(f"vocab_start + {name}.shape[0] = {vocab_start + V_local} passes 2^24: the slice bounds "
+                         "travel through the float32 collective, exact only below it")
     return int(vocab_start)
 
 
@@ -111,9 +111,9 @@ def _local_labels(labels: torch.Tensor, vocab_start: int, V_local: int):
 def _merge(part: torch.Tensor, owned: torch.Tensor, labels: torch.Tensor, group, vocab_start: int, V_local: int,
            ignore_index: int):
     """The one collective and the merge. ``part`` [4, n] this rank's ``(m, s, u, z_y)`` (``z_y`` 0 where not
-    ``owned`` [n]); ``labels`` [n] the global ids (None: no label, the entropy only). Returns ``(merged [4, n], ok [n] bool)``: the group's partials
-    merged, and whether exactly one rank owns each label. On the CPU a bad layout or label raises here (every rank
-    sees the same gathered values, so every rank raises)."""
+    ``owned`` [n]); ``labels`` [n] the global ids (None: no labels, the entropy only). Returns
+    ``(merged [4, n], ok [n] bool)``: the group's partials merged, and whether exactly one rank owns each label.
+    On the CPU a bad layout or label raises here (every rank sees the same gathered values, so every rank raises)."""
     n = part.shape[1]
     header = part.new_tensor([vocab_start, V_local])  # [2] this rank's slice
     mine = torch.cat((part, owned.to(part.dtype)[None]), 0).reshape(-1)  # [5·n]
