@@ -162,7 +162,8 @@ class _LinearLogprobs(torch.autograd.Function):
         y_local, owned = _local_labels(y, vocab_start, V_local)  # [n], [n]
         local_opt = dataclasses.replace(opt, ignore_index=_NO_IGNORE)
         with _backend.float32_compute(hidden.device):
-            part = _backend.implementation(fused_linear._PARTIALS_IMPLS, h)(h, weight, y_local, bias, local_opt)  # [4, n]
+            partials = _backend.implementation(fused_linear._PARTIALS_IMPLS, h)
+            part = partials(h, weight, y_local, bias, local_opt)  # [4, n] m, s, u, z_y over this slice
             merged, ok = _merge(part, owned, y, group, vocab_start, V_local, opt.ignore_index)  # [4, n], [n]
             logp, entropy, stats = _outputs(merged, ok, opt)  # [n], [n], [2, n]
         dt = reference.compute_dtype(hidden)
