@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 import rlkernels
 from rlkernels import reference as ref
+from rlkernels.fused_linear import LinearLogprobsOptions
 from rlkernels import _backend, vocab_parallel
 from rlkernels.integrations import verl as rkv
 from tests.helpers import assert_close_to_truth, forced_backend
@@ -281,3 +282,18 @@ def test_arguments_are_refused_by_name():
         vocab_parallel.logprobs_from_logits(hidden @ weight.T, labels, process_group=None, vocab_start=0)
     with pytest.raises(ValueError, match="reduction must be 'none'"):
         rkv.linear_cross_entropy(hidden, weight, labels, 1.0, "mean")
+
+
+def test_a_label_no_rank_owns_gives_nan_log_p():
+    """What a GPU gives (no device sync, so no raise) for a label that no rank, or two ranks, own: NaN log p; the
+    entropy is still the merged one. The merged partials here are one row's, hand-made: z = (0, log 3) over 2 ranks
+    gives m = log 3, s = 1 + 1/3, and log p of the label (z_y = 0) = -log 4."""
+    m, s = torch.log(torch.tensor(3.0)), torch.tensor(4.0 / 3.0)
+    u = -torch.log(torch.tensor(3.0)) / 3  # Σ e^(z - m)(z - m)
+    merged = torch.stack([torch.stack([m, s, u, torch.tensor(0.0)])] * 2, 1)  # [4, 2]: the same row twice
+    opt = LinearLogprobsOptions(1.0, True, -100)
+    logp, entropy, _ = vocab_parallel._outputs(merged, torch.tensor([True, False]), opt)
+    torch.testing.assert_close(logp[0], -torch.log(torch.tensor(4.0)))
+    assert torch.isnan(logp[1])
+    p = torch.tensor([0.25, 0.75])
+    torch.testing.assert_close(entropy, -(p * p.log()).sum().expand(2))
