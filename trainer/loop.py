@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import rlkernels
 
-from . import checkpoint
+from . import checkpoint, process
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
@@ -55,6 +55,15 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [B] (GRPO) or [B, R] (PPO)
     returns: torch.Tensor | None = None  # [B, R]
     kl_seq: torch.Tensor | None = None  # [B] PPO: the k1 KL to the reference summed over each response
+    eos: torch.Tensor | None = None  # [B] bool: the response ended with EOS (False: truncated at max_new_tokens)
+    step_rewards: torch.Tensor | None = None  # [B, S] process supervision (trainer/process.py), else None
+    step_ends: torch.Tensor | None = None  # [B, S] int64 response-token index ending each step
+    step_mask: torch.Tensor | None = None  # [B, S] bool: real steps
+
+    @property
+    def steps(self):
+        """``(step_rewards, step_ends, step_mask)`` of a process-supervised batch, None for outcome rewards."""
+        return None if self.step_rewards is None else (self.step_rewards, self.step_ends, self.step_mask)
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The rows ``idx`` [b] of every field."""
@@ -218,14 +227,17 @@ class Trainer:
         attention = torch.cat([prompt_mask, mask.long()], 1)  # [B, L]
         completions = self.tokenizer.batch_decode(response.masked_fill(~mask, self.pad_id), skip_special_tokens=True)
         return Rollout(ids, attention, labels, mask, [e.prompt for e in examples for _ in range(G)], completions,
-                       [e.answer for e in examples for _ in range(G)])
+                       [e.answer for e in examples for _ in range(G)], eos=is_eos.any(-1))
 
     def score(self, batch: Rollout, step: int) -> Rollout:
-        """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each)."""
-        raw = self.reward_fn(batch.prompts, batch.completions, batch.answers)
-        scores = torch.as_tensor(raw, dtype=torch.float32, device=self.device)  # [B]
-        if scores.shape != (batch.ids.shape[0],):
-            raise ValueError(f"reward: returned {tuple(scores.shape)} scores for {batch.ids.shape[0]} completions")
+        """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each) and,
+        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied."""
+        raw = process.call_reward(self.reward_fn, batch.prompts, batch.completions, batch.answers, batch.eos,
+                                  batch.labels, self.tokenizer)
+        lengths = batch.mask.long().sum(-1)  # [B] response tokens
+        scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
+        if steps is not None:
+            process.check_process_advantage(self.cfg)
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
@@ -233,7 +245,9 @@ class Trainer:
                 f"non-finite reward at step {step}: {len(bad)} of {len(raw)} samples (batch indices {bad[:8]}); "
                 f"first: reward={raw[i]!r} prompt={batch.prompts[i]!r} completion={batch.completions[i]!r}"
             )
-        return dataclasses.replace(batch, scores=scores)
+        scores, steps = process.eos_penalty(scores, steps, batch.eos, self.cfg.missing_eos_penalty, lengths)
+        fields = dict(zip(("step_rewards", "step_ends", "step_mask"), steps)) if steps is not None else {}
+        return dataclasses.replace(batch, scores=scores, **fields)
 
     @torch.no_grad()
     def score_tokens(self, batch: Rollout) -> Rollout:
@@ -257,20 +271,25 @@ class Trainer:
     def advantages(self, batch: Rollout) -> Rollout:
         """Advantages phase: the batch with ``advantages`` (and, PPO, ``returns`` and ``kl_seq``).
 
-        GRPO: ``group_advantages`` of the scores, [B]. PPO: per-token rewards ``-kl_coef * k1`` plus the
-        score on each response's last token, GAE over the critic's ``old_values``, advantages whitened
+        GRPO: ``group_advantages`` of the scores, [B], or with step rewards ``process_advantages`` of the steps,
+        [B, R]. PPO: per-token rewards ``-kl_coef * k1`` plus the score on each response's last token (with step
+        rewards: each on its end token; with ``truncation='bootstrap'``: plus γ·V after a truncated response), GAE over the critic's ``old_values``, advantages whitened
         with the statistics of the global batch (every process's tokens), [B, R]; ``kl_seq`` [B] is the
         k1 KL of each response (0 without a reference model).
         """
         cfg, ops = self.cfg, self.ops
+        if cfg.algo == "grpo" and batch.steps is not None:  # process supervision: per-token advantages
+            adv = ops.process_advantages(batch.step_rewards, batch.step_ends, batch.mask.shape[1], step_mask=batch.step_mask,
+                                         group_size=cfg.group_size, mode=cfg.advantage)  # [B, R]
+            return dataclasses.replace(batch, advantages=adv)
         if cfg.algo == "grpo":
             return dataclasses.replace(batch, advantages=ops.group_advantages(batch.scores, cfg.group_size,
                                                                               mode=cfg.advantage))  # [B]
         m = batch.mask.float()  # [B, R]
         kl = (batch.old_logp - batch.ref_logp) * m if batch.ref_logp is not None else torch.zeros_like(m)  # [B, R] k1
-        rewards = -self.kl_coef * kl  # [B, R]
-        last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
-        rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
+        rewards = -self.kl_coef * kl + process.token_rewards(batch.scores, batch.steps, batch.mask)  # [B, R]
+        if cfg.truncation == "bootstrap":  # truncated responses continue past their last token: + γ·V(after it)
+            rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
         if self.distributed:
@@ -329,7 +348,8 @@ class Trainer:
         metrics = {
             "reward/mean": float(batch.scores.mean()),
             "reward/std": float(batch.scores.std()) if batch.scores.numel() > 1 else 0.0,
-            "reward/solved": float((batch.scores >= 1.0).float().mean()),
+            "reward/solved": float(process.solved(batch.scores, batch.steps).float().mean()),
+            "response/eos": float(batch.eos.float().mean()),
             "response/length": float(batch.mask.float().sum(-1).mean()),
         }
         if self.cfg.algo == "ppo":
