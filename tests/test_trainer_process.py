@@ -98,8 +98,9 @@ def test_reward_functions_get_the_keywords_they_take():
 # ------------------------------------------------------------------ the trainer's phases
 
 
-def test_grpo_step_rewards_take_process_advantages(tmp_path):
-    tr = Trainer(tiny(tmp_path, reward=TWO_STEPS, max_new_tokens=3, kl_coef=0.0))
+@pytest.mark.parametrize("losses", ["eager", "fused"])
+def test_grpo_step_rewards_take_process_advantages(tmp_path, losses):
+    tr = Trainer(tiny(tmp_path, reward=TWO_STEPS, max_new_tokens=3, kl_coef=0.0, losses=losses))
     batch = phases(tr)
     B, R = batch.mask.shape
     assert batch.advantages.shape == (B, R)
@@ -178,14 +179,17 @@ def test_issue15_fields_refused_naming_the_flag(tmp_path):
         tr.score(tr.rollout(1), 1)
 
 
-def test_prefix_sums_steps_reward():
-    from rlkernels.trainer.data import prefix_sums
+def test_prefix_tasks_and_steps_reward():
+    from rlkernels.trainer.data import prefix_max, prefix_sums
     from rlkernels.trainer.rewards import steps
     import random
 
     ex = prefix_sums(random.Random(3))
     d = [int(x) for x in ex.prompt.replace("+", " ").replace("=", " ").split()]
     assert ex.answer.split() == [str(d[0] % 10), str((d[0] + d[1]) % 10), str(sum(d) % 10)]
+    ex = prefix_max(random.Random(4))
+    d = [int(x) for x in ex.prompt.replace("=", " ").split()]
+    assert ex.answer.split() == [str(d[0]), str(max(d[:2])), str(max(d))]
     got = steps(None, ["", "", ""], ["3 7 2"] * 3, completion_tokens=[["3", "7", "5"], ["3", "<eos>"], ["<eos>"]])
     assert got == [[(1.0, 0), (1.0, 1), (0.0, 2)], [(1.0, 0), (0.0, 1), (0.0, 1)], [(0.0, 0), (0.0, 0), (0.0, 0)]]
 

@@ -41,7 +41,7 @@ class TrainConfig:
     reward: str = "exact_format"
     """Reward: a registered rule ('exact', 'format', 'exact_format', or 'steps': one step reward per expected token, for prefix_sums), a user callable 'module:function' called as fn(prompts, completions, answers) -> one float per completion (outcome) or a list of (reward, end_token_index) steps (process supervision, routed automatically; see trainer/process.py, which also lists the keywords 'eos' and 'completion_tokens' a function may take), or a sequence-classification reward-model directory."""
     task: str = "first_digit"
-    """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10', 'prefix_sums' (digit tasks for the tiny model; prefix_sums answers the running totals mod 10 of three digits, one step each, for the 'steps' reward) or 'arithmetic' (natural-language sums for chat models)."""
+    """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10', 'prefix_max', 'prefix_sums' (digit tasks for the tiny model; prefix_max / prefix_sums answer the running maxima / running totals mod 10 of three digits, one step per token, for the 'steps' reward) or 'arithmetic' (natural-language sums for chat models)."""
     prompts: str = ""
     """JSONL file of {"prompt": ..., "answer": ...} records; empty = use the built-in 'task' generator."""
     chat_template: bool = False
@@ -240,7 +240,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-TINY_TASKS = ("max_digit", "sum_mod10", "first_digit", "prefix_sums")
+TINY_TASKS = ("max_digit", "sum_mod10", "first_digit", "prefix_sums", "prefix_max")
 
 
 def _smollm2_path() -> str:

@@ -49,8 +49,14 @@ def prefix_sums(rng: random.Random) -> Example:
     return Example(" + ".join(map(str, d)) + " =", " ".join(map(str, totals)))
 
 
+def prefix_max(rng: random.Random) -> Example:
+    """Multi-step, every step checkable: the running maxima of three digits, e.g. ``3 7 2 =`` -> ``3 7 7``."""
+    d = _digits(rng, 3)
+    return Example(" ".join(map(str, d)) + " =", " ".join(str(max(d[: i + 1])) for i in range(3)))
+
+
 TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_digit, "arithmetic": arithmetic,
-         "prefix_sums": prefix_sums}
+         "prefix_sums": prefix_sums, "prefix_max": prefix_max}
 
 
 class PromptSource:
