@@ -10,9 +10,10 @@ import torch
 import rlkernels
 from rlkernels import advantages as adv_mod
 from rlkernels import reference
-from tests.helpers import REL_TOL, backends, forced_backend, rel_error
+from tests.helpers import REL_TOL, backends, devices, forced_backend, rel_error
 
 BACKENDS = backends("cpu")
+DEVICE_BACKENDS = [(d, b) for d in devices() for b in backends(d)]  # CUDA pairs where a GPU is present
 
 
 def run(backend, *args, **kwargs):
@@ -151,3 +152,15 @@ def test_no_gradient_and_documented():
     assert "Args:" in doc and "Returns:" in doc and "Raises:" in doc and "[B, S]" in doc and "§4.1.3" in doc
     assert "process_advantages" in rlkernels.__all__
     assert any(c.kernel is adv_mod._process_kernel for c in adv_mod.aot_configs())
+
+
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+def test_every_device_matches_float64(device, backend):
+    """The same random case on each device (CUDA runs the compiled Triton kernel), larger than the CPU tests'."""
+    gen = torch.Generator().manual_seed(5)
+    B, S, T = (64, 40, 300) if device == "cuda" else (8, 3, 10)
+    rewards, ends, mask = random_steps(B, S, T, gen)
+    truth = reference.process_advantages(rewards.double(), ends, T, step_mask=mask, group_size=8)  # [B, T]
+    out = run(backend, rewards.to(device), ends.to(device), T, step_mask=mask.to(device), group_size=8)
+    assert out.device.type == device
+    assert rel_error(out.cpu(), truth) <= REL_TOL[torch.float32]
