@@ -164,3 +164,14 @@ def test_every_device_matches_float64(device, backend):
     out = run(backend, rewards.to(device), ends.to(device), T, step_mask=mask.to(device), group_size=8)
     assert out.device.type == device
     assert rel_error(out.cpu(), truth) <= REL_TOL[torch.float32]
+
+
+def test_custom_op_passes_opcheck_and_compiles():
+    """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
+    gen = torch.Generator().manual_seed(6)
+    rewards, ends, mask = random_steps(8, 3, 6, gen)
+    for args in ((rewards, ends, mask, 6, 4, None, "grpo", 1e-6), (rewards, ends, mask, 6, None, torch.arange(8) % 3, "dr_grpo", 0.0)):
+        result = torch.library.opcheck(adv_mod._process_op, args)
+        assert all(v == "SUCCESS" for v in result.values()), result
+    compiled = torch.compile(lambda r, e, m: adv_mod._process_op(r, e, m, 6, 4, None, "grpo", 1e-6) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(rewards, ends, mask), 2 * run("torch", rewards, ends, 6, step_mask=mask, group_size=4))

@@ -8,8 +8,8 @@ Values are the papers' own; a value a paper does not state is not set (the train
 Sizes the tiny CPU demo cannot afford (DeepSeekMath's 1024-sample batches, DAPO's 512 prompts) are
 left out: group sizes and epochs/minibatch splits are set, batch and prompt counts are not.
 
-Some values belong to fields another part of the trainer adds (``kl_in``: where the KL goes; and
-``whiten_advantages``). A recipe lists them here; a field this build lacks is not applied and
+Some values belong to fields another part of the trainer adds (``kl_in``: where the KL goes;
+``whiten_advantages``; ``critic_init``: InstructGPT's value function starts from the reward model). A recipe lists them here; a field this build lacks is not applied and
 ``--help`` says so (:func:`pending`).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ RECIPES: dict[str, dict] = {
         "algo": "ppo", "group_size": 1, "kl_coef": 0.02, "kl_in": "reward", "kl_estimator": "k1",
         "clip_low": 0.2, "clip_high": 0.2, "gamma": 1.0, "lam": 0.95, "lr": 9.65e-6, "critic_lr": 9.65e-6,
         "epochs": 1, "minibatches": 8, "whiten_advantages": True, "agg": "token-mean", "ratio": "token",
+        "critic_init": "reward",
     },
     # DeepSeekMath GRPO, Shao et al. 2024 (arXiv:2402.03300), §4.1 eq. (3)-(4) and §4.2: KL in the loss with the
     # unbiased k3 estimator, β = 0.04, policy learning rate 1e-6, 64 samples per question, a single update per
