@@ -232,6 +232,8 @@ class Trainer:
     def score(self, batch: Rollout, step: int) -> Rollout:
         """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each) and,
         when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied."""
+        if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
+            batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
         raw = process.call_reward(self.reward_fn, batch.prompts, batch.completions, batch.answers, batch.eos,
                                   batch.labels, self.tokenizer)
         lengths = batch.mask.long().sum(-1)  # [B] response tokens
