@@ -120,3 +120,8 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     if quick:
         return [_case(256, 256, 8192, torch.float32, device), _case(256, 64, 32000, torch.float32, device)]
     return [_case(1024, 512, 50257, torch.float32, device), _case(1024, 64, 32000, torch.float32, device)]
+
+
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the same case at a tiny, odd size (the code path, not a measurement)."""
+    return [_case(16, 24, 1000, torch.bfloat16, device)]

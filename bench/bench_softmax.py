@@ -119,3 +119,8 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     else:
         shapes = [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (1024, 128256, torch.bfloat16)]
     return [_case(N, V, dtype, device) for N, V, dtype in shapes]
+
+
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the same case at a tiny, odd size (the code path, not a measurement)."""
+    return [_case(16, 1000, torch.bfloat16, device)]
