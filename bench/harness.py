@@ -261,7 +261,7 @@ def measure_ceilings(device: torch.device, quick: bool, *, tiny: bool = False) -
     (``python -m bench --gpu --dry-run``): one small copy and one small product, the same code path in
     well under a second."""
     if device.type == "cuda" or tiny:
-        timing = Timing(3, 10, 1.0) if not tiny else Timing(1, 3, 0.0)
+        timing = Timing(3, 10, 1.0) if not tiny else Timing(3, 5, 0.0)
         n = 1 << 30 if not tiny else 1 << 20  # bytes copied
         src = torch.empty(n, dtype=torch.uint8, device=device).random_()
         dst = torch.empty_like(src)
