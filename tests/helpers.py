@@ -105,3 +105,13 @@ def alias_bundled_trainer() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isfile(os.path.join(root, "trainer", "__init__.py")) and root not in rlkernels.__path__:
         rlkernels.__path__.append(root)
+
+
+def on_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device`` with their strides kept (``Tensor.to`` makes a sliced or strided view
+    contiguous on another device, which would test another layout); the same objects when already there."""
+    device = torch.device(device)
+    return tuple(
+        t if t.device == device else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+        for t in tensors
+    )

@@ -114,3 +114,26 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert record["trainer"]["run"]["steps"] == 3
     assert path.with_suffix(".md").read_text() == gpu.render_markdown(record)
     assert "== trainer: ok" in done.stdout
+
+
+def test_rows_state_the_ratio_to_the_fastest_peer():
+    """vs_best_peer = the fastest peer's median / the row's median; peers are the providers harness.peer made."""
+    from bench import harness
+
+    def peer_step(*inputs):
+        return None
+
+    def slower_peer(*inputs):
+        return None
+
+    peer_step.is_peer = slower_peer.is_peer = True
+    providers = {"eager": lambda: None, "rlkernels": lambda: None, "peer a": slower_peer, "peer b": peer_step,
+                 "peer c": harness.Unavailable("not installed (pip install c)")}
+    case = harness.Case("op", "shape", 1000, 10, "memory", lambda: (), providers)
+    measured = {name: harness._Measured(samples=[ms], peak=0) for name, ms in
+                [("eager", 10.0), ("rlkernels", 1.0), ("peer a", 4.0), ("peer b", 2.0)]}
+    measured["peer c"] = harness._Measured(skipped="not installed (pip install c)")
+    rows = {r.provider: r for r in harness._rows(case, measured, harness.Ceilings(1.0, 1.0, "cpu"))}
+    assert {k: r.vs_best_peer for k, r in rows.items() if k != "peer c"} == {"eager": 0.2, "rlkernels": 2.0, "peer a": 0.5, "peer b": 1.0}
+    assert rows["rlkernels"].speedup == 10.0 and rows["peer c"].skipped
+    assert harness.format_table(list(rows.values())).splitlines()[2].rstrip().endswith("0.20x")
