@@ -507,7 +507,7 @@ def main(argv=None) -> int:
     record = load_record(path)
     record.update(date=date, device=device_name, dry_run=args.dry_run, git_commit=git_commit(),
                   command="python -m bench --gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  env=record.get("env") or environment(device))
+                  env=environment(device))
     ok = True
     for name in parts:
         print(f"== {name}", flush=True)
