@@ -50,8 +50,11 @@ bench-quick: $(VENV)/.installed
 GPU_PY     ?= python3
 PART       ?= all
 GPU_WHEELS ?= .gpu-wheels
+ONLY       ?=
+# ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
 gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS)
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
+	  $(if $(ONLY),--only $(ONLY))
 
 # The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.
 gpu-dry-run: $(VENV)/.installed
