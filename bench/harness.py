@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -98,12 +99,18 @@ def peer(module: str, pip_name: str, device: torch.device, build: Callable[[], C
     """A peer provider: ``build()`` (which imports what it needs) when ``module`` imports and the device is
     CUDA; otherwise an :class:`Unavailable` row saying why (never an exception). The step returned is marked
     as a peer's (:func:`is_peer`), so each row can state its ratio to the fastest peer."""
+    try:  # located, not imported (importing trl or liger on a CPU run costs seconds for a row that cannot run)
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return Unavailable(f"not installed (pip install {pip_name})")
+    if device.type != "cuda":
+        return Unavailable("needs a CUDA device (Triton kernels)")
     try:
         importlib.import_module(module)
     except Exception:  # ImportError, or a broken install (a missing CUDA extension raises other errors)
         return Unavailable(f"not installed (pip install {pip_name})")
-    if device.type != "cuda":
-        return Unavailable("needs a CUDA device (Triton kernels)")
     try:
         step = build()
     except Exception as error:  # an API this bench does not know: reported, not fatal
