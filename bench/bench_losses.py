@@ -67,12 +67,14 @@ def _policy_inputs(B, T, dtype, device, *, per_seq_adv, with_extra):
     return make
 
 
-def cases(device: torch.device, quick: bool) -> list[Case]:
+def cases(device: torch.device, quick: bool, shapes: list[tuple[int, int]] | None = None) -> list[Case]:
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     s = torch.finfo(dtype).bits // 8
     dname = str(dtype).replace("torch.", "")
-    if gpu:
+    if shapes is not None:
+        pass
+    elif gpu:
         shapes = [(256, 4096)] if quick else [(256, 4096), (1024, 8192)]
     else:
         shapes = [(64, 1024)]
@@ -143,3 +145,8 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             providers=providers,
         ))
     return out
+
+
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the same cases at a tiny, odd size (the code path, not a measurement)."""
+    return cases(device, True, shapes=[(2, 37)])

@@ -12,7 +12,7 @@ Providers: ``eager`` (the reference formulas as a user writes them:
 ``log_softmax(logits.float() / T)``, ``gather``, ``-(p · logp).sum``, then
 autograd), ``torch.compile`` of that same function, ``rlkernels``
 (Triton on CUDA, the chunked PyTorch path on the CPU), and on CUDA where installed
-Liger-Kernel's and flash-attn's Triton cross-entropy (log-prob only).
+Liger-Kernel's and flash-attn's Triton cross-entropy and TRL's ``selective_log_softmax`` (log-prob only).
 """
 from __future__ import annotations
 
@@ -78,9 +78,19 @@ def _peers(device: torch.device) -> dict:
 
         return step
 
+    def trl():
+        from trl.trainer.utils import selective_log_softmax  # TRL's memory-saving log-prob gather (eager, no entropy)
+
+        def step(logits, labels, g_logp, g_ent):
+            logp = selective_log_softmax(logits.float() / TEMPERATURE, labels)  # [N]
+            return torch.autograd.grad(logp, [logits], g_logp)
+
+        return step
+
     return {
         "liger CE (logp only)": harness.peer("liger_kernel.transformers", "liger-kernel", device, liger),
         "flash-attn CE (logp only)": harness.peer("flash_attn.losses.cross_entropy", "flash-attn", device, flash_attn),
+        "trl selective_log_softmax (logp only)": harness.peer("trl.trainer.utils", "trl", device, trl),
     }
 
 
@@ -119,3 +129,8 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     else:
         shapes = [(2048, 32000, torch.float32), (2048, 32000, torch.bfloat16), (1024, 128256, torch.bfloat16)]
     return [_case(N, V, dtype, device) for N, V, dtype in shapes]
+
+
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the same case at a tiny, odd size (the code path, not a measurement)."""
+    return [_case(16, 1000, torch.bfloat16, device)]

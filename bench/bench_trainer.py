@@ -88,3 +88,8 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
         dict(B=16, P=128, R=1024, V=151936, H=896, layers=4),
     ]
     return [_case(device, dtype=torch.bfloat16, **s) for s in shapes]
+
+
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the same step at a tiny size (the code path, not a measurement)."""
+    return [_case(device, dtype=torch.float32, B=2, P=4, R=8, V=1000, H=32, layers=1)]

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -63,7 +64,8 @@ class Row:
     rate_unit: str
     fraction_of_bound: float
     peak_mib: float
-    speedup: float = float("nan")
+    speedup: float = float("nan")  # baseline's time / this provider's time
+    vs_best_peer: float = float("nan")  # fastest peer's time / this provider's time (nan: no peer ran)
     error: str = ""  # the provider failed
     skipped: str = ""  # the provider cannot run here (not installed, needs CUDA)
     samples: int = 0  # timed samples the median is over
@@ -95,17 +97,35 @@ SAMPLE_S = 2e-3  # a sample repeats the call until it lasts this long: timer ove
 
 def peer(module: str, pip_name: str, device: torch.device, build: Callable[[], Callable]):
     """A peer provider: ``build()`` (which imports what it needs) when ``module`` imports and the device is
-    CUDA; otherwise an :class:`Unavailable` row saying why (never an exception)."""
-    try:
-        importlib.import_module(module)
-    except Exception:  # ImportError, or a broken install (a missing CUDA extension raises other errors)
+    CUDA; otherwise an :class:`Unavailable` row saying why (never an exception). The step returned is marked
+    as a peer's (:func:`is_peer`), so each row can state its ratio to the fastest peer."""
+    try:  # located, not imported (importing trl or liger on a CPU run costs seconds for a row that cannot run)
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         return Unavailable(f"not installed (pip install {pip_name})")
     if device.type != "cuda":
         return Unavailable("needs a CUDA device (Triton kernels)")
     try:
-        return build()
+        importlib.import_module(module)
+    except Exception:  # ImportError, or a broken install (a missing CUDA extension raises other errors)
+        return Unavailable(f"not installed (pip install {pip_name})")
+    try:
+        step = build()
     except Exception as error:  # an API this bench does not know: reported, not fatal
         return Unavailable(f"unsupported version: {error!r}"[:100])
+
+    def peer_step(*inputs):
+        return step(*inputs)
+
+    peer_step.is_peer = True
+    return peer_step
+
+
+def is_peer(provider) -> bool:
+    """Whether a provider was made by :func:`peer` (another project's kernel, not eager/compile/rlkernels)."""
+    return bool(getattr(provider, "is_peer", False))
 
 
 def keep_freed_memory() -> bool:
@@ -242,22 +262,27 @@ def _thread_counts() -> list[int]:
     return sorted({1, n, *(2**k for k in range(1, n.bit_length()) if 2**k <= n)})
 
 
-def measure_ceilings(device: torch.device, quick: bool) -> Ceilings:
-    if device.type == "cuda":
-        timing = Timing(3, 10, 1.0)
-        n = 1 << 30  # 1 GiB copy
+def measure_ceilings(device: torch.device, quick: bool, *, tiny: bool = False) -> Ceilings:
+    """The device's copy bandwidth (bytes read + written per second) and matmul rate. CUDA: a 1 GiB
+    device-to-device copy and a bf16 8192^3 product. CPU: the best over sizes and thread counts. ``tiny``
+    (``python -m bench --gpu --dry-run``): one small copy and one small product, the same code path in
+    well under a second."""
+    if device.type == "cuda" or tiny:
+        timing = Timing(3, 10, 1.0) if not tiny else Timing(3, 5, 0.0)
+        n = 1 << 30 if not tiny else 1 << 20  # bytes copied
         src = torch.empty(n, dtype=torch.uint8, device=device).random_()
         dst = torch.empty_like(src)
         ms, _ = time_median_ms(lambda: dst.copy_(src), device, timing)
         copy = 2 * n / ms / 1e6
-        k = 8192
-        a = torch.randn(k, k, device=device, dtype=torch.bfloat16)
-        b = torch.randn(k, k, device=device, dtype=torch.bfloat16)
+        k = 8192 if not tiny else 128
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        a = torch.randn(k, k, device=device, dtype=dtype)  # [k, k] random: zeros multiply faster
+        b = torch.randn(k, k, device=device, dtype=dtype)  # [k, k]
         ms, _ = time_median_ms(lambda: a @ b, device, timing)
-        return Ceilings(copy, 2 * k**3 / ms / 1e9, torch.cuda.get_device_name(device))
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{_machine()}"
+        return Ceilings(copy, 2 * k**3 / ms / 1e9, name,
+                        extra={"copy_at": _bytes(n), "matmul_at": f"{k}x{k} {str(dtype).removeprefix('torch.')}"})
     # The best of every size and thread count, each timed by its fastest sample: a ceiling, not a typical rate.
-    import platform
-
     timing = Timing(min_samples=5, samples=15, budget_s=0.15 if quick else 0.5)
     best_copy, best_mm = (0.0, ""), (0.0, "")
     copy_sizes = [1 << s for s in range(14, (27 if quick else 29), 2)]  # 16 KiB (L1) .. 64 MiB / 256 MiB (DRAM)
@@ -276,8 +301,14 @@ def measure_ceilings(device: torch.device, quick: bool) -> Ceilings:
                 rate = 2 * k**3 / ms / 1e9  # TFLOP/s
                 if rate > best_mm[0]:
                     best_mm = (rate, f"{k}x{k} float32, {threads} thread{'s' * (threads > 1)}")
-    return Ceilings(best_copy[0], best_mm[0], f"cpu-{platform.machine()}-{torch.get_num_threads()}t",
+    return Ceilings(best_copy[0], best_mm[0], f"cpu-{_machine()}",
                     extra={"copy_at": best_copy[1], "matmul_at": best_mm[1]})
+
+
+def _machine() -> str:
+    import platform
+
+    return f"{platform.machine()}-{torch.get_num_threads()}t"
 
 
 def _bytes(n: int) -> str:
@@ -412,6 +443,10 @@ def _rows(case: Case, measured: dict[str, _Measured], ceilings: Ceilings) -> lis
     if base is not None and base.median_ms == base.median_ms:
         for r in rows:
             r.speedup = base.median_ms / r.median_ms
+    peer_ms = [r.median_ms for r in rows if is_peer(case.providers[r.provider]) and r.median_ms == r.median_ms]
+    if peer_ms:
+        for r in rows:
+            r.vs_best_peer = min(peer_ms) / r.median_ms
     return rows
 
 
@@ -422,11 +457,12 @@ def default_passes(device: torch.device) -> int:
 
 
 def run_cases(cases: list[Case], device: torch.device, ceilings: Ceilings, *, quick: bool, passes: int | None = None,
-              progress: Callable[[list[Row]], None] | None = None) -> list[Row]:
+              progress: Callable[[list[Row]], None] | None = None, timing: Timing | None = None) -> list[Row]:
     """Rows for every case: median time over ``passes`` passes (each taking ``1/passes`` of the case's samples
-    and budget), rate, fraction of the ceiling, peak memory, speedup over the baseline. ``progress`` gets each
-    case's rows as its last pass finishes."""
-    timing = QUICK if quick else FULL
+    and budget), rate, fraction of the ceiling, peak memory, speedup over the baseline and ratio to the fastest
+    peer. ``progress`` gets each case's rows as its last pass finishes. ``timing`` overrides the sampling
+    (default: ``QUICK`` or ``FULL``)."""
+    timing = timing or (QUICK if quick else FULL)
     passes = passes or default_passes(device)
     share = Timing(max(1, math.ceil(timing.min_samples / passes)), max(1, math.ceil(timing.samples / passes)),
                    timing.budget_s / passes)
@@ -492,7 +528,7 @@ def format_table(rows: list[Row]) -> str:
     w_shape = max([30, *(len(r.shape) for r in rows)])
     w_prov = max([16, *(len(r.provider) for r in rows)])
     header = (f"{'op':<{w_op}} {'shape':<{w_shape}} {'provider':<{w_prov}} {'median ms':>10} {'rate':>14} "
-              f"{'of bound':>9} {'peak MiB':>10} {'speedup':>8}")
+              f"{'of bound':>9} {'peak MiB':>10} {'speedup':>8} {'vs peer':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         head = f"{r.op:<{w_op}} {r.shape:<{w_shape}} {r.provider:<{w_prov}}"
@@ -504,6 +540,7 @@ def format_table(rows: list[Row]) -> str:
             lines.append(
                 f"{head} {_ms(r.median_ms):>10} {format_rate(r.rate, r.rate_unit):>14} "
                 f"{_fraction(r.fraction_of_bound):>9} {r.peak_mib:10.1f} {r.speedup:7.2f}x"
+                + (f" {r.vs_best_peer:7.2f}x" if r.vs_best_peer == r.vs_best_peer else "")
             )
     return "\n".join(lines)
 

@@ -8,6 +8,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+from tests.helpers import alias_bundled_trainer  # noqa: E402  (needs ROOT on sys.path)
+
+alias_bundled_trainer()  # a plain checkout (a GPU machine without pip install) still imports rlkernels.trainer
+
 # where the table of every Triton configuration compiled ahead of time goes (one line on screen names it)
 AOT_REPORT_ENV = "RLKERNELS_AOT_REPORT"
 AOT_REPORT_DEFAULT = os.path.join(ROOT, "build", "aot-report.txt")

@@ -86,3 +86,32 @@ def noncontiguous(x: torch.Tensor) -> torch.Tensor:
     view.copy_(x)
     assert not view.is_contiguous()
     return view
+
+
+def alias_bundled_trainer() -> None:
+    """Make ``rlkernels.trainer`` importable from a plain checkout (run with ``PYTHONPATH=.`` and no
+    ``pip install``, as on a GPU machine that cannot install): an installed package maps ``trainer/`` to
+    ``rlkernels.trainer`` (pyproject's package-dir); without the install, the checkout's root is added to
+    ``rlkernels.__path__`` so ``rlkernels.trainer`` is found as ``<root>/trainer``. No-op when it imports."""
+    import importlib.util
+
+    import rlkernels
+
+    try:
+        if importlib.util.find_spec("rlkernels.trainer") is not None:
+            return
+    except ImportError:
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "trainer", "__init__.py")) and root not in rlkernels.__path__:
+        rlkernels.__path__.append(root)
+
+
+def on_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device`` with their strides kept (``Tensor.to`` makes a sliced or strided view
+    contiguous on another device, which would test another layout); the same objects when already there."""
+    device = torch.device(device)
+    return tuple(
+        t if t.device == device else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+        for t in tensors
+    )

@@ -14,7 +14,7 @@ import torch
 import rlkernels
 from rlkernels import _backend, _extension, reference
 from rlkernels import advantages as adv_mod
-from tests.helpers import REL_TOL, assert_close_to_truth, backends, forced_backend, rel_error
+from tests.helpers import REL_TOL, assert_close_to_truth, backends, devices, forced_backend, on_device, rel_error
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
@@ -31,6 +31,10 @@ def all_backends(device="cpu"):
     return backends(device) + ["csrc"]
 
 
+# every backend on every device (csrc: its C++ kernels on the CPU, its CUDA kernels on a GPU)
+DEVICE_BACKENDS = [pytest.param(d, b, id=f"{d}-{b}") for d in devices() for b in all_backends(d)]
+
+
 def backend_for(device, dtype=torch.float32):
     """The backend the ops of rlkernels.advantages resolve to for inputs of ``dtype`` on ``device``."""
     return _backend.resolve(device, adv_mod._SUPPORTED, dtype)
@@ -39,6 +43,15 @@ def backend_for(device, dtype=torch.float32):
 def run(backend, fn, *args, **kwargs):
     with forced_backend(backend):
         return fn(*args, **kwargs)
+
+
+def run_on(device, backend, fn, *args, **kwargs):
+    """``run`` with every tensor argument moved to ``device`` (strides kept) and the outputs brought back to
+    the CPU, where the tests compare them with the float64 truth."""
+    args = [on_device(device, a)[0] if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = {k: on_device(device, v)[0] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    out = run(backend, fn, *args, **kwargs)
+    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
 
 def make_mask(B, T, kind, gen):
@@ -68,9 +81,9 @@ def gae_inputs(B, T, kind, rewards_kind, dtype, gen):
     return rewards.to(dtype), values.to(dtype), mask
 
 
-def check_gae(backend, rewards, values, mask, gamma, lam, tol):
+def check_gae(backend, rewards, values, mask, gamma, lam, tol, device="cpu"):
     truth_a, truth_r = reference.gae(rewards.double(), values.double(), mask, gamma=gamma, lam=lam)
-    a, r = run(backend, rlkernels.gae, rewards, values, mask, gamma=gamma, lam=lam)
+    a, r = run_on(device, backend, rlkernels.gae, rewards, values, mask, gamma=gamma, lam=lam)
     assert a.dtype == torch.float32 and r.dtype == torch.float32 and a.shape == rewards.shape
     valid = mask.bool()
     # only positions with mask = 1 are specified
@@ -80,35 +93,35 @@ def check_gae(backend, rewards, values, mask, gamma, lam, tol):
     assert err_r <= tol, f"{backend}: returns rel. error {err_r:.2e} > {tol:.1e}"
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("kind", ["right-padded", "gaps"])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.0, 0.9), (0.9, 0.0), (1.0, 0.9)])
-def test_gae_matches_reference(backend, kind, gamma, lam, csrc_ops):
+def test_gae_matches_reference(device, backend, kind, gamma, lam, csrc_ops):
     gen = torch.Generator().manual_seed(hash((backend, kind, gamma, lam)) % 2**31)
     for B, T, rewards_kind in ((5, 37, "per-token"), (3, 300, "end-only")):
         r, v, m = gae_inputs(B, T, kind, rewards_kind, torch.float32, gen)
-        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32])
+        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32], device=device)
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gae_low_precision_inputs(backend, dtype, csrc_ops):
+def test_gae_low_precision_inputs(device, backend, dtype, csrc_ops):
     # Inputs are read in their dtype and computed in float32, so against the float64
     # truth *of the rounded inputs* the float32 tolerance applies.
     gen = torch.Generator().manual_seed(3)
     r, v, m = gae_inputs(4, 70, "gaps", "per-token", dtype, gen)
-    check_gae(backend, r, v, m, 0.95, 0.9, REL_TOL[torch.float32])
+    check_gae(backend, r, v, m, 0.95, 0.9, REL_TOL[torch.float32], device=device)
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_gae_single_token_and_noncontiguous(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_gae_single_token_and_noncontiguous(device, backend, csrc_ops):
     gen = torch.Generator().manual_seed(4)
     r, v, m = gae_inputs(6, 1, "gaps", "per-token", torch.float32, gen)
     m[0] = True
-    check_gae(backend, r, v, m, 0.9, 0.95, REL_TOL[torch.float32])
+    check_gae(backend, r, v, m, 0.9, 0.95, REL_TOL[torch.float32], device=device)
     wide_r, wide_v = torch.randn(4, 2 * 90, generator=gen), torch.randn(4, 2 * 90, generator=gen)
     m = make_mask(4, 90, "gaps", gen).float()  # 0/1 float mask
-    check_gae(backend, wide_r[:, ::2], wide_v[:, 1::2], m, 0.99, 0.95, REL_TOL[torch.float32])
+    check_gae(backend, wide_r[:, ::2], wide_v[:, 1::2], m, 0.99, 0.95, REL_TOL[torch.float32], device=device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
@@ -146,9 +159,9 @@ def test_gae_transparency_and_zero_rows(csrc_ops):
 # ---------------------------------------------------------------- group advantages
 
 
-def check_group(backend, scores, group_size=None, index=None, mode="grpo"):
+def check_group(backend, scores, group_size=None, index=None, mode="grpo", device="cpu"):
     truth = reference.group_advantages(scores.double(), group_size, index=index, mode=mode)
-    out = run(backend, rlkernels.group_advantages, scores, group_size, index=index, mode=mode)
+    out = run_on(device, backend, rlkernels.group_advantages, scores, group_size, index=index, mode=mode)
     assert out.dtype == torch.float32 and out.shape == scores.shape
     assert torch.equal(torch.isnan(out), torch.isnan(truth)), f"{backend}: NaN pattern differs"
     err = rel_error(out, truth)
@@ -156,22 +169,22 @@ def check_group(backend, scores, group_size=None, index=None, mode="grpo"):
     return out
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
-def test_group_contiguous(backend, mode, csrc_ops):
+def test_group_contiguous(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(7)
     for group_size in (1, 2, 5, 16, 64):
         scores = torch.randn(group_size * 6, generator=gen) * 3 + 1
         scores[group_size : 2 * group_size] = 0.7  # a constant group
-        out = check_group(backend, scores, group_size, mode=mode)
+        out = check_group(backend, scores, group_size, mode=mode, device=device)
         assert torch.all(out[group_size : 2 * group_size] == 0)
         if group_size == 1:
             assert torch.all(out == 0)
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("mode", ["grpo", "rloo"])
-def test_group_index_and_nan(backend, mode, csrc_ops):
+def test_group_index_and_nan(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(8)
     N = 300  # more than one 256-wide block per group in the Triton kernel's loop
     index = torch.randint(0, 4, (N,), generator=gen) * 1000 - 7  # arbitrary, non-contiguous ids
@@ -179,50 +192,50 @@ def test_group_index_and_nan(backend, mode, csrc_ops):
     index[3] = 999  # ... and a group of one
     scores = torch.randn(N, generator=gen)
     scores[:3] = 0.1 + 0.2  # constant: exactly 0 whatever the rounding of its mean
-    out = check_group(backend, scores, index=index.to(torch.int32), mode=mode)
+    out = check_group(backend, scores, index=index.to(torch.int32), mode=mode, device=device)
     assert torch.all(out[:4] == 0)
     bad = index[10].item()
     scores[10] = float("nan")  # NaN in one group stays in that group
-    out = check_group(backend, scores, index=index, mode=mode)
+    out = check_group(backend, scores, index=index, mode=mode, device=device)
     assert torch.isnan(out[index == bad]).all()
     assert not torch.isnan(out[index != bad]).any()
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_group_nan_contiguous(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_group_nan_contiguous(device, backend, csrc_ops):
     scores = torch.randn(32, generator=torch.Generator().manual_seed(9))
     scores[5] = float("nan")
-    out = check_group(backend, scores, 8)
+    out = check_group(backend, scores, 8, device=device)
     assert torch.isnan(out[:8]).all() and not torch.isnan(out[8:]).any()
 
 
 # ---------------------------------------------------------------- masked whitening
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shift_mean", [True, False])
-def test_masked_whiten(backend, dtype, shift_mean, csrc_ops):
+def test_masked_whiten(device, backend, dtype, shift_mean, csrc_ops):
     gen = torch.Generator().manual_seed(10)
     for shape in ((7, 333), (3000, 10)):
         x = (torch.randn(*shape, generator=gen) * 4 + 100).to(dtype)  # large mean: tests cancellation
         mask = torch.rand(*shape, generator=gen) < 0.7
         x[~mask] = float("nan")  # masked-out entries do not enter the statistics
         truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)
-        out = run(backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
+        out = run_on(device, backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
         assert out.dtype == torch.float32 and out.shape == x.shape
         err = rel_error(out[mask], truth[mask])
         assert err <= REL_TOL[torch.float32] * (1 if shift_mean else 0.1), f"{backend}: rel. error {err:.2e}"
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_masked_whiten_degenerate(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_masked_whiten_degenerate(device, backend, csrc_ops):
     x = torch.randn(4, 5)
     one = torch.zeros(4, 5, dtype=torch.bool)
     one[2, 3] = True
     for mask in (torch.zeros(4, 5, dtype=torch.bool), one):  # no masked entry, one masked entry: var = 0
         truth = reference.masked_whiten(x.double(), mask)
-        out = run(backend, rlkernels.masked_whiten, x, mask)
+        out = run_on(device, backend, rlkernels.masked_whiten, x, mask)
         assert rel_error(out, truth) <= REL_TOL[torch.float32]
 
 
@@ -405,73 +418,73 @@ def test_fallback_without_extension(monkeypatch, csrc_ops):
 # ---------------------------------------------------------------- hostile inputs
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("name", ["gamma", "lam"])
 @pytest.mark.parametrize("bad", [-0.1, 1.5, -1, 2, float("nan"), float("inf"), -float("inf")])
-def test_gae_rejects_gamma_lam_outside_unit_interval(backend, name, bad, csrc_ops):
+def test_gae_rejects_gamma_lam_outside_unit_interval(device, backend, name, bad, csrc_ops):
     r, v, m = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool)  # [B, T] x3
     kwargs = {"gamma": 0.9, "lam": 0.95, name: bad}
     with pytest.raises(ValueError, match=name):
-        run(backend, rlkernels.gae, r, v, m, **kwargs)
+        run_on(device, backend, rlkernels.gae, r, v, m, **kwargs)
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_gae_accepts_unit_interval_ends(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_gae_accepts_unit_interval_ends(device, backend, csrc_ops):
     # 0 and 1 are legal for both (γ = 0: one-step TD; λ = 0: TD(0); λ = 1: Monte Carlo)
     gen = torch.Generator().manual_seed(12)
     r, v, m = gae_inputs(3, 9, "gaps", "per-token", torch.float32, gen)  # [B, T] x3
     for gamma, lam in ((0, 0), (1, 1), (0.0, 1.0), (1.0, 0.0)):
-        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32])
+        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32], device=device)
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf"), -float("inf")])
-def test_eps_must_be_finite_and_non_negative(backend, bad, csrc_ops):
+def test_eps_must_be_finite_and_non_negative(device, backend, bad, csrc_ops):
     s = torch.randn(8)  # [N]
     for mode in adv_mod.GROUP_MODES:  # checked in every mode, also those that do not use it
         with pytest.raises(ValueError, match="eps"):
-            run(backend, rlkernels.group_advantages, s, 4, mode=mode, eps=bad)
+            run_on(device, backend, rlkernels.group_advantages, s, 4, mode=mode, eps=bad)
         with pytest.raises(ValueError, match="eps"):
-            run(backend, rlkernels.group_advantages, s, index=torch.arange(8) % 3, mode=mode, eps=bad)
+            run_on(device, backend, rlkernels.group_advantages, s, index=torch.arange(8) % 3, mode=mode, eps=bad)
     for shift_mean in (True, False):
         with pytest.raises(ValueError, match="eps"):
-            run(backend, rlkernels.masked_whiten, torch.randn(3, 4), torch.ones(3, 4), shift_mean=shift_mean, eps=bad)
+            run_on(device, backend, rlkernels.masked_whiten, torch.randn(3, 4), torch.ones(3, 4), shift_mean=shift_mean, eps=bad)
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_eps_zero_allowed(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_eps_zero_allowed(device, backend, csrc_ops):
     gen = torch.Generator().manual_seed(13)
     s = torch.randn(12, generator=gen)  # [N]
     truth = reference.group_advantages(s.double(), 4, eps=0.0)  # [N]
-    assert rel_error(run(backend, rlkernels.group_advantages, s, 4, eps=0), truth) <= REL_TOL[torch.float32]
+    assert rel_error(run_on(device, backend, rlkernels.group_advantages, s, 4, eps=0), truth) <= REL_TOL[torch.float32]
     x, m = torch.randn(3, 7, generator=gen), torch.rand(3, 7, generator=gen) < 0.7  # [B, T] x2
     truth = reference.masked_whiten(x.double(), m, eps=0.0)  # [B, T]
-    assert rel_error(run(backend, rlkernels.masked_whiten, x, m, eps=0.0), truth) <= REL_TOL[torch.float32]
+    assert rel_error(run_on(device, backend, rlkernels.masked_whiten, x, m, eps=0.0), truth) <= REL_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("backend", all_backends())
-def test_bad_input_list_raises_naming_the_argument(backend, csrc_ops):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_bad_input_list_raises_naming_the_argument(device, backend, csrc_ops):
     """DESIGN.md's bad-input list for these ops, on every backend (validation precedes dispatch)."""
     s = torch.randn(12)  # [N]
     for gs in (5, 7, 24):  # does not divide N = 12
         with pytest.raises(ValueError, match="group_size"):
-            run(backend, rlkernels.group_advantages, s, gs)
+            run_on(device, backend, rlkernels.group_advantages, s, gs)
     for mode in ("ppo", "GRPO", ""):
         with pytest.raises(ValueError, match="mode"):
-            run(backend, rlkernels.group_advantages, s, 4, mode=mode)
+            run_on(device, backend, rlkernels.group_advantages, s, 4, mode=mode)
         with pytest.raises(ValueError, match="mode"):
-            run(backend, rlkernels.group_advantages, s, index=torch.zeros(12, dtype=torch.int64), mode=mode)
+            run_on(device, backend, rlkernels.group_advantages, s, index=torch.zeros(12, dtype=torch.int64), mode=mode)
     with pytest.raises(ValueError, match="eps"):
-        run(backend, rlkernels.group_advantages, s, 4, eps=-1e-6)
+        run_on(device, backend, rlkernels.group_advantages, s, 4, eps=-1e-6)
     with pytest.raises(ValueError, match="eps"):
-        run(backend, rlkernels.masked_whiten, s, torch.ones(12), eps=float("nan"))
+        run_on(device, backend, rlkernels.masked_whiten, s, torch.ones(12), eps=float("nan"))
     r, v, m = torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3)  # [B, T] x3
     with pytest.raises(ValueError, match="gamma"):
-        run(backend, rlkernels.gae, r, v, m, gamma=1.01)
+        run_on(device, backend, rlkernels.gae, r, v, m, gamma=1.01)
     with pytest.raises(ValueError, match="lam"):
-        run(backend, rlkernels.gae, r, v, m, lam=-0.5)
+        run_on(device, backend, rlkernels.gae, r, v, m, lam=-0.5)
     with pytest.raises(TypeError, match="gamma"):
-        run(backend, rlkernels.gae, r, v, m, gamma="0.9")
+        run_on(device, backend, rlkernels.gae, r, v, m, gamma="0.9")
 
 
 def test_reference_group_advantages_checks_mode_up_front():
@@ -480,25 +493,25 @@ def test_reference_group_advantages_checks_mode_up_front():
         reference.group_advantages(torch.ones(6, dtype=torch.float64), 3, mode="ppo")
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
-def test_empty_batches(backend, mask_dtype, csrc_ops):
+def test_empty_batches(device, backend, mask_dtype, csrc_ops):
     for B, T in ((0, 5), (3, 0), (0, 0)):
         r, v, m = torch.randn(B, T), torch.randn(B, T), torch.ones(B, T, dtype=mask_dtype)  # [B, T] x3
-        a, ret = run(backend, rlkernels.gae, r, v, m, gamma=0.9, lam=0.95)
+        a, ret = run_on(device, backend, rlkernels.gae, r, v, m, gamma=0.9, lam=0.95)
         assert a.shape == (B, T) and ret.shape == (B, T) and a.dtype == ret.dtype == torch.float32
         for shift_mean in (True, False):
-            w = run(backend, rlkernels.masked_whiten, r, m, shift_mean=shift_mean)
+            w = run_on(device, backend, rlkernels.masked_whiten, r, m, shift_mean=shift_mean)
             assert w.shape == (B, T) and w.dtype == torch.float32
     for mode in adv_mod.GROUP_MODES:
         for kwargs in ({"group_size": 4}, {"index": torch.zeros(0, dtype=torch.int64)}):
-            g = run(backend, rlkernels.group_advantages, torch.randn(0), mode=mode, **kwargs)
+            g = run_on(device, backend, rlkernels.group_advantages, torch.randn(0), mode=mode, **kwargs)
             assert g.shape == (0,) and g.dtype == torch.float32
 
 
-@pytest.mark.parametrize("backend", all_backends())
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_ops_compute_in_float32_under_autocast(backend, autocast_dtype, csrc_ops):
+def test_ops_compute_in_float32_under_autocast(device, backend, autocast_dtype, csrc_ops):
     """Every op gives the no-autocast result inside torch.autocast (values near 8.7: a bf16
     matmul in the torch GAE path was off by ~0.05 there)."""
     gen = torch.Generator().manual_seed(14)
@@ -508,12 +521,13 @@ def test_ops_compute_in_float32_under_autocast(backend, autocast_dtype, csrc_ops
     x = torch.randn(4, 70, generator=gen) + 8.7  # [B, T]
 
     def ops():
-        a, ret = rlkernels.gae(r, v, m, gamma=0.99, lam=0.95)
-        return a, ret, rlkernels.group_advantages(s, 4), rlkernels.masked_whiten(x, m)
+        rd, vd, md, sd, xd = on_device(device, r, v, m, s, x)
+        a, ret = rlkernels.gae(rd, vd, md, gamma=0.99, lam=0.95)
+        return tuple(t.cpu() for t in (a, ret, rlkernels.group_advantages(sd, 4), rlkernels.masked_whiten(xd, md)))
 
     with forced_backend(backend):
         plain = ops()
-        with torch.autocast("cpu", dtype=autocast_dtype):
+        with torch.autocast(device, dtype=autocast_dtype):
             autocast = ops()
     for name, p, q in zip(("advantages", "returns", "group_advantages", "masked_whiten"), plain, autocast):
         assert q.dtype == torch.float32, name

@@ -44,10 +44,10 @@ def _run(fn, hidden, weight, bias, labels, g_logp, g_ent, temperature):
     return logp, ent, grads
 
 
-def _leaf(x, dtype, noncontig=False):
+def _leaf(x, dtype, noncontig=False, device="cpu"):
     if x is None:
         return None
-    y = x.detach().to(dtype)
+    y = x.detach().to(dtype).to(device)
     if noncontig:
         y = noncontiguous(y)
     return y.requires_grad_()
@@ -64,18 +64,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", [pytest.param(d, b, id=f"{d}-{b}") for d in devices() for b in backends(d)])
 @pytest.mark.parametrize("N,H,V,bias,temperature,dtype,noncontig", CASES)
-def test_matches_float64_truth(backend, N, H, V, bias, temperature, dtype, noncontig):
+def test_matches_float64_truth(device, backend, N, H, V, bias, temperature, dtype, noncontig):
     hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=bias, seed=N * V + H)
     truth = _run(reference.linear_logprobs, *(x.requires_grad_() if x is not None else None for x in (hidden, weight, b)),
                  labels, g_logp, g_ent, temperature)
     eager = _run(reference.linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype),
                  labels, g_logp, g_ent, temperature)
-    h, w, bb = _leaf(hidden, dtype, noncontig), _leaf(weight, dtype), _leaf(b, dtype)
+    h, w, bb = _leaf(hidden, dtype, noncontig, device), _leaf(weight, dtype, device=device), _leaf(b, dtype, device=device)
     with forced_backend(backend):
-        out = _run(linear_logprobs, h, w, bb, labels, g_logp, g_ent, temperature)
-    logp, ent, grads = out
+        out = _run(linear_logprobs, h, w, bb, labels.to(device), g_logp.to(device), g_ent.to(device), temperature)
+    logp, ent, grads = out[0].cpu(), out[1].cpu(), [g.cpu() for g in out[2]]  # compared on the CPU
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
     ignored = labels == -100
     assert torch.all(logp[ignored] == 0) and torch.all(ent[ignored] == 0)

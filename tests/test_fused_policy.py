@@ -108,10 +108,11 @@ def test_linear_policy_loss_matches_float64_truth(device, backend, agg, options)
         assert_close_to_truth(g, t, torch.float32, eager=e, name=f"d_{name}")
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
-def test_linear_policy_loss_dtypes_and_odd_vocab(dtype, ratio):
-    x = _inputs(3, 7, 40, 4097, seed=5, adv_per_seq=True)
+def test_linear_policy_loss_dtypes_and_odd_vocab(device, dtype, ratio):
+    x = _inputs(3, 7, 40, 4097, seed=5, adv_per_seq=True, device=device)
     options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-mean")
     upstream = -0.6
     _, _, t_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype).double())  # truth of the rounded inputs
@@ -253,12 +254,13 @@ def test_bad_input_names_the_argument(bad, match):
 # ---------------------------------------------------------------- logits_policy_loss
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", OPTION_CASES[1:], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_logits_policy_loss_matches_float64_truth(dtype, backend, options):
-    x = _inputs(3, 6, 8, 1000, seed=11, adv_per_seq=options.get("ratio") == "sequence")
-    logits = (torch.randn(3, 6, 1000, generator=_gen(12)) * 2).to(dtype)  # [B, T, V]
+def test_logits_policy_loss_matches_float64_truth(device, dtype, backend, options):
+    x = _inputs(3, 6, 8, 1000, seed=11, adv_per_seq=options.get("ratio") == "sequence", device=device)
+    logits = (torch.randn(3, 6, 1000, generator=_gen(12)) * 2).to(dtype).to(device)  # [B, T, V]
     options = dict(options, agg="seq-mean-token-sum")
     temperature = options.pop("temperature", 1.0)
     ent_on = options.get("entropy_coef", 0.0) != 0

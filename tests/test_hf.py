@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from rlkernels import hf  # noqa: E402
 from rlkernels.hf import response_logprobs, smollm2_gguf  # noqa: E402
-from tests.helpers import assert_close_to_truth, forced_backend  # noqa: E402
+from tests.helpers import assert_close_to_truth, devices, forced_backend, on_device  # noqa: E402
 
 V = 97  # odd vocabulary
 
@@ -134,17 +134,19 @@ def _head_truth(model, input_ids, attention_mask, response_mask, temperature, po
     return pad(logp), pad(ent), pad(logp_bound), pad(ent_bound)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False), ("gpt2", True), ("gpt2", False)])
-def test_matches_model_logits(kind, tied, backend):
+def test_matches_model_logits(device, kind, tied, backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    model = _tiny(kind, tied)
-    ids, am, rm = _batch()
+    model = _tiny(kind, tied).to(device)
+    batch = on_device(device, *_batch())  # ids, attention mask, response mask [B, T] on the device
+    ids, am, rm = (t.cpu() for t in batch)
     with torch.no_grad():
-        want_lp, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 0.8)
+        want_lp, want_ent, lp_bound, ent_bound = (t.cpu() for t in _head_truth(model, *batch, 0.8))
         with forced_backend(backend):
-            logp, ent = response_logprobs(model, ids, am, rm, temperature=0.8, return_entropy=True)
+            logp, ent = (t.cpu() for t in response_logprobs(model, *batch, temperature=0.8, return_entropy=True))
     assert logp.shape == ids.shape and ent.shape == ids.shape
     assert logp.dtype == ent.dtype == torch.float32
     assert torch.all(logp[rm == 0] == 0) and torch.all(ent[rm == 0] == 0)
@@ -152,7 +154,7 @@ def test_matches_model_logits(kind, tied, backend):
     _assert_within("entropy", ent, want_ent, ent_bound)
     # the head's truth is the model's own logits: its float32 logits agree within the same bounds
     with torch.no_grad():
-        eager_lp, eager_ent = _truth(model, ids, am, rm, 0.8)
+        eager_lp, eager_ent = (t.cpu() for t in _truth(model, *batch, 0.8))
     _assert_within("eager logp", eager_lp, want_lp, lp_bound)
     _assert_within("eager entropy", eager_ent, want_ent, ent_bound)
     # the worst-case bounds are loose (errors land below 1% of them): also no further from the truth than eager

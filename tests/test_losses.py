@@ -10,9 +10,10 @@ import torch
 import rlkernels
 from rlkernels import losses
 from rlkernels import reference as ref
-from tests.helpers import DTYPES, assert_close_to_truth, backends, devices, forced_backend, noncontiguous
+from tests.helpers import DTYPES, assert_close_to_truth, backends, devices, forced_backend, noncontiguous, on_device
 
 BACKENDS = backends("cpu")
+DEVICE_BACKENDS = [(d, b) for d in devices() for b in backends(d)]  # the float64 comparisons run on every device
 SHAPES = [(5, 37), (3, 1100)]  # odd sizes; T = 1100 spans two blocks of the Triton kernels
 
 
@@ -73,12 +74,14 @@ def _run_policy(fn, inputs, cast, upstream, **options):
     return loss, metrics, dict(zip([k for k in GRAD_NAMES if leaves[k] is not None], grads))
 
 
-def check_policy(backend, dtype, inputs, *, check_clipping=True, **options):
+def check_policy(backend, dtype, inputs, *, check_clipping=True, device="cpu", **options):
+    """rlkernels.policy_loss on ``device`` against the float64 truth and eager (both on the CPU)."""
     upstream = torch.randn((), generator=_gen(123)).item() + 2.0  # random upstream gradient of the loss
     truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), upstream, **options)
     eager_loss, eager_metrics, eager_grads = _run_policy(ref.policy_loss, inputs, lambda t: t, upstream, **options)
     with forced_backend(backend):
-        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: t, upstream, **options)
+        loss, metrics, grads = _run_policy(rlkernels.policy_loss, inputs, lambda t: on_device(device, t)[0], upstream, **options)
+    loss, metrics, grads = loss.cpu(), {k: v.cpu() for k, v in metrics.items()}, {k: g.cpu() for k, g in grads.items()}
     if check_clipping:
         assert truth_metrics["clipfrac"] > 0, "test inputs must make clipping happen"
     assert loss.dtype == torch.float32 and loss.dim() == 0
@@ -97,42 +100,42 @@ def check_policy(backend, dtype, inputs, *, check_clipping=True, **options):
 # ---------------------------------------------------------------- policy_loss
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("adv_per_seq", [False, True], ids=["adv[B,T]", "adv[B]"])
-def test_policy_dtypes_shapes_advantages(backend, dtype, shape, adv_per_seq):
+def test_policy_dtypes_shapes_advantages(device, backend, dtype, shape, adv_per_seq):
     inputs = _policy_inputs(*shape, dtype, seed=1, adv_per_seq=adv_per_seq)
-    check_policy(backend, dtype, inputs, kl_coef=0.1, entropy_coef=0.01)
+    check_policy(backend, dtype, inputs, kl_coef=0.1, entropy_coef=0.01, device=device)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
 @pytest.mark.parametrize(
     "agg,norm_length",
     [("token-mean", None), ("seq-mean-token-mean", None), ("seq-mean-token-sum", None),
      ("seq-mean-token-sum-norm", None), ("seq-mean-token-sum-norm", 512)],
 )
-def test_policy_agg_modes(backend, ratio, agg, norm_length):
+def test_policy_agg_modes(device, backend, ratio, agg, norm_length):
     inputs = _policy_inputs(7, 37, torch.float32, seed=2, mask_kind="float")
     check_policy(backend, torch.float32, inputs, ratio=ratio, agg=agg, norm_length=norm_length, kl_coef=0.05,
-                 entropy_coef=0.02)
+                 entropy_coef=0.02, device=device)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
-def test_policy_kl_estimators(backend, estimator, ratio):
+def test_policy_kl_estimators(device, backend, estimator, ratio):
     inputs = _policy_inputs(5, 37, torch.float32, seed=3, with_ent=False)
-    check_policy(backend, torch.float32, inputs, ratio=ratio, kl_coef=0.3, kl_estimator=estimator)
+    check_policy(backend, torch.float32, inputs, ratio=ratio, kl_coef=0.3, kl_estimator=estimator, device=device)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
-def test_policy_asymmetric_and_dual_clip(backend, ratio):
+def test_policy_asymmetric_and_dual_clip(device, backend, ratio):
     inputs = _policy_inputs(9, 37, torch.float32, seed=4, with_ref=False, with_ent=False)
     options = dict(ratio=ratio, clip_low=0.2, clip_high=0.28, dual_clip=1.3)
-    with_dual = check_policy(backend, torch.float32, inputs, **options)
+    with_dual = check_policy(backend, torch.float32, inputs, device=device, **options)
     # the dual clip and the asymmetric range must both change the loss on these inputs
     no_dual, _ = ref.policy_loss(*(inputs[k].double() for k in ("logp", "old_logp", "advantages")), inputs["mask"],
                                  ratio=ratio, clip_low=0.2, clip_high=0.28)
@@ -141,12 +144,12 @@ def test_policy_asymmetric_and_dual_clip(backend, ratio):
     assert not torch.isclose(with_dual, no_dual) and not torch.isclose(with_dual, symmetric)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_policy_entropy_only_noncontiguous(backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_policy_entropy_only_noncontiguous(device, backend):
     inputs = _policy_inputs(5, 37, torch.bfloat16, seed=5, with_ref=False)
     for k in ("logp", "old_logp", "advantages", "entropy"):
         inputs[k] = noncontiguous(inputs[k])
-    check_policy(backend, torch.bfloat16, inputs, entropy_coef=0.05, agg="seq-mean-token-mean")
+    check_policy(backend, torch.bfloat16, inputs, entropy_coef=0.05, agg="seq-mean-token-mean", device=device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -280,26 +283,28 @@ def _value_inputs(B, T, dtype, seed):
     return values.to(dtype), old.to(dtype), returns.to(dtype), _mask(B, T, g)
 
 
-def _run_value(fn, inputs, cast, upstream, **options):
-    v, old, ret, m = inputs
+def _run_value(fn, inputs, cast, upstream, device="cpu", **options):
+    """Loss, metrics and gradient of ``fn`` with its inputs cast and on ``device``; outputs on the CPU."""
+    v, old, ret, m = on_device(device, *inputs)
     leaf = cast(v).detach().requires_grad_()
     loss, metrics = fn(leaf, cast(old), cast(ret), m, **options)
     (grad,) = torch.autograd.grad(loss * upstream, [leaf])
-    return loss, metrics, grad
+    return loss.cpu(), {k: x.cpu() for k, x in metrics.items()}, grad.cpu()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("clip", [None, 0.2])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_value_loss(backend, dtype, shape, clip, agg):
+def test_value_loss(device, backend, dtype, shape, clip, agg):
     inputs = _value_inputs(*shape, dtype, seed=7)
     upstream = 0.7
     truth = _run_value(ref.value_loss, inputs, lambda t: t.double(), upstream, clip=clip, agg=agg)
     eager = _run_value(ref.value_loss, inputs, lambda t: t, upstream, clip=clip, agg=agg)
     with forced_backend(backend):
-        loss, metrics, grad = _run_value(rlkernels.value_loss, inputs, lambda t: t, upstream, clip=clip, agg=agg)
+        loss, metrics, grad = _run_value(rlkernels.value_loss, inputs, lambda t: t, upstream, device=device, clip=clip,
+                                         agg=agg)
     if clip is not None:
         assert truth[1]["clipfrac"] > 0
     assert loss.dtype == torch.float32
@@ -371,25 +376,25 @@ def test_reference_value_clipfrac_counts_only_clipped_tokens():
 # ---------------------------------------------------------------- kl_penalty
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("estimator", losses.KL_ESTIMATORS)
-def test_kl_penalty(backend, dtype, estimator):
+def test_kl_penalty(device, backend, dtype, estimator):
     g = _gen(10)
     logp = (-torch.rand(3, 5, 171, generator=g) * 3).to(dtype)  # [3, 5, 171]: 2565 elements, 3 blocks
     ref_lp = (logp.float() + 0.5 * torch.randn(3, 5, 171, generator=g)).to(dtype)  # [3, 5, 171]
     upstream = torch.randn(3, 5, 171, generator=g)  # [3, 5, 171]
 
-    def run(fn, cast):
-        a, b = cast(logp).detach().requires_grad_(), cast(ref_lp).detach().requires_grad_()
+    def run(fn, cast, device="cpu"):
+        a, b = (cast(t).to(device).detach().requires_grad_() for t in (logp, ref_lp))
         out = fn(a, b, estimator)
-        return (out, *torch.autograd.grad(out, [a, b], upstream.to(out.dtype)))
+        return tuple(t.cpu() for t in (out, *torch.autograd.grad(out, [a, b], upstream.to(out))))
 
     truth = run(ref.kl_penalty, lambda t: t.double())
     eager = run(ref.kl_penalty, lambda t: t)
     with forced_backend(backend):
-        out = run(rlkernels.kl_penalty, lambda t: t)
-        no_grad_out = rlkernels.kl_penalty(logp, ref_lp, estimator)  # the kernel writes no gradient here
+        out = run(rlkernels.kl_penalty, lambda t: t, device)
+        no_grad_out = rlkernels.kl_penalty(*on_device(device, logp, ref_lp), estimator).cpu()  # no gradient written
     assert out[0].dtype == torch.float32 and out[1].dtype == dtype and out[2].dtype == dtype
     assert torch.equal(no_grad_out, out[0].detach())
     for name, o, t, e in zip(("kl", "grad logp", "grad ref_logp"), out, truth, eager):
@@ -409,9 +414,6 @@ def test_kl_penalty_noncontiguous_and_empty(backend):
 
 
 # ---------------------------------------------------------------- autocast
-
-DEVICE_BACKENDS = [(d, b) for d in devices() for b in backends(d)]
-
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

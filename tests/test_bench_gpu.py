@@ -1,0 +1,139 @@
+"""``python -m bench --gpu`` (make gpu) on the CPU with ``--dry-run``, and README's generated performance section."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu
+from tools import readme_perf
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fake_record(date: str, device: str, *, dry_run: bool = False, median_ms: float = 1.25) -> dict:
+    """A results record as bench/gpu.py writes it, with one benchmark row and one trainer step."""
+    row = dict(op="logprobs+entropy fwd+bwd", shape="N=8192 V=128256 bfloat16", provider="rlkernels",
+               median_ms=median_ms, rate=2400.0, rate_unit="GB/s", fraction_of_bound=0.8, peak_mib=0.5, speedup=12.5,
+               vs_best_peer=1.75, error="", skipped="", samples=-1)
+    missing = dict(row, provider="flash-attn CE (logp only)", median_ms=float("nan"), skipped="not installed (pip install flash-attn)")
+    return {
+        "date": date, "device": device, "dry_run": dry_run, "git_commit": "0123456789abcdef", "command": "python -m bench --gpu",
+        "env": {"torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0", "driver": "580.159.04"},
+        "ceilings": {"copy_gbps": 3000.0, "matmul_tflops": 798.0, "copy_at": "1 GiB", "matmul_at": "8192x8192 bfloat16"},
+        "bench": {"rows": [row, missing], "failed_modules": [], "ok": True},
+        "trainer": {"steps": [{"algo": "grpo", "losses": "fused", "step_s": 0.5, "update_peak_mib": 812.0}],
+                    "run": {"steps": 60, "wall_s": 90.0, "reward_first_fifth": 0.125, "reward_last_fifth": 0.375,
+                            "solved_last_fifth": 0.3}},
+    }
+
+
+def test_readme_section_round_trips_from_the_newest_results(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "NVIDIA_H100-2026-11-20.json").write_text(json.dumps(_fake_record("2026-11-20", "NVIDIA H100", median_ms=9.5)))
+    (results / "NVIDIA_H200-2026-11-21.json").write_text(json.dumps(_fake_record("2026-11-21", "NVIDIA H200")))
+    (results / "cpu-2026-11-22.json").write_text(json.dumps(_fake_record("2026-11-22", "cpu", dry_run=True)))
+    readme = tmp_path / "README.md"
+    before, after = "# title\n\nintro text\n\n", "\n## Layout\nrest\n"
+    readme.write_text(before + readme_perf.BEGIN + "\nstale numbers\n" + readme_perf.END + after)
+    argv = ["--results", str(results), "--readme", str(readme)]
+
+    assert readme_perf.main(argv + ["--check"]) == 1  # stale
+    assert readme_perf.main(argv) == 0
+    text = readme.read_text()
+    assert text.startswith(before + readme_perf.BEGIN) and text.endswith(readme_perf.END + after)
+    body = text[text.index(readme_perf.BEGIN) + len(readme_perf.BEGIN): text.index(readme_perf.END)]
+    # the newest real run (H200, 2026-11-21), not the older H100 one nor the newer dry run
+    assert "NVIDIA_H200-2026-11-21.json" in body and "### NVIDIA H200, 2026-11-21" in body
+    assert "9.5" not in body and "DRY RUN" not in body
+    assert "| logprobs+entropy fwd+bwd | N=8192 V=128256 bfloat16 | rlkernels | 1.25 | 2.40 TB/s | 80.0% | 0.5 | 12.50x | 1.75x |" in body
+    assert "not installed (pip install flash-attn)" in body
+    assert "copy 3.00 TB/s (1 GiB), matmul 798 TFLOP/s (8192x8192 bfloat16)" in body
+    assert "| grpo | fused | 0.500 | 812.0 |" in body
+    assert "mean reward 0.125 in the first fifth, 0.375 in the last" in body
+    # the section is the .md that bench/gpu.py writes beside the JSON
+    assert gpu.render_markdown(_fake_record("2026-11-21", "NVIDIA H200")) in body
+    assert readme_perf.main(argv + ["--check"]) == 0
+    readme_perf.main(argv)
+    assert readme.read_text() == text  # a second run changes nothing
+
+
+def test_readme_section_without_results_and_without_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{readme_perf.BEGIN}\nold\n{readme_perf.END}\nb\n")
+    assert readme_perf.main(["--results", str(tmp_path / "none"), "--readme", str(readme)]) == 0
+    assert readme.read_text() == f"a\n{readme_perf.BEGIN}\n{readme_perf.NO_RESULTS}{readme_perf.END}\nb\n"
+    with pytest.raises(ValueError, match="begin marker"):
+        readme_perf.regenerate("no markers here", "x")
+
+
+def test_repository_readme_is_up_to_date():
+    assert readme_perf.main(["--check"]) == 0, "run: python tools/readme_perf.py"
+
+
+def test_pytest_summary_counts():
+    out = "....s\n=== 12 passed, 3 skipped, 40 deselected, 1 warning in 2.50s ===\n"
+    got = gpu.parse_pytest_summary(out)
+    assert (got["passed"], got["skipped"], got["deselected"], got["failed"], got["seconds"]) == (12, 3, 40, 0, 2.5)
+    got = gpu.parse_pytest_summary("FF.\n2 failed, 1 passed, 1 error in 0.31s\n")
+    assert (got["failed"], got["passed"], got["errors"]) == (2, 1, 1)
+    assert gpu.parse_pytest_summary("57 deselected in 1.20s")["deselected"] == 57
+    assert gpu.parse_pytest_summary("crashed")["summary"] == ""
+
+
+def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
+    """All five parts in one call, at tiny sizes (some narrowed further to keep the suite fast): each part says
+    ok, the JSON holds what each part measured, the markdown table is beside it."""
+    cmd = [sys.executable, "-m", "bench", "--gpu", "--dry-run", "--part", "all", "--out-dir", str(tmp_path),
+           "--wheels", str(tmp_path / "no-wheels"), "--test-files", "tests/test_reference.py",
+           "--only", "softmax,losses", "--memcheck-only", "kl_penalty,gae,logprobs out-of-range"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["dry_run"] is True and set(record["seconds"]) == set(gpu.PARTS)
+    assert record["env"]["torch"] and record["ceilings"]["copy_gbps"] > 0 and record["ceilings"]["matmul_tflops"] > 0
+    (tests,) = record["tests"]["files"]
+    assert tests["file"] == "tests/test_reference.py" and tests["returncode"] == 5 and tests["deselected"] > 0
+    assert record["memcheck"]["ok"] and record["memcheck"]["cases"] >= 3 and not record["memcheck"]["failed_cases"]
+    rows = record["bench"]["rows"]
+    ops = {r["op"] for r in rows}
+    assert "logprobs+entropy fwd+bwd" in ops and "kl_penalty k3 fwd+bwd" in ops
+    timed = [r for r in rows if r["provider"] in ("eager", "rlkernels")]
+    assert timed and all(r["median_ms"] > 0 and r["peak_mib"] >= 0 and not r["error"] for r in timed)
+    assert all(r["skipped"].startswith("skipped by --dry-run") for r in rows if r["provider"] == "torch.compile")
+    steps = record["trainer"]["steps"]
+    assert [(s["algo"], s["losses"]) for s in steps] == [("grpo", "fused"), ("grpo", "eager"), ("ppo", "fused"), ("ppo", "eager")]
+    assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
+    assert record["trainer"]["run"]["steps"] == 3
+    assert path.with_suffix(".md").read_text() == gpu.render_markdown(record)
+    assert "== trainer: ok" in done.stdout
+
+
+def test_rows_state_the_ratio_to_the_fastest_peer():
+    """vs_best_peer = the fastest peer's median / the row's median; peers are the providers harness.peer made."""
+    from bench import harness
+
+    def peer_step(*inputs):
+        return None
+
+    def slower_peer(*inputs):
+        return None
+
+    peer_step.is_peer = slower_peer.is_peer = True
+    providers = {"eager": lambda: None, "rlkernels": lambda: None, "peer a": slower_peer, "peer b": peer_step,
+                 "peer c": harness.Unavailable("not installed (pip install c)")}
+    case = harness.Case("op", "shape", 1000, 10, "memory", lambda: (), providers)
+    measured = {name: harness._Measured(samples=[ms], peak=0) for name, ms in
+                [("eager", 10.0), ("rlkernels", 1.0), ("peer a", 4.0), ("peer b", 2.0)]}
+    measured["peer c"] = harness._Measured(skipped="not installed (pip install c)")
+    rows = {r.provider: r for r in harness._rows(case, measured, harness.Ceilings(1.0, 1.0, "cpu"))}
+    assert {k: r.vs_best_peer for k, r in rows.items() if k != "peer c"} == {"eager": 0.2, "rlkernels": 2.0, "peer a": 0.5, "peer b": 1.0}
+    assert rows["rlkernels"].speedup == 10.0 and rows["peer c"].skipped
+    assert harness.format_table(list(rows.values())).splitlines()[2].rstrip().endswith("0.20x")
