@@ -133,6 +133,12 @@ class TrainConfig:
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
 
+    # --- issue 16: sharding ---
+    shard: str = "ddp"
+    """How the processes of a torchrun job share the models: 'ddp' (each holds all of them; DistributedDataParallel averages the gradients; in one process nothing is wrapped), 'fsdp' (FSDP2 fully_shard: every parameter, gradient and optimizer state split over the processes, one group per transformer block; checkpoints are sharded, written with torch.distributed.checkpoint; needs at least 2 processes) or 'none' (no wrapper; one process only)."""
+    fsdp_offload_ref: bool = False
+    """With shard='fsdp': keep the shards of the reference policy and of a reward model in CPU memory, copied to the device block by block for their forward (CPUOffloadPolicy)."""
+
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
@@ -142,6 +148,8 @@ class TrainConfig:
         self._check_device()
         if self.resume and self.overwrite:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
+        if self.fsdp_offload_ref and self.shard != "fsdp":
+            self._bad("fsdp_offload_ref", f"offloads FSDP shards: needs shard='fsdp' (shard is {self.shard!r})")
         return self
 
     def _bad(self, name: str, why: str):
@@ -153,6 +161,7 @@ class TrainConfig:
         choices = {
             "preset": tuple(PRESETS), "algo": ("grpo", "ppo"), "losses": ("fused", "eager"), "ratio": RATIO_MODES,
             "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
+            "shard": ("none", "ddp", "fsdp"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
