@@ -118,6 +118,22 @@ def _worker(out: Path) -> None:
                 if shard == "fsdp" and algo == "grpo":
                     result["head"] = _head_seen_by_linear_logprobs(tr)
                 torch.save(result, out / f"{algo}-{shard}-{rank}.pt")
+        # a reward model, sharded and offloaded like the reference: each process scores its own completions
+        from tests.test_trainer_models import _reward_dir, _score_one_by_one
+
+        if rank == 0:  # transformers' save_pretrained writes from the main process only
+            model, tok = _reward_dir(out / "rm-model")
+        dist.barrier()
+        tr = Trainer(from_dict(_cfg(out / "rm", "grpo", "fsdp", reward=str(out / "rm-model"), fsdp_offload_ref=True)))
+        batch = _designed_batch(tr)  # scored by the sharded reward model
+        B = batch.ids.shape[0]
+        rows = range(rank * B // world, (rank + 1) * B // world)
+        mine = tr.score(batch.select(torch.tensor(list(rows))), 1).scores
+        result = {"sharded": isinstance(tr.reward_fn.model, sharding.ShardedRoot), "scores": mine.tolist()}
+        if rank == 0:  # the whole model, unsharded, on every text of the global batch
+            result["want"] = _score_one_by_one(model, tok, [f"{p} {c}" if c else p
+                                                            for p, c in zip(batch.prompts, batch.completions)])
+        torch.save(result, out / f"reward-{rank}.pt")
         # sharded save + resume: the real loop (sampling through the sharded generate), cut at step 2
         full = Trainer(from_dict(_cfg(out / "full", **RESUME, shard="fsdp")))
         full.run()
@@ -226,6 +242,16 @@ def test_fsdp_resume_equals_uninterrupted(two_processes):
         assert len(r["full"]) == len(r["resumed"])
         for a, b in zip(r["full"], r["resumed"]):
             assert torch.equal(a, b)
+
+
+def test_fsdp_reward_model_scores_as_the_whole_model(two_processes):
+    """A sequence-classification reward model, sharded (and offloaded): each process's scores of its own
+    completions equal the unsharded model's, text by text."""
+    ranks = _load(two_processes, "reward")
+    want = ranks[0]["want"]  # [8] texts of the global batch, in order
+    for rank, r in enumerate(ranks):
+        assert r["sharded"] and len(r["scores"]) == 4
+        assert r["scores"] == pytest.approx(want[4 * rank : 4 * rank + 4], abs=1e-5)  # the tolerance of test_trainer_models
 
 
 def test_fsdp_in_one_process_is_a_config_error(tmp_path):
