@@ -94,7 +94,14 @@ def _head_seen_by_linear_logprobs(tr) -> dict:
     inner.ops = ops
     tr.policy_lp.reshard()
     head = tr.policy.lm_head.weight
+    with torch.no_grad():
+        tr.ref(batch.ids, batch.attention_mask, batch.labels)
+    from torch.distributed.fsdp import FSDPModule
+
     return {"inside": seen, "outside": (isinstance(head, DTensor), tuple(head.shape), tuple(head.to_local().shape)),
+            "groups": {name: sum(isinstance(m, FSDPModule) for m in root.modules())
+                       for name, root in (("policy", tr.policy_lp), ("ref", tr.ref))},
+            "ref_resharded": isinstance(tr.ref.inner.model.lm_head.weight, DTensor),
             "local_numel": sum(p.to_local().numel() for p in tr.policy_lp.parameters()),
             "numel": sum(p.numel() for p in tr.policy_lp.parameters())}
 
@@ -218,13 +225,17 @@ def test_fsdp_steps_equal_ddp_steps(two_processes, algo):
 
 
 def test_fsdp_shards_and_gathers_the_head_for_linear_logprobs(two_processes):
-    """Each process holds half of the policy; ``linear_logprobs`` gets the whole [V, H] head as a plain tensor."""
+    """Each process holds half of the policy; ``linear_logprobs`` gets the whole [V, H] head as a plain tensor;
+    one FSDP group per transformer block plus the root; the reference reshards after its forward."""
     heads = [r["head"] for r in _load(two_processes, "grpo-fsdp")]
     for head in heads:
         V, H = 16, 32  # the tiny model's vocabulary and tiny_hidden
         assert head["inside"] and all(seen == (False, (V, H)) for seen in head["inside"]), head["inside"]
         assert head["outside"] == (True, (V, H), (V // WORLD, H))  # a DTensor of dim-0 shards outside the forward
     assert sum(h["local_numel"] for h in heads) == heads[0]["numel"]  # every parameter in exactly one process
+    for head in heads:
+        assert head["groups"] == {"policy": 2 + 1, "ref": 2 + 1}  # one group per block of the 2-layer model, the root
+        assert head["ref_resharded"]  # the reference (no backward) gives its gathered root back after its forward
 
 
 def test_fsdp_resume_equals_uninterrupted(two_processes):

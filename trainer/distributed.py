@@ -93,8 +93,9 @@ def fsdp_wrap(inner: nn.Module, *, frozen: bool = False, offload: bool = False) 
     for block in transformer_blocks(inner):
         fully_shard(block, **extra)
     root = ShardedRoot(inner)
-    # the root's default keeps its parameters gathered after forward, for the backward that follows
-    fully_shard(root, reshard_after_forward=True if frozen else None, **extra)
+    # the root's default keeps its parameters gathered after forward, for the backward that follows. torch 2.13
+    # honours an explicit True on the root (a version that keeps the root gathered regardless costs memory, not results)
+    fully_shard(root, **({"reshard_after_forward": True} if frozen else {}), **extra)
     return root
 
 

@@ -28,7 +28,7 @@ from . import checkpoint, distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
-from .rewards import load_reward
+from .rewards import RewardModel, load_reward
 
 
 class NonFiniteError(RuntimeError):
@@ -184,7 +184,7 @@ class Trainer:
                 self.ref = sharding.fsdp_wrap(self.ref, frozen=True, offload=cfg.fsdp_offload_ref)
             if self.critic is not None:
                 self.critic = self.critic_ddp = sharding.fsdp_wrap(self.critic)
-            if isinstance(getattr(self.reward_fn, "model", None), torch.nn.Module):  # a reward model
+            if isinstance(self.reward_fn, RewardModel):
                 self.reward_fn.model = sharding.fsdp_wrap(self.reward_fn.model, frozen=True, offload=cfg.fsdp_offload_ref)
         elif self.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
