@@ -44,7 +44,8 @@ def _update_steps(tr, rank: int, world: int) -> dict:
     """``STEPS`` updates, each on the designed global batch of that step, this process taking its slice.
 
     Returns per step this process's metrics and its numbers of tokens and sequences (to form the global
-    loss), the whole gradients and parameters after step 1 and the whole parameters after the last step.
+    loss); after step 1 the whole gradients and parameters, the learning rates and the largest advantage;
+    the whole parameters after the last step.
     """
     distributed = (tr.rank, tr.world, tr.distributed)
     record = {"logs": [], "tokens": [], "seqs": []}
@@ -61,7 +62,6 @@ def _update_steps(tr, rank: int, world: int) -> dict:
         record["logs"].append(tr.update(mine, step))
         record["tokens"].append(int(mine.mask.sum()))
         record["seqs"].append(mine.ids.shape[0])
-        record["adv_max"] = float(mine.advantages.abs().max())
         models = [m for m in (tr.policy_lp, tr.critic) if m is not None]
         if step == 1:
             from torch.distributed.tensor import DTensor
@@ -70,6 +70,7 @@ def _update_steps(tr, rank: int, world: int) -> dict:
             record["grads1"] = [g.detach().clone() for g in grads]
             record["params1"] = [p.detach().clone() for m in models for p in sharding.full_parameters(m)]
             record["lrs"] = [g["lr"] for g in tr.optimizer.param_groups for _ in g["params"]]
+            record["adv_max"] = float(mine.advantages.abs().max())
     record["params"] = [p.detach().clone() for m in models for p in sharding.full_parameters(m)]
     return record
 
