@@ -9,6 +9,7 @@ both sides see the same global batch: each process updates on its half, as the t
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -142,6 +143,14 @@ def _worker(out: Path) -> None:
             result["want"] = _score_one_by_one(model, tok, [f"{p} {c}" if c else p
                                                             for p, c in zip(batch.prompts, batch.completions)])
         torch.save(result, out / f"reward-{rank}.pt")
+        # bfloat16 PPO: the critic's float32 value head on a bfloat16 backbone gets its own group (one dtype per group)
+        from torch.distributed.fsdp import FSDPModule
+
+        tr = Trainer(from_dict(_cfg(out / "bf16", "ppo", "fsdp", dtype="bfloat16")))
+        tr.run()
+        torch.save({"value_head_group": isinstance(tr.critic.inner.value_head, FSDPModule),
+                    "dtypes": sorted({str(p.dtype) for p in tr.critic.parameters()}),
+                    "metrics": read_metrics(out / "bf16" / "metrics.jsonl")}, out / f"bf16-{rank}.pt")
         # sharded save + resume: the real loop (sampling through the sharded generate), cut at step 2
         full = Trainer(from_dict(_cfg(out / "full", **RESUME, shard="fsdp")))
         full.run()
@@ -264,6 +273,28 @@ def test_fsdp_reward_model_scores_as_the_whole_model(two_processes):
     for rank, r in enumerate(ranks):
         assert r["sharded"] and len(r["scores"]) == 4
         assert r["scores"] == pytest.approx(want[4 * rank : 4 * rank + 4], abs=1e-5)  # the tolerance of test_trainer_models
+
+
+def test_fsdp_bfloat16_ppo_shards_the_float32_value_head_apart(two_processes):
+    """FSDP2 needs one dtype per group: the critic's float32 value head is its own group, and a bfloat16 PPO
+    step runs to finite metrics (it raised before)."""
+    for r in _load(two_processes, "bf16"):
+        assert r["value_head_group"] and r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert [m["step"] for m in r["metrics"]] == [1]
+        assert all(math.isfinite(v) for v in r["metrics"][0].values())
+
+
+def test_other_dtype_modules_are_found_outside_the_blocks():
+    """Without torch.distributed: which modules :func:`fsdp_wrap` shards apart for their dtype."""
+    from trainer.data import tiny_tokenizer
+    from trainer.models import Critic, tiny_model
+
+    model = tiny_model(len(tiny_tokenizer()), 32, 2, 0, tiny_tokenizer()).to(torch.bfloat16)
+    critic = Critic(model.model, 32)  # the value head stays float32, as load_critic leaves it
+    blocks = sharding.transformer_blocks(critic)
+    assert blocks == list(model.model.layers)
+    assert sharding._other_dtype_modules(critic, blocks) == [critic.value_head]
+    assert sharding._other_dtype_modules(critic.to(torch.bfloat16), blocks) == []
 
 
 def test_fsdp_in_one_process_is_a_config_error(tmp_path):

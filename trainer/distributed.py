@@ -78,11 +78,29 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     return [sub for sub in module.modules() if type(sub).__name__ in names]
 
 
+def _other_dtype_modules(inner: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules outside ``blocks`` holding parameters of another dtype than most of the rest (the critic's
+    float32 value head on a bfloat16 backbone): FSDP2 needs one dtype per group, so each gets its own."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    owners = [(m, p) for m in inner.modules() for p in m.parameters(recurse=False) if id(p) not in in_blocks]
+    numel: dict[torch.dtype, int] = {}
+    for _, p in owners:
+        numel[p.dtype] = numel.get(p.dtype, 0) + p.numel()
+    if len(numel) < 2:
+        return []
+    main = max(numel, key=numel.get)
+    found = []
+    for m, p in owners:
+        if p.dtype != main and all(m is not f for f in found):
+            found.append(m)
+    return found
+
+
 def fsdp_wrap(inner: nn.Module, *, frozen: bool = False, offload: bool = False) -> ShardedRoot:
     """Shard ``inner`` over the default process group with FSDP2; returns its :class:`ShardedRoot`.
 
-    One ``fully_shard`` group per transformer block (:func:`transformer_blocks`), then the root around
-    everything else. ``frozen`` (the reference policy, a reward model; their parameters need no gradient):
+    One ``fully_shard`` group per transformer block (:func:`transformer_blocks`), one per module outside
+    them whose parameters have another dtype than the rest, then the root around everything else. ``frozen`` (the reference policy, a reward model; their parameters need no gradient):
     the root reshards after each forward too, since no backward will free its gathered parameters.
     ``offload``: shards live in CPU memory and are copied to the device for each group's forward
     (``CPUOffloadPolicy``; on a CPU-only job the copy is a no-op). ``inner`` must already be on its device.
@@ -90,8 +108,9 @@ def fsdp_wrap(inner: nn.Module, *, frozen: bool = False, offload: bool = False) 
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
-    for block in transformer_blocks(inner):
-        fully_shard(block, **extra)
+    blocks = transformer_blocks(inner)
+    for group in blocks + _other_dtype_modules(inner, blocks):
+        fully_shard(group, **extra)
     root = ShardedRoot(inner)
     # the root's default keeps its parameters gathered after forward, for the backward that follows. torch 2.13
     # honours an explicit True on the root (a version that keeps the root gathered regardless costs memory, not results)
