@@ -56,6 +56,12 @@ be served by another row than the forward. ``reference``
 place before the ops (:func:`rlkernels._backend.serves_reference`). Options travel as one frozen
 :class:`LinearLogprobsOptions`.
 
+Vocabulary-parallel calls (``process_group=``, ``vocab_start=``) leave before the ops, for
+:mod:`rlkernels.vocab_parallel`, which runs the forwards' first half on the rank's weight slice
+(``_PARTIALS_IMPLS``: the merged partials ``(m, s, u, z_y)`` per token), merges the ranks' partials, finishes
+with :func:`_from_partials` as every backend does, and takes its gradients from the backward op with the merged
+statistics (a label in another rank's slice: the row's gradient without the label's entry).
+
 Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops
 with autograd -> public function.
 """
@@ -340,9 +346,10 @@ def aot_configs() -> list[KernelConfig]:
     return configs
 
 
-def _forward_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
-    """``_fwd_kernel`` over (token blocks, vocabulary splits), then the splits' partials merged on the host.
-    Returns ``(logp [N], entropy [N], stats [2, N])`` as :func:`_forward_torch` does (float32)."""
+def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
+    """``_fwd_kernel`` over (token blocks, vocabulary splits), the splits' partials merged on the host
+    (:func:`lse_merge`): ``[4, N]`` float32 rows ``(m, s, u, z_y)`` over this ``weight``'s columns, as
+    :func:`_partials_torch` returns them (``z_y`` is 0 for a label outside ``[0, V)``: no column matches)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None; the K loop reads unit-stride rows
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     N, H = hidden.shape
@@ -362,10 +369,25 @@ def _forward_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
         )
     m, s, u, zy = part.unbind(0)  # each [S, N]
     m_all, s_all, u_all = lse_merge(m, s, u)  # [N] each
+    return torch.stack((m_all, s_all, u_all, zy.sum(0)))  # [4, N]
+
+
+def _forward_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """:func:`_partials_triton`, then :func:`_from_partials`. Returns ``(logp [N], entropy [N], stats [2, N])`` as
+    :func:`_forward_torch` does (float32)."""
+    part = _partials_triton(hidden, weight, labels, bias, opt)  # [4, N]
+    return _from_partials(part, labels, weight.shape[0], opt)
+
+
+def _from_partials(part: torch.Tensor, labels: torch.Tensor, V: int, opt: LinearLogprobsOptions):
+    """The outputs from a row's merged partials ``part`` [4, N] = ``(m, s, u, z_y)`` (row max, ``Σ exp(z - m)``,
+    ``Σ exp(z - m)(z - m)``, the label's logit): ``(logp [N], entropy [N], stats [2, N])`` through :func:`_finish`.
+    Every backend ends here, and so does the vocabulary-parallel path once the ranks' partials are merged."""
+    m_all, s_all, u_all, zy = part.unbind(0)  # [N] each
     log_s = torch.log(s_all)  # [N]
     # without return_entropy the entropy is zeros, as the torch backend returns it: outputs never depend on the backend
     entropy = log_s - u_all / s_all if opt.return_entropy else torch.zeros_like(log_s)  # [N]
-    logp = (zy.sum(0) - m_all) - log_s  # [N] as log_softmax forms it (never z - one rounded lse)
+    logp = (zy - m_all) - log_s  # [N] as log_softmax forms it (never z - one rounded lse)
     return _finish(logp, entropy, torch.stack((m_all, log_s)), labels, V, opt)
 
 
@@ -513,10 +535,11 @@ def _logits_into(z, h_c, w_c, b_c, inv_t):
     return z
 
 
-def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+def _partials_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
     """Chunked over tokens and vocabulary; per tile: GEMM, max, subtract, exp, sum (and Σ e·d for the entropy), the
-    vocabulary chunks' partials merged by :func:`lse_merge`. Returns ``(logp, entropy, stats)`` ([N], [N], [2, N]:
-    row max, log Σ exp(z - max)); without ``opt.return_entropy`` the entropy is zeros (not computed)."""
+    vocabulary chunks' partials merged by :func:`lse_merge`. Returns ``[4, N]`` rows ``(m, s, u, z_y)`` in the
+    compute dtype: row max, ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` (zeros without ``opt.return_entropy``: not
+    computed) and the label's logit (0 for a label outside ``[0, V)``)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
@@ -528,13 +551,12 @@ def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
     last = V - (S - 1) * vchunk  # width of the last vocabulary chunk
-    stats = torch.empty(2, N, dtype=cdt, device=dev)  # [2, N] row max, log Σ exp(z - max)
-    entropy = torch.zeros(N, dtype=cdt, device=dev)  # [N]
-    zy = torch.empty(N, dtype=cdt, device=dev)  # [N]
+    out = torch.zeros(4, N, dtype=cdt, device=dev)  # [4, N] m, s, u, z_y
     zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
     ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if opt.return_entropy else None
     part = torch.empty(4, S, rows, dtype=cdt, device=dev)  # per vocabulary chunk: max, Σ e, Σ e·d, z at the label's column
-    safe = torch.where((labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [N]
+    in_range = (labels >= 0) & (labels < V)  # [N]
+    safe = torch.where(in_range, labels, torch.zeros_like(labels))  # [N]
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         n = r1 - r0
@@ -565,14 +587,20 @@ def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
             else:
                 torch.sum(z.exp_(), 1, out=p_s[j])
         m_all, s_all, u_all = lse_merge(p_m, p_s, p_u if opt.return_entropy else None)  # [n] each, O(S·n)
-        log_s = torch.log(s_all)
-        stats[0, r0:r1] = m_all
-        stats[1, r0:r1] = log_s
+        out[0, r0:r1], out[1, r0:r1] = m_all, s_all
         if u_all is not None:
-            entropy[r0:r1] = log_s - u_all / s_all
-        zy[r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
-    logp = (zy - stats[0]) - stats[1]  # [N] as log_softmax forms it (never z - one rounded lse)
-    out = _finish(logp, entropy, stats, labels, V, opt)
+            out[2, r0:r1] = u_all
+        out[3, r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
+    out[3] = torch.where(in_range, out[3], torch.zeros_like(out[3]))  # no column of this weight is the label
+    return out
+
+
+def _forward_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """:func:`_partials_torch`, then :func:`_from_partials`. Returns ``(logp, entropy, stats)`` ([N], [N], [2, N]:
+    row max, log Σ exp(z - max)) in float32 (float64 for float64 inputs); without ``opt.return_entropy`` the
+    entropy is zeros (not computed)."""
+    part = _partials_torch(hidden, weight, labels, bias, opt)  # [4, N]
+    out = _from_partials(part, labels, weight.shape[0], opt)
     return tuple(x.float() if x.dtype != torch.float64 else x for x in out)
 
 
@@ -583,11 +611,16 @@ def _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V: int, cdt: t
     Off the label, ``dz_j = p_j (a + c log p_j)`` with ``a = -(g_logp + g_H H)/T``, ``c = -g_H/T``. With
     ``d_j = z_j - max``, ``p_j = e^{d_j}/s`` and ``log p_j = d_j - log s``, that is ``dz_j = e^{d_j} (a2 + c2 d_j)``
     (``a2 = (a - c log s)/s``, ``c2 = c/s``), or ``e^{d_j} a_s`` (``a_s = a/s``) where the entropy has no gradient
-    (``use_ent`` False). At the label ``dz_y = at_y``, formed without cancellation."""
-    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
+    (``use_ent`` False). At the label ``dz_y = at_y``, formed without cancellation.
+
+    A label outside ``[0, V)`` that is not ``ignore_index`` keeps its row's gradient and only has no label entry
+    (``valid`` False), as in ``_dz_kernel``: the vocabulary-parallel path passes the labels of other ranks' slices
+    so (a single-process call never gets here with one: the CPU raises, a GPU's log p is NaN)."""
+    counted = labels != opt.ignore_index  # [N]
+    valid = counted & (labels >= 0) & (labels < V)  # [N] the label's column is in this weight
     zero = torch.zeros((), dtype=cdt, device=labels.device)
-    g_lp = torch.where(valid, g_logp.to(cdt), zero)  # [N]
-    g_h = torch.where(valid, g_ent.to(cdt), zero)  # [N]
+    g_lp = torch.where(counted, g_logp.to(cdt), zero)  # [N]
+    g_h = torch.where(counted, g_ent.to(cdt), zero)  # [N]
     # The entropy's terms cost two passes per tile: skip them when its gradient is zero (not
     # requested, unused, or a zero coefficient). Checking is free on the CPU; elsewhere assume used.
     use_ent = labels.device.type != "cpu" or bool(g_h.ne(0).any())
@@ -722,6 +755,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
 # same saved statistics (stats: row max, log Σ exp(z - max); the entropy), so the backward may be served by another
 # row than the forward. float64 inputs never reach Triton (resolve keeps them on torch).
 _FWD_IMPLS = {"torch": _forward_torch, "triton": _forward_triton}
+# the forwards' first half, for the vocabulary-parallel path (rlkernels.vocab_parallel), which merges it across ranks
+_PARTIALS_IMPLS = {"torch": _partials_torch, "triton": _partials_triton}
 _BWD_IMPLS = {"torch": _backward_torch, "triton": _backward_triton}
 
 
@@ -851,6 +886,8 @@ def linear_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     ignore_index: int = -100,
+    process_group=None,
+    vocab_start: int | None = None,
 ):
     """Log-probability of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
@@ -870,6 +907,14 @@ def linear_logprobs(
         temperature: divides the logits (> 0).
         return_entropy: also return the entropy of the same softmax.
         ignore_index: label value whose position gives 0 in both outputs and no gradient.
+        process_group: a ``torch.distributed`` process group over which the vocabulary is split (tensor
+            parallelism): ``weight`` (and ``bias``) are then this rank's slice ``[V_r, H]`` of the head, holding
+            the global token ids ``[vocab_start, vocab_start + V_r)``; ``hidden`` and ``labels`` (global ids) are
+            the same on every rank. The ranks' partial statistics are merged by one collective per call
+            (:mod:`rlkernels.vocab_parallel`); ``d_weight`` is the rank's slice, ``d_hidden`` is all-reduced over
+            the group in the backward. Not traced by ``torch.compile`` (runs eagerly).
+        vocab_start: with ``process_group``, the global id of ``weight``'s first row (required then, refused
+            without it).
 
     Returns:
         ``logp`` ``[...]`` float32 (float64 for float64 inputs), and with
@@ -885,6 +930,12 @@ def linear_logprobs(
     """
     opt = _validate(hidden=hidden, weight=weight, labels=labels, bias=bias, temperature=temperature,
                     return_entropy=return_entropy, ignore_index=ignore_index)
+    if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
+        from rlkernels import vocab_parallel
+
+        vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
+        logp, entropy = vocab_parallel.linear_logprobs(hidden, weight, labels, bias, opt, process_group, vocab_start)
+        return (logp, entropy) if opt.return_entropy else logp
     with _backend.float32_compute(hidden.device):
         if _backend.serves_reference(_FWD_IMPLS, hidden):
             return _reference_linear_logprobs(hidden, weight, labels, bias, opt)

@@ -506,6 +506,8 @@ def linear_policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     ignore_index: int = -100,
+    process_group=None,
+    vocab_start: int | None = None,
 ):
     """The PPO/GRPO policy loss from final hidden states through the LM head, in three GEMMs.
 
@@ -523,7 +525,14 @@ def linear_policy_loss(
         hidden: ``[B, T, H]`` final hidden states at the positions that predict ``labels`` (float32/bf16/fp16).
         weight: ``[V, H]`` output embedding (``lm_head.weight``), same dtype and device.
         labels: ``[B, T]`` integer token ids in ``[0, V)`` (or ``ignore_index``).
-        bias: optional ``[V]`` output bias.""" + _POLICY_DOC_ARGS + _RETURNS_DOC
+        bias: optional ``[V]`` output bias.""" + _POLICY_DOC_ARGS + """
+        process_group, vocab_start: the vocabulary split over a process group, as in
+            :func:`rlkernels.linear_logprobs` (``weight``/``bias`` the rank's slice, ``hidden``, ``labels`` and the
+            per-token tensors the same on every rank): the log-probs and entropy are merged across ranks first
+            (one collective), then the policy loss runs on them, replicated on every rank
+            (:mod:`rlkernels.vocab_parallel`; four GEMMs there, not three). ``d_hidden`` is all-reduced over
+            the group in the backward.
+""" + _RETURNS_DOC
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
     grad_on = torch.is_grad_enabled()
@@ -533,6 +542,12 @@ def linear_policy_loss(
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
     constants = (old_logp.detach(), advantages.detach(), mask.detach(), None if ref_logp is None else ref_logp.detach())
+    if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
+        from rlkernels import vocab_parallel
+
+        vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
+        return vocab_parallel.linear_policy_loss(hidden, weight, labels, *constants, bias, opt, process_group,
+                                                 vocab_start)
     with _backend.float32_compute(hidden.device):
         if _backend.serves_reference(_LINEAR_IMPLS, hidden):
             return _reference_linear(hidden, weight, labels, *constants, bias, opt)

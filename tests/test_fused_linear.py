@@ -536,9 +536,11 @@ def _schema_options(op) -> list[str]:
 def test_options_keep_the_public_names_down_to_the_kernels():
     """LinearLogprobsOptions holds linear_logprobs's non-tensor keyword arguments under their own names, in order;
     _validate takes them keyword-only and both ops take exactly them (as *astuple(opt), no backend string);
-    the kernels receive temperature and ignore_index under those names."""
+    the kernels receive temperature and ignore_index under those names. (process_group and vocab_start, last, route
+    a call to rlkernels.vocab_parallel before any op: they are no option of the ops.)"""
     fields = [f.name for f in dataclasses.fields(fl_module.LinearLogprobsOptions)]
-    assert ["bias", *fields] == _kwonly(linear_logprobs) == _kwonly(reference.linear_logprobs)
+    assert ["bias", *fields] == _kwonly(linear_logprobs)[:-2] == _kwonly(reference.linear_logprobs)
+    assert _kwonly(linear_logprobs)[-2:] == ["process_group", "vocab_start"]
     assert _kwonly(fl_module._validate) == ["hidden", "weight", "labels", "bias", *fields]
     assert _schema_options(torch.ops.rlkernels.linear_logprobs) == fields
     assert _schema_options(torch.ops.rlkernels.linear_logprobs_backward) == fields

@@ -145,7 +145,8 @@ def test_phases_return_what_they_compute(tmp_path, algo):
     assert filled(scored) == inputs | {"scores"}
     token_fields = {"old_logp", "ref_logp"} | ({"old_values"} if algo == "ppo" else set())
     assert filled(tokens) == filled(scored) | token_fields
-    assert filled(done) == filled(tokens) | ({"advantages", "returns", "kl_seq"} if algo == "ppo" else {"advantages"})
+    # kl_seq: the KL at rollout, measured whenever there are a reference and separate old log-probs (epochs = 2)
+    assert filled(done) == filled(tokens) | ({"advantages", "returns", "kl_seq"} if algo == "ppo" else {"advantages", "kl_seq"})
     tr.run()
     assert set(vars(tr)) == attributes
 
@@ -183,6 +184,10 @@ def test_minibatch_loss_is_the_reference_loss(tmp_path, algo):
         entropy_coef=cfg.entropy_coef, agg=cfg.agg,
     )
     want_metrics = {"loss/policy": want, **{f"policy/{k}": v for k, v in want_policy.items()}}
+    r = torch.exp(f64(logp) - f64(batch.old_logp))  # [B, R] token ratios
+    outside = ((r < 1 - cfg.clip_low) | (r > 1 + cfg.clip_high)) & batch.mask
+    want_metrics["policy/ratio_outside"] = outside.double().sum() / batch.mask.double().sum()
+    assert float(want_metrics["policy/ratio_outside"]) > float(want_policy["clipfrac"])  # a different count
     if not grpo:
         with torch.no_grad():
             values = tr.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]

@@ -78,34 +78,34 @@ class TrainConfig:
     """Minibatches per epoch; prompts_per_step * group_size / world size must divide by it."""
     clip_low: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.28
-    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
+    clip_high: typing.Optional[float] = None
+    """Upper clip range: the ratio is clipped at 1 + clip_high; None = clip_low (symmetric, as in the PPO paper). DAPO's clip-higher uses 0.28."""
     dual_clip: typing.Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages, or None."""
+    """Dual-clip constant c > 1 for negative advantages, or None. Combines with ratio 'sequence' (the bound applies to every token of a sequence with a negative advantage)."""
     ratio: str = "token"
     """Importance ratio: 'token' (PPO/GRPO) or 'sequence' (GSPO)."""
     agg: str = "token-mean"
     """Loss aggregation: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
     advantage: str = "grpo"
-    """GRPO advantage mode: 'grpo', 'dr_grpo' or 'rloo'."""
+    """GRPO advantage mode: 'grpo' ((s - group mean) / (group std + 1e-6), the std unbiased, i.e. divided by G - 1), 'dr_grpo' (s - group mean) or 'rloo' (s - mean of the other members)."""
     kl_coef: float = 0.01
-    """KL coefficient: in the loss for GRPO, in the per-token reward for PPO. 0 skips loading the reference model."""
-    kl_estimator: str = "k3"
-    """KL estimator in the GRPO loss: 'k1', 'k2', 'k3' or 'abs'."""
+    """KL-to-the-reference coefficient, placed by kl_in (in the loss by default for GRPO, in the per-token reward for PPO). 0 skips loading the reference model (and then every reference/KL option is refused)."""
+    kl_estimator: typing.Optional[str] = None
+    """KL estimator wherever the KL to the reference is computed (loss, per-token reward, the adaptive controller's measure): 'k1', 'k2', 'k3' or 'abs'; None = 'k3' when kl_in is 'loss', 'k1' when it is 'reward'."""
     kl_target: typing.Optional[float] = None
-    """PPO adaptive KL controller: target KL per sequence, or None for a fixed kl_coef."""
+    """Adaptive KL controller (Ziegler et al. 2019; both algos, both kl_in placements): target of the mean per-sequence KL to the reference at rollout (the kl_estimator summed over each response, logged as policy/kl_seq), or None for a fixed kl_coef. Needs kl_coef > 0 (it scales kl_coef)."""
     kl_horizon: int = 10000
-    """PPO adaptive KL controller horizon (samples)."""
+    """Adaptive KL controller horizon (samples); only with kl_target."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0 disables)."""
     gamma: float = 1.0
-    """PPO discount."""
+    """PPO discount (refused under GRPO)."""
     lam: float = 0.95
-    """PPO GAE lambda."""
+    """PPO GAE lambda (refused under GRPO)."""
     value_clip: typing.Optional[float] = 0.2
     """PPO value clip range, or None for an unclipped value loss."""
     value_coef: float = 0.5
-    """Weight of the value loss (PPO)."""
+    """Weight of the value loss (PPO). The value loss already carries a 1/2: per token 0.5 * max((V - R)^2, (V_clipped - R)^2), so value_coef 0.5 weighs the squared error 0.25."""
 
     # ------------------------------------------------------------ tiny model
     tiny_hidden: int = 64
@@ -125,13 +125,37 @@ class TrainConfig:
     plot: bool = True
     """Write plot.png at the end: reward, KL to the reference, entropy per step, raw and as a centred moving mean."""
     progress: bool = True
-    """Show the tqdm progress bar: reward, KL to the reference, entropy, tokens/s, and the clip fraction when epochs * minibatches > 1 (with one of each the ratio is exactly 1)."""
+    """Show the tqdm progress bar with the current step's values: reward, KL to the reference, entropy, tokens/s, and when epochs * minibatches > 1 (with one of each the ratio is exactly 1) 'clip' = policy/clipfrac (share of response tokens where the clip is active: the clipped surrogate term is the larger one, so the token has no gradient) and 'out' = policy/ratio_outside (share of response tokens whose ratio lies outside [1 - clip_low, 1 + clip_high], whatever the advantage's sign)."""
     threads: int = 0
     """torch CPU threads (0 = automatic: 1 for the tiny model, whose ops are too small to split, else torch's default)."""
     dtype: str = "float32"
     """Parameter dtype: 'float32' or 'bfloat16'."""
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
+
+    # --- issue 15: reference/KL/reward/value knobs ---
+    ref_model: str = ""
+    """Reference policy of the KL: empty = a frozen copy of the initial policy; else a transformers model directory or .gguf file with the policy's vocabulary."""
+    ref_update_every: int = 0
+    """Copy the policy into the reference after every N-th step (DeepSeekMath's iterative GRPO); 0 = never. The reference is then saved in checkpoints."""
+    ref_mix_alpha: float = 0.0
+    """After every step: reference <- alpha * policy + (1 - alpha) * reference, for every parameter and floating buffer (TRL's reference sync); 0 = off, 1 = copy. With ref_update_every too, a step that copies does not also mix. The reference is then saved in checkpoints."""
+    kl_in: typing.Optional[str] = None
+    """Where the KL to the reference goes, for either algo. 'loss': kl_coef * kl_estimator(logp, ref_logp) per token in the policy loss. 'reward': kl_t = kl_estimator(old_logp, ref_logp) per token at rollout, no gradient; PPO's per-token rewards are -kl_coef * kl_t (+ the score on the last token) before GAE; GRPO's token advantage is A_t = group_advantage - kl_coef * (kl_t + ... + kl_last), the KL's return to go with gamma 1 (the score's advantage is not rescaled by it). None = 'loss' for GRPO, 'reward' for PPO."""
+    target_kl: typing.Optional[float] = None
+    """KL early stop of the update (either algo): once a minibatch's approx KL to the old policy (token mean of old_logp - logp) exceeds 1.5 * target_kl, that minibatch's optimizer step and every later one of the step (epochs included) are skipped. Logged as policy/early_stop (1 or 0) and policy/updates (optimizer steps taken). Needs epochs * minibatches > 1. None = off."""
+    reward_norm: str = "none"
+    """Score normalisation before the advantages: 'none', 'batch' (this step's scores) or 'running' (mean and variance of every score so far, Welford, restored on resume): (s - mean) / sqrt(var + 1e-8), var unbiased; with fewer than 2 scores seen the scale is 1. reward/mean still logs the raw scores."""
+    reward_norm_shift: bool = True
+    """With reward_norm: subtract the mean (True) or only divide by the std, keeping the mean (False)."""
+    reward_clip: typing.Optional[float] = None
+    """Clip the scores (after reward_norm, if any) to [-c, c]; None = no clip."""
+    whiten_advantages: bool = True
+    """PPO: whiten the GAE advantages over the global batch's response tokens, (A - mean) / sqrt(var + 1e-8): eps inside the square root, unbiased var."""
+    value_agg: str = "token-mean"
+    """PPO value-loss aggregation, the modes of agg: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
+    critic_init: str = "policy"
+    """PPO critic start: 'policy' (the policy's backbone, or critic_model, with a zero value head) or 'reward' (the reward model's full weights, backbone and score head, as InstructGPT did; needs a reward-model directory with the policy's vocabulary as reward)."""
 
     # --- issue 16: sharding ---
     shard: str = "ddp"
@@ -142,6 +166,8 @@ class TrainConfig:
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
+        if getattr(self, "_explicit", None) is None:  # built directly, not by from_dict: what differs from the default
+            self._explicit = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
         self._check_choices()
         self._check_ranges()
         self._check_sources()
@@ -150,7 +176,65 @@ class TrainConfig:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
         if self.fsdp_offload_ref and self.shard != "fsdp":
             self._bad("fsdp_offload_ref", f"offloads FSDP shards: needs shard='fsdp' (shard is {self.shard!r})")
+        self._check_honesty()
+        self._resolve()
         return self
+
+    def was_set(self, name: str) -> bool:
+        """Whether the user gave ``name`` (a flag or a config-file key; a value other than the default when the
+        config was built directly). Presets do not count."""
+        explicit = getattr(self, "_explicit", None)
+        if explicit is None:
+            return getattr(self, name) != {f.name: f.default for f in dataclasses.fields(self)}[name]
+        return name in explicit
+
+    def _refuse(self, name: str, why: str) -> None:
+        raise ConfigError(f"{name}: {why}; it would be ignored, so it is refused (got {getattr(self, name)!r})")
+
+    def _check_honesty(self) -> None:
+        """No flag is silently ignored: each option the user set that would do nothing here is refused, named."""
+        if self.kl_coef == 0:
+            for name in ("ref_model", "ref_update_every", "ref_mix_alpha", "kl_in", "kl_estimator", "kl_target", "kl_horizon"):
+                if self.was_set(name):
+                    self._refuse(name, "kl_coef is 0, so there is no reference model and no KL")
+        if self.was_set("kl_horizon") and self.kl_target is None:
+            self._refuse("kl_horizon", "only the adaptive KL controller uses it (set kl_target)")
+        if self.algo == "grpo":
+            for name in ("gamma", "lam", "value_clip", "value_coef", "value_agg", "critic_lr", "critic_model",
+                         "critic_init", "whiten_advantages"):
+                if self.was_set(name):
+                    self._refuse(name, "PPO-only (there is no critic, GAE or whitening with algo 'grpo')")
+        if self.algo == "ppo" and self.was_set("advantage"):
+            self._refuse("advantage", "GRPO-only (PPO's advantages come from GAE)")
+        if self.target_kl is not None and self.epochs * self.minibatches == 1:
+            self._refuse("target_kl", "with one epoch of one minibatch there is no later minibatch to stop")
+        if self.was_set("reward_norm_shift") and self.reward_norm == "none":
+            self._refuse("reward_norm_shift", "only reward_norm 'batch' or 'running' uses it")
+        if self.critic_init == "reward":
+            from .rewards import REWARDS
+
+            if self.reward in REWARDS or not os.path.isdir(self.reward):
+                self._bad("critic_init", "'reward' needs a reward-model directory as reward")
+            if self.critic_model:
+                self._bad("critic_model", "cannot be combined with critic_init 'reward' (the critic is the reward model)")
+        if self.model != "tiny":
+            for name in ("tiny_hidden", "tiny_layers"):
+                if self.was_set(name):
+                    self._refuse(name, "only the built-in tiny model uses it")
+        if self.prompts and self.was_set("task"):
+            self._refuse("task", "prompts are read from the prompts file")
+
+    def _resolve(self) -> None:
+        """Fill the None defaults that depend on other fields (config.json records the resolved values):
+        clip_high <- clip_low; with a reference model, kl_in <- 'loss' (GRPO) or 'reward' (PPO) and
+        kl_estimator <- 'k3' in the loss, 'k1' in the reward."""
+        if self.clip_high is None:
+            self.clip_high = self.clip_low
+        if self.kl_coef > 0:
+            if self.kl_in is None:
+                self.kl_in = "loss" if self.algo == "grpo" else "reward"
+            if self.kl_estimator is None:
+                self.kl_estimator = "k3" if self.kl_in == "loss" else "k1"
 
     def _bad(self, name: str, why: str):
         raise ConfigError(f"{name}: {why} (got {getattr(self, name)!r})")
@@ -161,9 +245,13 @@ class TrainConfig:
         choices = {
             "preset": tuple(PRESETS), "algo": ("grpo", "ppo"), "losses": ("fused", "eager"), "ratio": RATIO_MODES,
             "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
-            "shard": ("none", "ddp", "fsdp"),
+            "kl_in": ("loss", "reward"), "reward_norm": ("none", "batch", "running"), "value_agg": AGG_MODES,
+            "critic_init": ("policy", "reward"), "shard": ("none", "ddp", "fsdp"),
         }
+        optional = {"kl_estimator", "kl_in"}  # None: resolved from other fields
         for name, allowed in choices.items():
+            if getattr(self, name) is None and name in optional:
+                continue
             if getattr(self, name) not in allowed:
                 self._bad(name, f"must be one of {list(allowed)}")
 
@@ -172,21 +260,25 @@ class TrainConfig:
                      "log_every", "tiny_hidden", "tiny_layers", "kl_horizon"):
             if getattr(self, name) < 1:
                 self._bad(name, "must be >= 1")
-        for name in ("save_every", "threads"):
+        for name in ("save_every", "threads", "ref_update_every"):
             if getattr(self, name) < 0:
                 self._bad(name, "must be >= 0")
         for name in ("lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be > 0")
-        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm", "value_coef"):
+        for name in ("clip_low", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm", "value_coef"):
             if not getattr(self, name) >= 0:
                 self._bad(name, "must be >= 0")
+        if self.clip_high is not None and not self.clip_high >= 0:
+            self._bad("clip_high", "must be >= 0 or None")
+        if not 0 <= self.ref_mix_alpha <= 1:
+            self._bad("ref_mix_alpha", "must be in [0, 1]")
         if self.clip_low >= 1:
             self._bad("clip_low", "must be < 1")
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 self._bad(name, "must be in [0, 1]")
-        for name, floor in (("dual_clip", 1), ("kl_target", 0), ("value_clip", 0)):
+        for name, floor in (("dual_clip", 1), ("kl_target", 0), ("value_clip", 0), ("target_kl", 0), ("reward_clip", 0)):
             if getattr(self, name) is not None and not getattr(self, name) > floor:
                 self._bad(name, f"must be > {floor} or None")
         if self.algo == "grpo" and self.group_size < 2:
@@ -203,6 +295,8 @@ class TrainConfig:
                 self._bad("model", "no such model directory or .gguf file")
             if os.path.isfile(self.model) and not self.model.endswith(".gguf"):
                 self._bad("model", "a file must be a .gguf; otherwise give a model directory")
+        if self.ref_model and not os.path.exists(self.ref_model):
+            self._bad("ref_model", "no such model directory or .gguf file")
         if self.critic_model and not os.path.exists(self.critic_model):
             self._bad("critic_model", "no such model directory or .gguf file")
         if self.critic_model and self.model == "tiny":
@@ -382,6 +476,7 @@ def from_dict(values: dict) -> TrainConfig:
         raise ConfigError(f"preset: must be one of {list(PRESETS)} (got {preset!r})")
     merged = {**PRESETS[preset](), **values}
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in merged.items()})
+    cfg._explicit = frozenset(values) - {"preset"}  # what the user set (file or flags): TrainConfig.was_set
     return cfg.validate()
 
 

@@ -60,6 +60,11 @@ class ShardedRoot(nn.Module):
         return _not_views(out)
 
 
+def unwrap(module: nn.Module) -> nn.Module:
+    """The trainer's module inside a :class:`ShardedRoot` (``module`` itself when it is not one)."""
+    return module.inner if isinstance(module, ShardedRoot) else module
+
+
 def _not_views(out):
     if isinstance(out, torch.Tensor):
         return out.clone() if out._base is not None else out

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 import rlkernels
 
-from . import checkpoint, distributed as sharding
+from . import checkpoint, knobs
+from . import distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
@@ -55,7 +56,8 @@ class Rollout:
     old_values: torch.Tensor | None = None  # [B, R]
     advantages: torch.Tensor | None = None  # [B] (GRPO) or [B, R] (PPO)
     returns: torch.Tensor | None = None  # [B, R]
-    kl_seq: torch.Tensor | None = None  # [B] PPO: the k1 KL to the reference summed over each response
+    kl_seq: torch.Tensor | None = None  # [B] the kl_estimator KL to the reference at rollout summed over each response
+    raw_scores: torch.Tensor | None = None  # [B] the reward function's scores when reward_norm/reward_clip changed them
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The rows ``idx`` [b] of every field."""
@@ -69,31 +71,37 @@ class Rollout:
         return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
-def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0):
+def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0,
+                   kl_coef: float | None = None):
     """The loss of one minibatch and its metrics: ``(loss, metrics)``, no state read or written.
 
     ``policy`` is a :class:`TokenLogprobs` (or its DDP wrapper), ``critic`` a :class:`Critic` (PPO) or
-    None, ``ops`` the op provider. The loss is ``ops.policy_loss`` (GRPO: with the KL to the reference;
-    PPO: the KL is in the rewards) plus, for PPO, ``value_coef`` times ``ops.value_loss``. Token means
-    are multiplied by ``token_scale`` (what makes DDP's gradient average a global token mean).
-    ``metrics`` holds floats under namespaced keys: ``loss/policy``, ``policy/<policy_loss metric>``,
-    and for PPO ``loss/value``, ``critic/<value_loss metric>``.
+    None, ``ops`` the op provider. The loss is ``ops.policy_loss`` (with ``kl_coef`` (default
+    ``cfg.kl_coef``) times the ``kl_estimator`` KL to the reference when ``kl_in`` is 'loss'; with
+    'reward' the KL is in the advantages) plus, for PPO, ``value_coef`` times ``ops.value_loss``
+    aggregated by ``value_agg``. Token means are multiplied by ``token_scale`` (what makes DDP's
+    gradient average a global token mean). ``metrics`` holds floats under namespaced keys:
+    ``loss/policy``, ``policy/<policy_loss metric>``, ``policy/ratio_outside``, and for PPO
+    ``loss/value``, ``critic/<value_loss metric>``.
     """
     logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
     old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
-    grpo_kl = cfg.algo == "grpo" and mb.ref_logp is not None  # PPO: the KL is in the rewards
+    kl_in_loss = cfg.kl_in == "loss" and mb.ref_logp is not None
     loss, metrics = ops.policy_loss(
         logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=mb.ref_logp if cfg.algo == "grpo" else None,
-        kl_coef=cfg.kl_coef if grpo_kl else 0.0, kl_estimator=cfg.kl_estimator, entropy=entropy,
-        entropy_coef=cfg.entropy_coef, agg=cfg.agg,
+        dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=mb.ref_logp if kl_in_loss else None,
+        kl_coef=(cfg.kl_coef if kl_coef is None else kl_coef) if kl_in_loss else 0.0,
+        kl_estimator=cfg.kl_estimator or "k3", entropy=entropy, entropy_coef=cfg.entropy_coef, agg=cfg.agg,
     )
     logs = {"loss/policy": float(loss.detach()), **{f"policy/{k}": float(v) for k, v in metrics.items()}}
+    high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
+    logs["policy/ratio_outside"] = knobs.ratio_outside(logp, old, mb.mask, cfg.ratio, cfg.clip_low, high)
     total = loss * (token_scale if cfg.agg == "token-mean" else 1.0)  # sequence means need no rescaling
     if critic is not None:
         values = critic(mb.ids, mb.attention_mask, mb.labels)  # [b, R]
-        vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip)
-        total = total + cfg.value_coef * token_scale * vloss  # the value loss is always a token mean
+        vloss, vmetrics = ops.value_loss(values, mb.old_values, mb.returns, mb.mask, clip=cfg.value_clip,
+                                         agg=cfg.value_agg)
+        total = total + cfg.value_coef * (token_scale if cfg.value_agg == "token-mean" else 1.0) * vloss
         logs["loss/value"] = float(vloss.detach())
         logs.update({f"critic/{k}": float(v) for k, v in vmetrics.items()})
     return total, logs
@@ -167,14 +175,20 @@ class Trainer:
         self.prompts = PromptSource(cfg.task, cfg.prompts, cfg.seed)
         self.reward_fn = load_reward(cfg.reward, self.device)
 
+        if hasattr(self.reward_fn, "model"):  # a reward model: dropout off (issue 15)
+            knobs.disable_dropout(self.reward_fn.model)
+
         self.policy, self.tokenizer = load_policy(cfg)
+        knobs.disable_dropout(self.policy)  # old log-probs and the update's must come from the same function
         self.policy.to(self.device).train()
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id
-        need_ref = cfg.kl_coef > 0 or (cfg.algo == "ppo" and cfg.kl_target is not None)
-        self.ref = TokenLogprobs(frozen_copy(self.policy), self.ops, cfg.temperature) if need_ref else None
+        self.ref = self._load_reference() if cfg.kl_coef > 0 else None
         self.critic: Critic | None = load_critic(cfg, self.policy).to(self.device).train() if cfg.algo == "ppo" else None
+        if self.critic is not None:
+            knobs.disable_dropout(self.critic)
         self.kl_coef = cfg.kl_coef
+        self.score_norm = knobs.ScoreNormalizer(cfg.reward_norm, cfg.reward_norm_shift, cfg.reward_clip)
 
         self.policy_lp = TokenLogprobs(self.policy, self.ops, cfg.temperature)
         self.policy_ddp, self.critic_ddp = self.policy_lp, self.critic
@@ -200,6 +214,21 @@ class Trainer:
         self.step = 0
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
+
+    def _load_reference(self) -> TokenLogprobs:
+        """The frozen reference policy: a copy of the initial policy, or ``ref_model`` (dropout off)."""
+        cfg = self.cfg
+        if not cfg.ref_model:
+            model = frozen_copy(self.policy)
+        else:
+            model, _ = load_policy(dataclasses.replace(cfg, model=cfg.ref_model))
+            want, got = self.policy.get_output_embeddings().weight.shape, model.get_output_embeddings().weight.shape
+            if got != want:
+                raise ConfigError(f"ref_model: {cfg.ref_model} has an output layer of shape {tuple(got)}, the policy "
+                                  f"{tuple(want)}; the reference must score the policy's tokens")
+            model = frozen_copy(model.to(self.device))
+        knobs.disable_dropout(model)
+        return TokenLogprobs(model, self.ops, cfg.temperature)
 
     # ------------------------------------------------------------------ phases
 
@@ -266,7 +295,9 @@ class Trainer:
         """
         cfg = self.cfg
         inputs = (batch.ids, batch.attention_mask, batch.labels)
-        separate_pass = cfg.algo == "ppo" or cfg.epochs > 1 or cfg.minibatches > 1
+        # the KL at rollout (kl_in 'reward', the adaptive controller's measure) needs the old log-probs too
+        kl_at_rollout = self.ref is not None and (cfg.kl_in == "reward" or cfg.kl_target is not None)
+        separate_pass = cfg.algo == "ppo" or cfg.epochs > 1 or cfg.minibatches > 1 or kl_at_rollout
         return dataclasses.replace(
             batch,
             old_logp=self.policy_lp(*inputs, return_entropy=False) if separate_pass else None,
@@ -276,29 +307,49 @@ class Trainer:
 
     @torch.no_grad()
     def advantages(self, batch: Rollout) -> Rollout:
-        """Advantages phase: the batch with ``advantages`` (and, PPO, ``returns`` and ``kl_seq``).
+        """Advantages phase: the batch with ``advantages`` (and, PPO, ``returns``; ``kl_seq`` when measured).
 
-        GRPO: ``group_advantages`` of the scores, [B]. PPO: per-token rewards ``-kl_coef * k1`` plus the
-        score on each response's last token, GAE over the critic's ``old_values``, advantages whitened
-        with the statistics of the global batch (every process's tokens), [B, R]; ``kl_seq`` [B] is the
-        k1 KL of each response (0 without a reference model).
+        ``kl_t`` [B, R] is ``kl_estimator(old_logp, ref_logp)`` at rollout when there is a reference and
+        the old log-probs were taken apart (``kl_seq`` [B] its sum over each response), else 0.
+        GRPO: ``group_advantages`` of the scores, [B]; with ``kl_in`` 'reward'
+        ``A_t = A - kl_coef * Σ_{t'>=t} kl_t'`` [B, R] (:func:`knobs.grpo_token_advantages`).
+        PPO: per-token rewards (``-kl_coef * kl_t`` with ``kl_in`` 'reward') plus the score on each
+        response's last token, GAE over the critic's ``old_values``; with ``whiten_advantages`` the
+        advantages are whitened with the statistics of the global batch (every process's tokens), [B, R].
         """
         cfg, ops = self.cfg, self.ops
-        if cfg.algo == "grpo":
-            return dataclasses.replace(batch, advantages=ops.group_advantages(batch.scores, cfg.group_size,
-                                                                              mode=cfg.advantage))  # [B]
         m = batch.mask.float()  # [B, R]
-        kl = (batch.old_logp - batch.ref_logp) * m if batch.ref_logp is not None else torch.zeros_like(m)  # [B, R] k1
-        rewards = -self.kl_coef * kl  # [B, R]
+        measured = batch.ref_logp is not None and batch.old_logp is not None
+        kl = ops.kl_penalty(batch.old_logp, batch.ref_logp, cfg.kl_estimator) * m if measured else torch.zeros_like(m)  # [B, R]
+        kl_seq = kl.sum(-1) if measured else None  # [B]
+        in_reward = measured and cfg.kl_in == "reward"
+        if cfg.algo == "grpo":
+            adv = ops.group_advantages(batch.scores, cfg.group_size, mode=cfg.advantage)  # [B]
+            if in_reward:
+                adv = knobs.grpo_token_advantages(adv, kl, batch.mask, self.kl_coef)  # [B, R]
+            return dataclasses.replace(batch, advantages=adv, kl_seq=kl_seq)
+        rewards = -self.kl_coef * kl if in_reward else torch.zeros_like(m)  # [B, R]
         last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
         rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
-        if self.distributed:
+        if cfg.whiten_advantages and self.distributed:
             adv = rlkernels.masked_whiten(adv, batch.mask, process_group=dist.group.WORLD)  # [B, R]
-        else:
+        elif cfg.whiten_advantages:
             adv = ops.masked_whiten(adv, batch.mask)  # [B, R]
-        return dataclasses.replace(batch, advantages=adv, returns=ret, kl_seq=kl.sum(-1))
+        return dataclasses.replace(batch, advantages=adv, returns=ret, kl_seq=kl_seq)
+
+    def normalize_scores(self, batch: Rollout) -> Rollout:
+        """``reward_norm`` / ``reward_clip``: the batch with normalised ``scores`` and the reward function's in
+        ``raw_scores``; unchanged when both are off. The statistics cover every process's scores."""
+        if not self.score_norm.active:
+            return batch
+        pool = batch.scores  # [B]
+        if self.distributed:
+            parts = [torch.empty_like(batch.scores) for _ in range(self.world)]
+            dist.all_gather(parts, batch.scores.contiguous())
+            pool = torch.cat(parts)  # [B * world]
+        return dataclasses.replace(batch, scores=self.score_norm(batch.scores, pool), raw_scores=batch.scores)
 
     def _token_scale(self, mb: Rollout) -> float:
         """DDP averages gradients over processes; a token mean is multiplied by this so that the result is
@@ -312,21 +363,33 @@ class Trainer:
 
     def update(self, batch: Rollout, step: int) -> dict:
         """Update phase: ``epochs`` passes of ``minibatches`` optimizer steps on :func:`minibatch_loss`;
-        returns the mean of the minibatches' metrics (plus ``policy/grad_norm`` when clipping)."""
+        returns the mean of the applied minibatches' metrics (plus ``policy/grad_norm`` when clipping).
+
+        With ``target_kl``: once a minibatch's approx KL to the old policy (averaged over processes)
+        exceeds ``1.5 * target_kl``, its optimizer step and all later ones of this step are skipped;
+        ``policy/early_stop`` (1/0) and ``policy/updates`` (optimizer steps taken) say where."""
         cfg = self.cfg
         B = batch.ids.shape[0]
         size = B // cfg.minibatches
         history = []
+        stopped, updates = False, 0
         for epoch in range(cfg.epochs):
             order = torch.randperm(B, device=self.device) if cfg.minibatches > 1 else torch.arange(B, device=self.device)
             for k in range(cfg.minibatches):
                 mb = batch.select(order[k * size : (k + 1) * size])
-                loss, logs = minibatch_loss(cfg, self.ops, self.policy_ddp, self.critic_ddp, mb, self._token_scale(mb))
+                loss, logs = minibatch_loss(cfg, self.ops, self.policy_ddp, self.critic_ddp, mb, self._token_scale(mb),
+                                            kl_coef=self.kl_coef)
                 if not math.isfinite(float(loss.detach())):
                     raise NonFiniteError(
                         f"non-finite loss at step {step} (epoch {epoch}, minibatch {k}): {logs}; "
                         f"batch prompts {mb.prompts[:4]!r} completions {mb.completions[:4]!r}"
                     )
+                if cfg.target_kl is not None and knobs.should_stop_early(self._global_mean(logs["policy/approx_kl"]),
+                                                                         cfg.target_kl):
+                    stopped = True  # this minibatch's step and every later one are skipped
+                    if not history:
+                        history.append(logs)  # the metrics of what was measured, though nothing was applied
+                    break
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.max_grad_norm > 0:
@@ -334,28 +397,52 @@ class Trainer:
                     if self.critic is not None:
                         torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
+                updates += 1
                 history.append(logs)
-        return {key: sum(logs[key] for logs in history) / len(history) for key in history[0]}
+            if stopped:
+                break
+        keys = [key for key in history[0] if all(key in logs for logs in history)]
+        out = {key: sum(logs[key] for logs in history) / len(history) for key in keys}
+        if cfg.target_kl is not None:
+            out["policy/early_stop"] = float(stopped)
+            out["policy/updates"] = float(updates)
+        return out
+
+    def _global_mean(self, value: float) -> float:
+        """``value`` averaged over processes (every process must take the same early-stop decision)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t) / self.world
 
     def adapt_kl(self, seq_kl: float) -> None:
-        """Adaptive KL controller (Ziegler et al. 2019): move kl_coef toward the target KL."""
+        """Adaptive KL controller (Ziegler et al. 2019): move kl_coef toward the target KL.
+
+        ``seq_kl`` is the batch's mean per-sequence KL at rollout (``policy/kl_seq``), whichever algo and
+        ``kl_in``: ``kl_coef *= 1 + clip(seq_kl / kl_target - 1, ±0.2) * batch / kl_horizon``."""
         cfg = self.cfg
-        if cfg.algo != "ppo" or cfg.kl_target is None:
+        if cfg.kl_target is None:
             return
         error = max(-0.2, min(0.2, seq_kl / cfg.kl_target - 1.0))
         self.kl_coef *= 1.0 + error * cfg.prompts_per_step * cfg.group_size / cfg.kl_horizon
 
     def batch_metrics(self, batch: Rollout) -> dict:
-        """Log phase: the rollout's reward and length, and for PPO the KL in its rewards and its coefficient."""
+        """Log phase: the rollout's raw reward and length; the per-sequence KL at rollout when it was measured,
+        and the KL coefficient (PPO, or whenever the adaptive controller moves it); the normalised scores'
+        mean with reward_norm/reward_clip."""
+        raw = batch.scores if batch.raw_scores is None else batch.raw_scores  # [B]
         metrics = {
-            "reward/mean": float(batch.scores.mean()),
-            "reward/std": float(batch.scores.std()) if batch.scores.numel() > 1 else 0.0,
-            "reward/solved": float((batch.scores >= 1.0).float().mean()),
+            "reward/mean": float(raw.mean()),
+            "reward/std": float(raw.std()) if raw.numel() > 1 else 0.0,
+            "reward/solved": float((raw >= 1.0).float().mean()),
             "response/length": float(batch.mask.float().sum(-1).mean()),
         }
-        if self.cfg.algo == "ppo":
-            if self.ref is not None:  # without a reference model there is no KL to report (it is not 0)
-                metrics["policy/kl_seq"] = float(batch.kl_seq.mean())
+        if batch.raw_scores is not None:
+            metrics["reward/normalized_mean"] = float(batch.scores.mean())
+        if batch.kl_seq is not None:  # without a reference model there is no KL to report (it is not 0)
+            metrics["policy/kl_seq"] = float(batch.kl_seq.mean())
+        if self.cfg.algo == "ppo" or self.cfg.kl_target is not None:
             metrics["policy/kl_coef"] = self.kl_coef
         return metrics
 
@@ -366,12 +453,14 @@ class Trainer:
         start = time.perf_counter()
         torch.manual_seed((cfg.seed * 1_000_003 + step) * 1009 + self.rank)
         batch = self.rollout(step)  # rollout
-        batch = self.score_tokens(self.score(batch, step))  # score: rewards, then tokens
+        batch = self.score_tokens(self.normalize_scores(self.score(batch, step)))  # score: rewards, then tokens
         batch = self.advantages(batch)  # advantages
         metrics = self.update(batch, step)  # update
         metrics.update(self.batch_metrics(batch))  # log
-        if cfg.algo == "ppo":
+        if cfg.kl_target is not None:
             self.adapt_kl(float(batch.kl_seq.mean()))  # after logging the coefficient this step used
+        if self.ref is not None:  # after the update: ref_update_every / ref_mix_alpha
+            knobs.update_reference(sharding.unwrap(self.ref).model, self.policy, step, cfg.ref_update_every, cfg.ref_mix_alpha)
         if self.distributed:  # average the logged scalars over processes
             keys = sorted(metrics)
             t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -389,6 +478,8 @@ class Trainer:
         mods = {"policy": self.policy}
         if self.critic is not None:
             mods["critic"] = self.critic
+        if self.ref is not None and (self.cfg.ref_update_every or self.cfg.ref_mix_alpha):  # it moves: save it
+            mods["reference"] = sharding.unwrap(self.ref).model
         return mods
 
     def save(self) -> Path | None:
@@ -398,7 +489,8 @@ class Trainer:
         path = None
         if self.rank == 0:
             path = checkpoint.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
-                                   {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
+                                   {"kl_coef": self.kl_coef, "reward_norm": self.score_norm.state_dict(),
+                                    "config": self.cfg.to_dict()})
         if self.distributed:
             dist.barrier()
         return path
@@ -409,10 +501,18 @@ class Trainer:
         path = checkpoint.latest(self.out / "checkpoints")
         if path is None:
             raise ConfigError(f"resume: no checkpoint under {self.out / 'checkpoints'} (start without --resume)")
-        load = sharding.load if self.cfg.shard == "fsdp" else checkpoint.load
-        state = load(path, self._modules(), self.optimizer)
+        modules = self._modules()
+        if self.cfg.shard == "fsdp":
+            state = sharding.load(path, modules, self.optimizer)
+        else:
+            if "reference" in modules and not (path / "reference.safetensors").exists():
+                # written before the reference moved: it was then still the initial one, which self.ref holds now
+                del modules["reference"]
+            state = checkpoint.load(path, modules, self.optimizer)
         self.step = int(state["step"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
+        if "reward_norm" in state:
+            self.score_norm.load_state_dict(state["reward_norm"])
         if self.rank == 0:
             left = "" if self.step < self.cfg.steps else f": nothing left to run (steps = {self.cfg.steps})"
             print(f"resumed from step {self.step} ({path}){left}", file=sys.stderr, flush=True)
@@ -459,6 +559,9 @@ class Trainer:
             values["ent"] = f"{metrics['policy/entropy']:.3f}"
         if self.cfg.epochs * self.cfg.minibatches > 1 and "policy/clipfrac" in metrics:
             values["clip"] = f"{metrics['policy/clipfrac']:.3f}"
+            values["out"] = f"{metrics['policy/ratio_outside']:.3f}"
+        if metrics.get("policy/early_stop"):
+            values["stop"] = f"{metrics['policy/updates']:.0f}"
         values["tok_s"] = f"{metrics['perf/tokens_per_s']:.0f}"
         return values
 
@@ -531,7 +634,7 @@ class Trainer:
         if self.rank == 0:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
             if self.cfg.plot and rows:
-                plot(rows, self.out / "plot.png", self.cfg.kl_estimator)
+                plot(rows, self.out / "plot.png", self.cfg.kl_estimator or "k3")
         return summary
 
 
@@ -565,7 +668,7 @@ def figure(rows: list[dict], kl_estimator: str = "k3"):
     steps = [r["step"] for r in rows]
     # GRPO logs the per-token KL of its loss; PPO the per-sequence k1 KL it puts into the rewards
     kl_key = next((k for k in ("policy/kl", "policy/kl_seq") if any(k in r for r in rows)), None)
-    kl_label = {"policy/kl": f"KL per token ({kl_estimator})", "policy/kl_seq": "KL per sequence (k1)"}.get(kl_key, "KL")
+    kl_label = {"policy/kl": f"KL per token ({kl_estimator})", "policy/kl_seq": f"KL per sequence ({kl_estimator})"}.get(kl_key, "KL")
     panels = [("reward/mean", "reward", "mean reward"), (kl_key, "KL to reference", kl_label),
               ("policy/entropy", "entropy", "entropy per token (nats)")]
     window = 2 * max(1, len(rows) // 40) + 1  # 21 steps for 400

@@ -136,7 +136,15 @@ class Critic(nn.Module):
 
 
 def load_critic(cfg, policy: nn.Module) -> Critic:
-    """The critic starts from the policy's backbone, or from ``cfg.critic_model``."""
+    """The critic starts from the policy's backbone, or from ``cfg.critic_model``, with a zero value head; with
+    ``cfg.critic_init == 'reward'`` it is the reward model ``cfg.reward`` whole (backbone and score head)."""
+    if getattr(cfg, "critic_init", "policy") == "reward":
+        from .knobs import critic_from_reward_model
+
+        critic = critic_from_reward_model(cfg.reward, Critic, getattr(torch, cfg.dtype), policy.config.vocab_size)
+        for p in critic.parameters():
+            p.requires_grad_(True)
+        return critic
     if not cfg.critic_model:
         backbone = copy.deepcopy(hf.backbone(policy))
     else:

@@ -17,6 +17,14 @@ Everything here follows verl's semantics (checked against ``verl.trainer.ppo.cor
 its KL estimator names (``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3`` clamped to
 ±10, and the ``+`` straight-through variants), and its GRPO/RLOO conventions for groups of one.
 
+Tensor parallelism (verl's Megatron backend): :func:`vocab_parallel_log_probs_from_logits` and
+:func:`vocab_parallel_entropy` (the signatures of ``verl.utils.megatron.tensor_parallel``'s, which verl's Megatron
+actor calls on the vocabulary-parallel logits, plus the tensor-parallel group as ``process_group=``), and
+:func:`linear_cross_entropy` (``verl.utils.kernel.linear_cross_entropy``'s signature: hidden states and this rank's
+slice of the output weight, ``dist_process_group`` the tensor-parallel group), all on
+:mod:`rlkernels.vocab_parallel` (one collective per call merges the ranks' statistics; no Megatron import: pass
+``megatron.core.parallel_state.get_tensor_model_parallel_group()``).
+
 Also here: :func:`logprobs_from_logits` (signature of ``verl.utils.torch_functional.logprobs_from_logits``)
 and :class:`FusedLinearForPPO` (the interface of verl's fused-kernel backend
 ``verl.utils.experimental.torch_functional.FusedLinearForPPO``: ``(hidden, weight, input_ids,
@@ -40,6 +48,7 @@ __all__ = [
     "register", "POLICY_LOSSES", "ADV_ESTIMATORS", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
     "kl_penalty", "agg_loss", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_gae_advantage_return", "logprobs_from_logits", "FusedLinearForPPO",
+    "vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy", "linear_cross_entropy",
 ]
 
 _AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -293,6 +302,60 @@ class FusedLinearForPPO(torch.nn.Module):
                              f"{tuple(hidden_states.shape[:-1])}")
         return rlkernels.linear_logprobs(hidden_states, vocab_weights, input_ids.to(torch.int64),
                                          temperature=temperature, return_entropy=True)
+
+
+# ---------------------------------------------------------------- tensor parallelism (verl's Megatron backend)
+
+
+def _megatron_vocab_start(V_local: int, process_group, vocab_start):
+    """Megatron's layout (``VocabUtility``): rank ``r`` of the tensor-parallel group holds ``[r·V_r, (r+1)·V_r)``
+    (its vocabulary padded to a multiple of the group size), unless ``vocab_start`` says otherwise."""
+    import torch.distributed as dist
+
+    if process_group is None:
+        raise ValueError("process_group is required: the tensor-parallel group "
+                         "(megatron.core.parallel_state.get_tensor_model_parallel_group())")
+    return dist.get_rank(process_group) * V_local if vocab_start is None else vocab_start
+
+
+def vocab_parallel_log_probs_from_logits(logits, labels, *, process_group, vocab_start=None):
+    """``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits`` (log p of ``labels`` from this
+    tensor-parallel rank's logits ``[..., V/TP]``; verl's Megatron actor calls it in its ``logits_processor``) via
+    :func:`rlkernels.vocab_parallel.logprobs_from_logits`. ``process_group``: the tensor-parallel group;
+    ``vocab_start``: the global id of this rank's first column (default: Megatron's equal slices in rank order).
+    Returns float32 ``[...]`` (verl's returns the logits' dtype)."""
+    from rlkernels import vocab_parallel
+
+    start = _megatron_vocab_start(logits.shape[-1], process_group, vocab_start)
+    return vocab_parallel.logprobs_from_logits(logits, labels, process_group=process_group, vocab_start=start)
+
+
+def vocab_parallel_entropy(vocab_parallel_logits, *, process_group, vocab_start=None):
+    """``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy`` (the softmax's entropy from this rank's
+    logits ``[..., V/TP]``) via :func:`rlkernels.vocab_parallel.logprobs_from_logits`; float32 ``[...]``."""
+    from rlkernels import vocab_parallel
+
+    start = _megatron_vocab_start(vocab_parallel_logits.shape[-1], process_group, vocab_start)
+    return vocab_parallel.logprobs_from_logits(vocab_parallel_logits, None, process_group=process_group,
+                                               vocab_start=start)
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None, *,
+                         vocab_start=None, impl_backend=None):
+    """``verl.utils.kernel.linear_cross_entropy`` (verl's fused-kernel path for Megatron: hidden states and the
+    output layer's weight, without ``[N, V]`` logits): returns ``(log_probs, entropy)`` (float32, shaped like
+    ``labels``) via :func:`rlkernels.linear_logprobs`. With ``dist_process_group`` (the tensor-parallel group)
+    ``weight`` is this rank's vocabulary slice ``[V/TP, H]`` (``vocab_start`` as in
+    :func:`vocab_parallel_log_probs_from_logits`). Only ``reduction="none"`` (what verl's actor uses);
+    ``impl_backend`` is accepted for compatibility (rlkernels picks its backend)."""
+    if reduction != "none":
+        raise ValueError(f"reduction must be 'none' (per-token log-probs and entropy), got {reduction!r}")
+    kw = {}
+    if dist_process_group is not None:
+        kw = dict(process_group=dist_process_group,
+                  vocab_start=_megatron_vocab_start(weight.shape[0], dist_process_group, vocab_start))
+    return rlkernels.linear_logprobs(hidden, weight, labels.to(torch.int64), temperature=float(temperature),
+                                     return_entropy=True, **kw)
 
 
 # ---------------------------------------------------------------- registration

@@ -1,0 +1,398 @@
+"""Issue 15's trainer knobs, each against a hand-computed or float64 reference on the tiny model:
+reference updates, where the KL goes, KL early stop, dropout off, score normalisation, advantage and value
+options, the critic from the reward model, the ratio-outside metric, and the refusal of ignored flags."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlkernels import reference
+from rlkernels.trainer import knobs, loop
+from rlkernels.trainer.config import ConfigError, TrainConfig, from_dict
+from rlkernels.trainer.data import tiny_tokenizer
+from rlkernels.trainer.loop import Trainer, read_metrics
+from rlkernels.trainer.models import tiny_model
+from tests.test_trainer import DISTINCT, _designed_batch, tiny
+
+
+def _state(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_state(module, want: dict, exact: bool = True):
+    got = module.state_dict()
+    for name, w in want.items():
+        if exact:
+            assert torch.equal(got[name], w), name
+        else:
+            torch.testing.assert_close(got[name].double(), w.double(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _perturb(module, seed: int, scale: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+# ------------------------------------------------------------------ 2. reference updates
+
+
+def test_mix_into_is_the_convex_combination():
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    want = {k: 0.3 * b.state_dict()[k].double() + 0.7 * v.double() for k, v in a.state_dict().items()}
+    knobs.mix_into(a, b, 0.3)
+    _assert_state(a, want, exact=False)
+    knobs.mix_into(a, b, 1.0)
+    _assert_state(a, _state(b))
+
+
+@pytest.mark.parametrize("every, alpha", [(2, 0.0), (0, 0.25)])
+def test_reference_update_and_mix_in_the_loop(tmp_path, every, alpha):
+    """ref_update_every copies the policy after every k-th step only; ref_mix_alpha mixes after every step."""
+    cfg = tiny(tmp_path, losses="eager", kl_coef=0.05, ref_update_every=every, ref_mix_alpha=alpha, steps=2,
+               reward=DISTINCT)
+    tr = Trainer(cfg)
+    ref0 = _state(tr.ref.model)
+    seen = []
+
+    def record(step, metrics):
+        seen.append((_state(tr.policy), _state(tr.ref.model)))
+
+    tr.run(on_step=record)
+    (pol1, ref1), (pol2, ref2) = seen
+    if every:
+        for name in ref0:  # after step 1 (not a multiple of 2) the reference is untouched
+            assert torch.equal(ref1[name], ref0[name]), name
+        assert any(not torch.equal(pol1[n], ref0[n]) for n in ref0)  # the policy did move
+        for name in ref0:  # after step 2: an exact copy
+            assert torch.equal(ref2[name], pol2[name]), name
+    else:
+        for name in ref0:
+            want1 = alpha * pol1[name].double() + (1 - alpha) * ref0[name].double()
+            torch.testing.assert_close(ref1[name].double(), want1, rtol=1e-6, atol=1e-7)
+            want2 = alpha * pol2[name].double() + (1 - alpha) * ref1[name].double()
+            torch.testing.assert_close(ref2[name].double(), want2, rtol=1e-6, atol=1e-7)
+    assert "reference" in tr._modules()  # a moving reference is checkpointed
+
+
+def test_resume_restores_a_moving_reference(tmp_path):
+    cfg = tiny(tmp_path, losses="eager", kl_coef=0.05, ref_mix_alpha=0.5, steps=1, reward=DISTINCT)
+    tr = Trainer(cfg)
+    initial = _state(tr.ref.model)
+    tr.run()
+    moved = _state(tr.ref.model)
+    assert any(not torch.equal(moved[n], initial[n]) for n in initial)
+    resumed = Trainer(dataclasses.replace(cfg, resume=True))
+    _assert_state(resumed.ref.model, initial)  # before the checkpoint is read: the initial reference
+    resumed.maybe_resume()
+    _assert_state(resumed.ref.model, moved)
+
+
+def test_ref_model_loads_another_reference(tmp_path):
+    tok = tiny_tokenizer()
+    other = tiny_model(len(tok), hidden=32, layers=2, seed=123, tokenizer=tok)
+    other.save_pretrained(tmp_path / "ref")
+    tok.save_pretrained(tmp_path / "ref")
+    tr = Trainer(tiny(tmp_path / "run", losses="eager", ref_model=str(tmp_path / "ref")))
+    _assert_state(tr.ref.model, _state(other))
+    assert any(not torch.equal(tr.policy.state_dict()[n], v) for n, v in other.state_dict().items())
+    wide = tiny_model(len(tok) + 3, hidden=32, layers=2, seed=1, tokenizer=tok)
+    wide.save_pretrained(tmp_path / "wide")
+    tok.save_pretrained(tmp_path / "wide")
+    with pytest.raises(ConfigError, match="^ref_model:"):
+        Trainer(tiny(tmp_path / "run2", losses="eager", ref_model=str(tmp_path / "wide")))
+
+
+# ------------------------------------------------------------------ 3. where the KL goes
+
+
+def _scored(tr, seed=11):
+    """The designed batch, scored, with the reference moved off the policy so the KL is nonzero."""
+    _perturb(tr.ref.model, seed)
+    return tr.score_tokens(tr.score(_designed_batch(tr), 1))
+
+
+def _kl64(batch, estimator):
+    return reference.kl_penalty(batch.old_logp.double(), batch.ref_logp.double(), estimator) * batch.mask.double()
+
+
+def test_grpo_kl_in_reward_is_the_kl_return_to_go(tmp_path):
+    tr = Trainer(tiny(tmp_path, losses="eager", kl_coef=0.1, kl_in="reward", kl_estimator="k3"))
+    batch = _scored(tr)
+    assert batch.old_logp is not None  # the KL at rollout needs the old log-probs even with one minibatch
+    done = tr.advantages(batch)
+    kl = _kl64(batch, "k3")  # [B, R]
+    group = reference.group_advantages(batch.scores.double(), tr.cfg.group_size)  # [B]
+    B, R = kl.shape
+    want = torch.zeros(B, R, dtype=torch.float64)
+    for b in range(B):  # by hand: A_t = A - c * sum of kl from t to the end
+        for t in range(R):
+            want[b, t] = group[b] - 0.1 * kl[b, t:].sum() if batch.mask[b, t] else 0.0
+    assert float(kl.abs().sum()) > 0
+    torch.testing.assert_close(done.advantages.double() * batch.mask, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(done.kl_seq.double(), kl.sum(-1), rtol=1e-5, atol=1e-6)
+    # and the loss carries no KL term
+    loss, logs = loop.minibatch_loss(tr.cfg, tr.ops, tr.policy_lp, None, done)
+    assert "policy/kl" not in logs
+
+
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_ppo_kl_placement(tmp_path, kl_in):
+    """PPO: with kl_in 'reward' the k2 KL is in GAE's per-token rewards; with 'loss' the rewards hold only the
+    score and the policy loss carries kl_coef * k2 (float64 hand computation of GAE and the loss)."""
+    tr = Trainer(tiny(tmp_path, losses="eager", algo="ppo", kl_coef=0.2, kl_in=kl_in, kl_estimator="k2",
+                      whiten_advantages=False))
+    batch = _scored(tr)
+    done = tr.advantages(batch)
+    m = batch.mask.double()  # [B, R]
+    rewards = -0.2 * _kl64(batch, "k2") if kl_in == "reward" else torch.zeros_like(m)  # [B, R]
+    last = batch.mask.long().sum(-1) - 1
+    rewards[torch.arange(len(last)), last] += batch.scores.double()
+    adv, ret = reference.gae(rewards, batch.old_values.double(), batch.mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(done.advantages.double() * m, adv * m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(done.returns.double() * m, ret * m, rtol=1e-5, atol=1e-6)
+    _, logs = loop.minibatch_loss(tr.cfg, tr.ops, tr.policy_lp, tr.critic, done)
+    with torch.no_grad():
+        logp, _ = tr.policy_lp(batch.ids, batch.attention_mask, batch.labels)
+    want_kl = reference.masked_mean(reference.kl_penalty(logp.double(), batch.ref_logp.double(), "k2"), m)
+    if kl_in == "loss":
+        assert logs["policy/kl"] == pytest.approx(float(want_kl), rel=1e-5, abs=1e-8) and float(want_kl) > 0
+    else:
+        assert "policy/kl" not in logs
+
+
+@pytest.mark.parametrize("algo, kl_in", [("grpo", "loss"), ("grpo", "reward"), ("ppo", "loss")])
+def test_adaptive_kl_controller_for_every_placement(tmp_path, algo, kl_in):
+    """kl_coef_{n+1} = kl_coef_n * (1 + clip(kl_seq / target - 1, ±0.2) * batch / horizon), kl_seq being the
+    logged mean per-sequence KL at rollout."""
+    cfg = tiny(tmp_path, losses="eager", algo=algo, kl_in=kl_in, kl_coef=0.05, kl_target=0.5, kl_horizon=20,
+               steps=2, reward=DISTINCT)
+    Trainer(cfg).run()
+    r1, r2 = read_metrics(tmp_path / "metrics.jsonl")
+    error = max(-0.2, min(0.2, r1["policy/kl_seq"] / 0.5 - 1.0))
+    assert r1["policy/kl_coef"] == 0.05
+    assert r2["policy/kl_coef"] == pytest.approx(0.05 * (1 + error * 16 / 20), rel=1e-9)
+    assert r2["policy/kl_coef"] != 0.05
+
+
+# ------------------------------------------------------------------ 4. KL early stop
+
+
+def test_target_kl_stops_at_the_right_minibatch(tmp_path, monkeypatch):
+    """The first minibatch whose approx KL exceeds 1.5 * target_kl is not applied, nor any later one."""
+    calls = []
+    real = loop.minibatch_loss
+
+    def recording(*args, **kwargs):
+        loss, logs = real(*args, **kwargs)
+        calls.append(logs["policy/approx_kl"])
+        return loss, logs
+
+    monkeypatch.setattr(loop, "minibatch_loss", recording)
+    over = dict(losses="eager", epochs=2, minibatches=2, lr=0.05, steps=1, reward=DISTINCT)
+    Trainer(tiny(tmp_path / "free", target_kl=1e9, **over)).run()
+    free, calls[:] = list(calls), []
+    assert len(free) == 4 and free[0] == 0.0  # same weights at the first minibatch
+    # a target the second minibatch exceeds but not 1.5 times: a stop at KL > target would come one minibatch early
+    target = free[1] / 1.2
+    j = next(i for i in range(4) if free[i] > 1.5 * target)
+    assert j >= 2 and free[1] > target
+    Trainer(tiny(tmp_path / "stop", target_kl=target, **over)).run()
+    assert calls == free[: j + 1]  # the same updates up to the stop, then none
+    row = read_metrics(tmp_path / "stop" / "metrics.jsonl")[0]
+    assert row["policy/early_stop"] == 1.0 and row["policy/updates"] == j
+    assert read_metrics(tmp_path / "free" / "metrics.jsonl")[0]["policy/early_stop"] == 0.0
+
+
+# ------------------------------------------------------------------ 5. dropout off
+
+
+def _dropout_gpt2(path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4, n_positions=64, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(3)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def test_dropout_off_gives_ratio_one_at_the_first_minibatch(tmp_path, monkeypatch):
+    _dropout_gpt2(tmp_path / "gpt2")
+    calls = []
+    real = loop.minibatch_loss
+
+    def recording(*args, **kwargs):
+        loss, logs = real(*args, **kwargs)
+        calls.append(logs)
+        return loss, logs
+
+    monkeypatch.setattr(loop, "minibatch_loss", recording)
+    over = dict(model=str(tmp_path / "gpt2"), losses="eager", minibatches=2, steps=1, algo="ppo", kl_coef=0.05,
+                progress=False, plot=False, prompts_per_step=4, group_size=4, save_every=0)
+    tr = Trainer(from_dict(dict(output_dir=str(tmp_path / "run"), **over)))
+    for model in (tr.policy, tr.critic, tr.ref.model):
+        assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert tr.policy.config.resid_pdrop == tr.policy.config.attn_pdrop == tr.policy.config.embd_pdrop == 0.0
+    assert tr.policy.training  # train mode is kept
+    tr.run()
+    assert calls[0]["policy/ratio_mean"] == 1.0 and calls[0]["policy/approx_kl"] == 0.0  # exactly
+    # without it the same run's ratios are off 1 (so the assertion above can fail)
+    monkeypatch.setattr(knobs, "disable_dropout", lambda model: model)
+    calls.clear()
+    Trainer(from_dict(dict(output_dir=str(tmp_path / "run2"), **over))).run()
+    assert calls[0]["policy/approx_kl"] != 0.0
+
+
+# ------------------------------------------------------------------ 7. score normalisation
+
+
+def test_score_normalizer_against_float64():
+    torch.manual_seed(0)
+    batches = [torch.randn(5) * 3 + 1, torch.randn(7) * 2 - 4, torch.randn(4)]
+    run = knobs.ScoreNormalizer("running")
+    noshift = knobs.ScoreNormalizer("running", shift=False, clip=0.7)
+    seen = []
+    for x in batches:
+        seen.append(x.double())
+        pool = torch.cat(seen)
+        mean, var = pool.mean(), pool.var(unbiased=True)
+        torch.testing.assert_close(run(x).double(), (x.double() - mean) / torch.sqrt(var + 1e-8), rtol=1e-5, atol=1e-6)
+        want = (x.double() / torch.sqrt(var + 1e-8)).clamp(-0.7, 0.7)
+        torch.testing.assert_close(noshift(x).double(), want, rtol=1e-5, atol=1e-6)
+    assert run.count == 16 and run.mean == pytest.approx(float(pool.mean()), rel=1e-12)
+    x = batches[1]
+    want = (x.double() - x.double().mean()) / torch.sqrt(x.double().var() + 1e-8)
+    torch.testing.assert_close(knobs.ScoreNormalizer("batch")(x).double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(knobs.ScoreNormalizer("none", clip=0.5)(torch.tensor([2.0, -0.2, -3.0])),
+                       torch.tensor([0.5, -0.2, -0.5]))
+    assert torch.equal(knobs.ScoreNormalizer("running")(torch.tensor([3.0])), torch.tensor([0.0]))  # one score: scale 1
+
+
+def test_reward_norm_in_the_loop_and_resume(tmp_path):
+    """The advantages see the normalised scores, reward/mean logs the raw ones, and resume restores the running
+    statistics from the checkpoint."""
+    cfg = tiny(tmp_path, losses="eager", reward=DISTINCT, reward_norm="running", reward_clip=1.0, steps=2, save_every=1)
+    tr = Trainer(cfg)
+    raw = torch.tensor([float(i % 4) for i in range(16)], dtype=torch.float64)  # DISTINCT's scores
+    batch = tr.normalize_scores(tr.score(_designed_batch(tr), 1))
+    want = ((raw - raw.mean()) / torch.sqrt(raw.var() + 1e-8)).clamp(-1, 1)
+    torch.testing.assert_close(batch.scores.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(batch.raw_scores, raw.float())
+    tr = Trainer(cfg)
+    tr.run()
+    state = tr.score_norm.state_dict()
+    assert state["count"] == 32
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["reward/mean"] == pytest.approx(1.5)
+    resumed = Trainer(dataclasses.replace(cfg, resume=True, steps=2))
+    resumed.maybe_resume()
+    assert resumed.score_norm.state_dict() == state
+
+
+# ------------------------------------------------------------------ 8. advantage and value options
+
+
+def test_ppo_whitening_switch_and_value_agg(tmp_path):
+    tr = Trainer(tiny(tmp_path, losses="eager", algo="ppo", kl_coef=0.0, whiten_advantages=False,
+                      value_agg="seq-mean-token-sum"))
+    batch = tr.score_tokens(tr.score(_designed_batch(tr), 1))
+    done = tr.advantages(batch)
+    rewards = torch.zeros(batch.mask.shape, dtype=torch.float64)
+    last = batch.mask.long().sum(-1) - 1
+    rewards[torch.arange(len(last)), last] += batch.scores.double()
+    adv, ret = reference.gae(rewards, batch.old_values.double(), batch.mask, gamma=1.0, lam=0.95)
+    m = batch.mask.double()
+    torch.testing.assert_close(done.advantages.double() * m, adv * m, rtol=1e-5, atol=1e-6)  # not whitened
+    _, logs = loop.minibatch_loss(tr.cfg, tr.ops, tr.policy_lp, tr.critic, done)
+    with torch.no_grad():
+        values = tr.critic(batch.ids, batch.attention_mask, batch.labels)
+    want, _ = reference.value_loss(values.double(), done.old_values.double(), done.returns.double(), batch.mask,
+                                   clip=0.2, agg="seq-mean-token-sum")
+    assert logs["loss/value"] == pytest.approx(float(want), rel=1e-5)
+    token_mean, _ = reference.value_loss(values.double(), done.old_values.double(), done.returns.double(), batch.mask,
+                                         clip=0.2)
+    assert float(want) != pytest.approx(float(token_mean), rel=1e-3)  # the choice matters here
+
+
+def test_critic_init_from_the_reward_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(5)
+    rm = LlamaForSequenceClassification(config)
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    tr = Trainer(tiny(tmp_path / "run", losses="eager", algo="ppo", reward=str(tmp_path / "rm"), critic_init="reward",
+                      kl_coef=0.0))
+    _assert_state(tr.critic.backbone, _state(rm.model))
+    assert torch.equal(tr.critic.value_head.weight, rm.score.weight) and float(tr.critic.value_head.bias.detach()) == 0.0
+    batch = tr.score(_designed_batch(tr), 1)
+    with torch.no_grad():  # the critic's value at each sequence's last token is the reward model's score there
+        values = tr.critic(batch.ids, batch.attention_mask, batch.labels)  # [B, R]
+        hidden = rm.model(input_ids=batch.ids, attention_mask=batch.attention_mask,
+                          position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state
+        want = rm.score(hidden)[..., 0][:, -batch.mask.shape[1] - 1 : -1]  # [B, R]
+    torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def test_ratio_outside_by_hand():
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.7, 1.1], [1.25, 0.85, 1.0, 9.0]]))  # ratios (old_logp = 0)
+    old = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    # [0.8, 1.2]: outside are 1.5, 0.7, 1.25 (9.0 is masked out) -> 3 of 7
+    assert knobs.ratio_outside(logp, old, mask, "token", 0.2, 0.2) == pytest.approx(3 / 7)
+    # sequence ratios: exp(mean log r) = (1*1.5*0.7*1.1)^(1/4) = 1.0367, (1.25*0.85*1)^(1/3) = 1.0204
+    assert knobs.ratio_outside(logp, old, mask, "sequence", 0.2, 0.03) == pytest.approx(4 / 7)
+    assert knobs.ratio_outside(logp, old, mask, "sequence", 0.2, 0.02) == pytest.approx(7 / 7)
+    assert knobs.ratio_outside(logp, old, mask, "sequence", 0.2, 0.2) == 0.0
+
+
+# ------------------------------------------------------------------ honesty
+
+
+@pytest.mark.parametrize("over, flag", [
+    (dict(kl_coef=0.0, kl_estimator="k2"), "kl_estimator"),
+    (dict(kl_coef=0.0, kl_target=0.1), "kl_target"),
+    (dict(kl_coef=0.0, kl_in="reward"), "kl_in"),
+    (dict(kl_coef=0.0, ref_update_every=3), "ref_update_every"),
+    (dict(kl_coef=0.0, ref_mix_alpha=0.5), "ref_mix_alpha"),
+    (dict(kl_horizon=500), "kl_horizon"),
+    (dict(gamma=0.99), "gamma"),
+    (dict(lam=0.9), "lam"),
+    (dict(value_clip=None), "value_clip"),
+    (dict(value_coef=0.5), "value_coef"),  # set explicitly, even to its default
+    (dict(value_agg="seq-mean-token-mean"), "value_agg"),
+    (dict(critic_lr=1e-4), "critic_lr"),
+    (dict(whiten_advantages=False), "whiten_advantages"),
+    (dict(algo="ppo", advantage="rloo"), "advantage"),
+    (dict(target_kl=0.01), "target_kl"),
+    (dict(reward_norm_shift=False), "reward_norm_shift"),
+    (dict(algo="ppo", critic_init="reward"), "critic_init"),
+    (dict(tiny_layers=3, model="/"), "tiny_layers"),
+])
+def test_ignored_flags_are_refused(tmp_path, over, flag):
+    with pytest.raises(ConfigError, match=f"^{flag}:"):
+        from_dict(dict(output_dir=str(tmp_path), **over))
+
+
+def test_defaults_and_presets_are_not_refused(tmp_path):
+    cfg = from_dict(dict(output_dir=str(tmp_path)))
+    assert (cfg.clip_high, cfg.kl_in, cfg.kl_estimator) == (0.2, "loss", "k3")  # clip_high follows clip_low
+    assert from_dict(dict(output_dir=str(tmp_path), clip_low=0.1)).clip_high == 0.1
+    ppo = from_dict(dict(output_dir=str(tmp_path), algo="ppo", kl_target=0.1, kl_horizon=500, target_kl=0.02, epochs=2))
+    assert (ppo.kl_in, ppo.kl_estimator) == ("reward", "k1")
+    assert from_dict(dict(output_dir=str(tmp_path), kl_coef=0.0)).kl_estimator is None  # no KL anywhere
+    TrainConfig(output_dir=str(tmp_path)).validate()  # built directly: compared with the defaults
+    with pytest.raises(ConfigError, match="^gamma:"):
+        TrainConfig(output_dir=str(tmp_path), gamma=0.9).validate()
