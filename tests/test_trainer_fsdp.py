@@ -151,6 +151,13 @@ def _worker(out: Path) -> None:
         torch.save({"value_head_group": isinstance(tr.critic.inner.value_head, FSDPModule),
                     "dtypes": sorted({str(p.dtype) for p in tr.critic.parameters()}),
                     "metrics": read_metrics(out / "bf16" / "metrics.jsonl")}, out / f"bf16-{rank}.pt")
+        # a moving reference (ref_mix_alpha): mixed shard by shard into the sharded reference after the step
+        tr = Trainer(from_dict(_cfg(out / "mix", "grpo", "fsdp", ref_mix_alpha=0.5)))
+        start = [p.detach().clone() for p in sharding.full_parameters(tr.policy)]
+        tr.run()
+        torch.save({"start": start, "policy": [p.detach().clone() for p in sharding.full_parameters(tr.policy)],
+                    "ref": [p.detach().clone() for p in sharding.full_parameters(sharding.unwrap(tr.ref).model)]},
+                   out / f"mix-{rank}.pt")
         # sharded save + resume: the real loop (sampling through the sharded generate), cut at step 2
         full = Trainer(from_dict(_cfg(out / "full", **RESUME, shard="fsdp")))
         full.run()
@@ -295,6 +302,16 @@ def test_other_dtype_modules_are_found_outside_the_blocks():
     assert blocks == list(model.model.layers)
     assert sharding._other_dtype_modules(critic, blocks) == [critic.value_head]
     assert sharding._other_dtype_modules(critic.to(torch.bfloat16), blocks) == []
+
+
+def test_fsdp_moving_reference_mixes_the_shards(two_processes):
+    """ref_mix_alpha=0.5 under FSDP: after one step the reference is 0.5 * policy + 0.5 * the initial policy."""
+    for r in _load(two_processes, "mix"):
+        assert len(r["ref"]) == len(r["policy"]) == len(r["start"])
+        assert any(not torch.equal(p, s) for p, s in zip(r["policy"], r["start"]))  # the step moved the policy
+        # the mix in float32: t * 0.5 + s * 0.5, each product exact, one rounding of the sum
+        torch.testing.assert_close(r["ref"], [0.5 * p + 0.5 * s for p, s in zip(r["policy"], r["start"])],
+                                   rtol=0, atol=0)
 
 
 def test_fsdp_in_one_process_is_a_config_error(tmp_path):
