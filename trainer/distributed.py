@@ -6,7 +6,8 @@ writes and reads those shards. Nothing here re-implements either.
 
 How the models are wrapped (:func:`fsdp_wrap`): each transformer block is its own ``fully_shard``
 group, and a :class:`ShardedRoot` around the trainer's wrapper (``TokenLogprobs``, ``Critic``) is the
-root group, which holds everything outside the blocks (embeddings, final norm, LM head, value head).
+root group, which holds everything outside the blocks (embeddings, final norm, LM head, value head; a module
+of another dtype than the rest, such as a float32 value head on a bfloat16 critic, gets a group of its own).
 
 The LM head and ``rlkernels.linear_logprobs``: the op needs the whole ``[V, H]`` weight. FSDP2 gathers a
 group's parameters in that group's forward pre-hook and, until the group reshards, registers the full
@@ -14,14 +15,15 @@ group's parameters in that group's forward pre-hook and, until the group reshard
 calls the causal LM's own ``forward`` for training (that would form ``[B, T, V]`` logits); it runs the
 backbone and then hands the head's weight to ``linear_logprobs`` (``rlkernels.hf.response_logprobs``).
 Both happen inside ``TokenLogprobs.forward``, so making the root group's module the one whose forward
-runs them is all it takes: inside that forward ``lm_head.weight`` is the gathered ``[V, H]`` tensor,
-gathered by the root's forward and released after the backward that follows, and its gradient is reduce-scattered back to the shards
-by FSDP's post-backward hook like every other root parameter. We chose this over a forward hook that
-calls ``DTensor.full_tensor()``: ``full_tensor()`` returns a new tensor outside FSDP's bookkeeping, so its
-gradient would have to be sliced back by hand, and the root group would gather the weight a second time.
+runs them is all it takes: inside that forward ``lm_head.weight`` is the gathered ``[V, H]`` tensor
+(gathered by the root's forward, released after the backward that follows), and its gradient is
+reduce-scattered back to the shards by FSDP's post-backward hook like every other root parameter. We chose this over calling
+``DTensor.full_tensor()`` in a forward hook: the root group gathers the head anyway (it is one of its
+parameters), so that would be a second all-gather outside FSDP's schedule, and the gradient would reach the
+shard through DTensor's autograd instead of FSDP's reduce-scatter.
 
-Generation (``model.generate``) calls the causal LM's forward, not the root's, and FSDP2 refuses a group
-run before the root's forward. :class:`ShardedRoot` therefore takes ``call=``: ``root(call=fn, ...)`` runs
+Generation (``model.generate``) calls the causal LM's forward, not the root's: outside the root's forward
+the root group's parameters stay sharded, and FSDP2 refuses a block's forward before the root's first one. :class:`ShardedRoot` therefore takes ``call=``: ``root(call=fn, ...)`` runs
 ``fn(...)`` inside the root's forward, so the root group is gathered and every block gathers its own.
 ``generate`` gets ``synced_gpus=True`` there: the processes keep stepping until all have finished, since
 each decoding step is a collective (a process that stopped early would leave the others waiting).
