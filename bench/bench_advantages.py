@@ -82,4 +82,30 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
         if _extension.load() is not None and (device.type == "cpu" or _extension.has_cuda_kernels()):
             providers["csrc"] = lambda s: A._group_csrc(s, 16, None, "grpo", 1e-6)
         out.append(Case("group_advantages grpo", f"N={N} G=16 float32", 8 * N, 5 * N, "memory", make_scores, providers, baseline="python-loop"))
+    return out + process_cases(device, quick)
+
+
+def process_cases(device: torch.device, quick: bool) -> list[Case]:
+    """process_advantages (GRPO process supervision), groups of 16, S steps per completion, T tokens.
+
+    Bytes: read the step rewards (float32), ends (int64) and mask (bool): B·S·13, write the float32
+    advantages: B·T·4. FLOPs: ~B·S·T compares-and-adds in the Triton kernel (each token sums its row's
+    steps); the torch path scatters and scans, ~B·T. Memory bound at the sizes of a trainer."""
+    shapes = [(256, 8, 256)] if device.type == "cpu" else [(1024, 16, 1024), (4096, 32, 4096)]
+    out = []
+    for B, S, T in shapes:
+        def make_inputs(B=B, S=S, T=T):
+            r = torch.randn(B, S, device=device)  # [B, S]
+            e = torch.sort(torch.randint(0, T, (B, S), device=device), dim=1).values  # [B, S]
+            m = torch.rand(B, S, device=device) < 0.8  # [B, S]
+            return r, e, m
+
+        providers = {
+            "python-loop": lambda r, e, m, T=T: A.reference.process_advantages(r, e, T, step_mask=m, group_size=16),
+            "eager-vectorized": lambda r, e, m, T=T: A._process_torch(r, e, m, T, 16, None, "grpo", 1e-6),
+        }
+        if device.type == "cuda":
+            providers["triton"] = lambda r, e, m, T=T: A._process_triton(r, e, m, T, 16, None, "grpo", 1e-6)
+        out.append(Case("process_advantages grpo", f"B={B} S={S} T={T} G=16 float32", B * S * 13 + B * T * 4,
+                        2 * B * S * T, "memory", make_inputs, providers, baseline="python-loop"))
     return out

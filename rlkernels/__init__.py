@@ -2,7 +2,7 @@
 
 Public functions (see README's table and ``rlkernels.reference`` for their exact meaning):
 ``logprobs``, ``linear_logprobs``, ``linear_policy_loss``, ``logits_policy_loss``, ``kl_penalty``,
-``policy_loss``, ``value_loss``, ``gae``, ``group_advantages``, ``masked_whiten``.
+``policy_loss``, ``value_loss``, ``gae``, ``group_advantages``, ``masked_whiten``, ``process_advantages``.
 
 Submodules reachable as attributes, imported on first access: ``rlkernels.hf`` (Hugging Face
 models: ``response_logprobs``, the bundled SmolLM2), ``rlkernels.integrations`` (TRL, verl),
@@ -25,6 +25,7 @@ _EXPORTS = {
     "gae": "rlkernels.advantages",
     "group_advantages": "rlkernels.advantages",
     "masked_whiten": "rlkernels.advantages",
+    "process_advantages": "rlkernels.advantages",
 }
 
 # submodules a user reaches as ``rlkernels.<name>`` after a bare ``import rlkernels``

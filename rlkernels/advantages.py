@@ -466,6 +466,7 @@ def aot_configs():
             }
             consts = {"MODE": GROUP_MODES.index(mode), "HAS_INDEX": has_index, "BLOCK": block}
             configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=warps))
+    configs.extend(_process_aot_configs())
     return configs
 
 
@@ -832,3 +833,299 @@ def masked_whiten(
     if process_group is not None:
         return _whiten_global(x.detach(), mask.detach(), shift_mean, eps, process_group)
     return _whiten_op(x.detach(), mask.detach(), shift_mean, eps)
+
+
+# ================================================================ process supervision (issue 15)
+# process_advantages: GRPO with process supervision (DeepSeekMath §4.1.3). Self-contained below (its own
+# validation, kernel, launchers, table and custom op) so the kernels above can change independently.
+
+from rlkernels.reference import PROCESS_MODES  # noqa: E402
+
+_PROCESS_SUPPORTED = ("reference", "torch", "triton")  # no csrc kernel: the torch path is already loop-free
+
+
+def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, index, mode, eps):
+    """Check :func:`process_advantages`'s arguments; returns ``(T, group_size, mode, eps)`` (``group_size``
+    None when the groups come from ``index``). Checks that every valid step ends inside ``[0, T)``: one look at
+    ``step_ends`` (a device sync on a GPU; the inputs are ``[B, S]``, tiny)."""
+    _checks.floating(step_rewards, "step_rewards")
+    _checks.rank(step_rewards, "step_rewards", 2)
+    _checks.integer(step_ends, "step_ends")
+    _checks.same_shape(step_rewards, "step_rewards", step_ends, "step_ends")
+    if step_mask is not None:
+        _checks.mask(step_mask, "step_mask")
+        _checks.same_shape(step_rewards, "step_rewards", step_mask, "step_mask")
+    _checks.same_device((step_rewards, "step_rewards"), (step_ends, "step_ends"), (step_mask, "step_mask"), (index, "index"))
+    if isinstance(T, bool) or not isinstance(T, int):
+        raise TypeError(f"T must be an int, got {type(T).__name__}")
+    if T < 0:
+        raise ValueError(f"T must be >= 0, got {T}")
+    mode = _checks.choice(mode, "mode", PROCESS_MODES)
+    eps = _checks.non_negative(eps, "eps")
+    B = step_rewards.shape[0]
+    if (group_size is None) == (index is None):
+        raise ValueError("give exactly one of group_size or index")
+    if index is not None:
+        _checks.integer(index, "index")
+        if index.shape != (B,):
+            raise ValueError(f"index must have shape [B] = {(B,)} (one group id per row of step_rewards), got {tuple(index.shape)}")
+    else:
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        if group_size <= 0:
+            raise ValueError(f"group_size must be > 0, got {group_size}")
+        if B % group_size:
+            raise ValueError(f"group_size {group_size} does not divide the number of rows of step_rewards {B}")
+    if step_ends.numel():
+        valid = torch.ones_like(step_ends, dtype=torch.bool) if step_mask is None else step_mask != 0  # [B, S]
+        bad = (valid & ((step_ends < 0) | (step_ends >= T))).nonzero()  # [k, 2]
+        if bad.numel():
+            b, s = bad[0].tolist()
+            raise ValueError(f"step_ends must lie in [0, T) = [0, {T}) at every valid step; row {b} step {s} ends at "
+                             f"{int(step_ends[b, s])} ({bad.shape[0]} such steps)")
+    return T, group_size, mode, eps
+
+
+def _process_torch(step_rewards, step_ends, step_mask, T, group_size, index, mode, eps):
+    """Group statistics by ``index_add`` over the flattened steps, then each normalised step reward is
+    scattered onto its end token and summed from the right (a reversed cumulative sum over ``T``)."""
+    r = step_rewards.float()  # [B, S]
+    B, S = r.shape
+    if B * S * T == 0:
+        return torch.zeros(B, T, device=r.device)
+    valid = torch.ones(B, S, dtype=torch.bool, device=r.device) if step_mask is None else step_mask.bool()  # [B, S]
+    if index is None:
+        ids, G = torch.arange(B, device=r.device) // group_size, B // group_size  # [B]
+    else:
+        _, ids = torch.unique(index, return_inverse=True)  # [B] in 0..G-1
+        G = int(ids.max()) + 1
+    flat = ids[:, None].expand(B, S).reshape(-1)  # [B·S]: the group of each step
+    v = valid.reshape(-1)  # [B·S]
+    x = torch.where(v, r.reshape(-1), 0.0)  # [B·S]; where, not a product: an invalid NaN stays out
+    zeros = torch.zeros(G, device=r.device)  # [G]
+    n = zeros.index_add(0, flat, v.float())  # [G] valid steps per group
+    mean = zeros.index_add(0, flat, x) / n.clamp(min=1.0)  # [G]
+    d = torch.where(v, x - mean[flat], 0.0)  # [B·S]
+    ssq = zeros.index_add(0, flat, d * d)  # [G]
+    hi = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, flat, torch.where(v, x, -float("inf")), "amax")
+    lo = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, flat, torch.where(v, x, float("inf")), "amin")
+    has_nan = zeros.index_add(0, flat, (v & torch.isnan(x)).float()) > 0  # [G]
+    constant = ((hi == lo) & ~has_nan) | (n < 2)  # [G]: exactly 0, whatever the rounding of the mean
+    scale = 1.0 / (torch.sqrt(ssq / (n - 1).clamp(min=1)) + eps) if mode == "grpo" else torch.ones_like(n)  # [G]
+    norm = torch.where(v & ~constant[flat], d * scale[flat], 0.0).view(B, S)  # [B, S]
+    at_end = torch.zeros(B, T, device=r.device).scatter_add(1, torch.where(valid, step_ends, 0).long(), norm)  # [B, T]
+    return at_end.flip(1).cumsum(1).flip(1)  # [B, T]: Σ of the steps ending at or after t
+
+
+@jit
+def _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S: tl.constexpr):
+    """The steps ``[s0, s0 + BLOCK_S)`` of rows ``row`` (``[BLOCK_R]``, in range where ``row_ok``): their indices
+    ``[BLOCK_S]``, which are valid (``[BLOCK_R, BLOCK_S]``) and their rewards in float32 (0 where not valid)."""
+    s = s0 + tl.arange(0, BLOCK_S)  # [BLOCK_S]
+    inb = row_ok[:, None] & (s < S)[None, :]  # [BLOCK_R, BLOCK_S]
+    row64, s64 = row.to(tl.int64), s.to(tl.int64)
+    x = tl.load(r_ptr + row64[:, None] * stride_rb + s64[None, :] * stride_rs, mask=inb, other=0.0).to(tl.float32)
+    w = inb & (tl.load(m_ptr + row64[:, None] * stride_mb + s64[None, :] * stride_ms, mask=inb, other=0) != 0)
+    return s, w, tl.where(w, x, 0.0)
+
+
+@jit
+def _process_rows(perm_ptr, off, hi, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The group's rows at positions ``[off, off + BLOCK_R)`` of its run (``[BLOCK_R]``) and which exist."""
+    i = off + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    ok = i < hi
+    row = tl.load(perm_ptr + i, mask=ok, other=0).to(tl.int32) if HAS_INDEX else i
+    return row, ok
+
+
+@jit
+def _process_kernel(
+    r_ptr, e_ptr, m_ptr,  # [B, S] step rewards (float), step ends (int64), step mask (uint8), strided
+    out_ptr,  # [B, T] float32, contiguous
+    perm_ptr, starts_ptr,  # [B], [G + 1] int64 (read only with HAS_INDEX)
+    S, T, group_size, eps,
+    stride_rb, stride_rs, stride_eb, stride_es, stride_mb, stride_ms,
+    STD: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    # program (g, j): group g's statistics (recomputed by every j: they are group_size·S loads, cached), then
+    # tokens [j·BLOCK_T, (j+1)·BLOCK_T) of each of the group's rows
+    g = tl.program_id(0)
+    j = tl.program_id(1)
+    if HAS_INDEX:
+        lo = tl.load(starts_ptr + g).to(tl.int32)
+        hi = tl.load(starts_ptr + g + 1).to(tl.int32)
+    else:
+        lo = g * group_size
+        hi = lo + group_size
+    cnt = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    nan = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    big = tl.full([BLOCK_R, BLOCK_S], float("inf"), tl.float32)
+    top = -big  # running max of the valid rewards
+    neg = -big  # running max of their negations (-min)
+    for off in range(lo, hi, BLOCK_R):  # pass 1: count, sum, max, min, NaNs
+        row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
+        for s0 in range(0, S, BLOCK_S):
+            s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
+            cnt += w.to(tl.float32)
+            acc += x
+            nan += tl.where(w & (x != x), 1.0, 0.0)
+            top = tl.maximum(top, tl.where(w, x, -big))
+            neg = tl.maximum(neg, tl.where(w, -x, -big))
+    n = block_sum(block_sum(cnt, 1), 0)
+    mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)
+    top_g = block_max(block_max(top, 1), 0)
+    min_g = -block_max(block_max(neg, 1), 0)
+    constant = ((top_g == min_g) & (block_sum(block_sum(nan, 1), 0) == 0.0)) | (n < 2.0)
+    ssq = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    if STD:
+        for off in range(lo, hi, BLOCK_R):  # pass 2: Σ(r - mean)², exact where Σr² - n·mean² is not
+            row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
+            for s0 in range(0, S, BLOCK_S):
+                s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
+                d = tl.where(w, x - mean, 0.0)
+                ssq += d * d
+        scale = 1.0 / (tl.sqrt(block_sum(block_sum(ssq, 1), 0) / tl.maximum(n - 1.0, 1.0)) + eps)
+    else:
+        scale = n * 0.0 + 1.0
+    scale = tl.where(constant, 0.0, scale)  # a constant group: every normalised reward is exactly 0
+    t = j * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    t_ok = t < T
+    for off in range(lo, hi, BLOCK_R):  # pass 3: token t sums the normalised rewards of its row's steps ending >= t
+        row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
+        adv = tl.full([BLOCK_R, BLOCK_T], 0.0, tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
+            end = tl.load(e_ptr + row.to(tl.int64)[:, None] * stride_eb + s.to(tl.int64)[None, :] * stride_es, mask=w, other=-1)
+            z = tl.where(w, (x - mean) * scale, 0.0)  # [BLOCK_R, BLOCK_S]; 0 * NaN stays NaN, as in the reference
+            covers = end[:, None, :] >= t[None, :, None]  # [BLOCK_R, BLOCK_T, BLOCK_S]
+            adv += block_sum(tl.where(covers, z[:, None, :], 0.0), 2)
+        offs = row.to(tl.int64)[:, None] * T + t[None, :]
+        tl.store(out_ptr + offs, adv, mask=row_ok[:, None] & t_ok[None, :])
+
+
+# (BLOCK_R, BLOCK_S, BLOCK_T, num_warps) by the number of steps: few steps, a longer token block
+_PROCESS_CONFIGS = ((8, 8, 64, 4), (8, 32, 16, 4))
+
+
+def _process_config(S: int) -> tuple[int, int, int, int]:
+    return _PROCESS_CONFIGS[0] if S <= 8 else _PROCESS_CONFIGS[1]
+
+
+def _process_triton(step_rewards, step_ends, step_mask, T, group_size, index, mode, eps):
+    r = step_rewards.float()  # [B, S]: step rewards are tiny, one float32 copy is free (and one kernel dtype to build)
+    B, S = r.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=r.device)  # [B, T]
+    if B * S * T == 0:
+        return out
+    if B >= 2**31:
+        raise ValueError(f"step_rewards has {B} rows; the Triton kernel indexes rows with int32 (fewer than 2**31)")
+    e = step_ends.long()  # [B, S]
+    m = _host.mask_u8(step_mask) if step_mask is not None else torch.ones(B, S, dtype=torch.uint8, device=r.device)  # [B, S]
+    perm, starts = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
+    block_r, block_s, block_t, warps = _process_config(S)
+    kwargs = {"num_warps": warps} if r.is_cuda else {}
+    _process_kernel.launch(
+        (starts.numel() - 1, cdiv(T, block_t)), r, e, m, out, perm if index is not None else starts, starts,
+        S, T, group_size or 0, float(eps), r.stride(0), r.stride(1), e.stride(0), e.stride(1), m.stride(0), m.stride(1),
+        STD=mode == "grpo", HAS_INDEX=index is not None, BLOCK_R=block_r, BLOCK_S=block_s, BLOCK_T=block_t, **kwargs,
+    )
+    return out
+
+
+def _process_aot_configs():
+    """Every (kernel, constexprs, warps) :func:`_process_triton` can pick (part of :func:`aot_configs`)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    configs = []
+    for name in ("fp32",):  # the launcher widens the step rewards to float32
+        sig = {
+            "r_ptr": "*" + name, "e_ptr": "*i64", "m_ptr": "*u8", "out_ptr": "*fp32", "perm_ptr": "*i64", "starts_ptr": "*i64",
+            "S": "i32", "T": "i32", "group_size": "i32", "eps": "fp32", "stride_rb": "i32", "stride_rs": "i32",
+            "stride_eb": "i32", "stride_es": "i32", "stride_mb": "i32", "stride_ms": "i32", "STD": "constexpr",
+            "HAS_INDEX": "constexpr", "BLOCK_R": "constexpr", "BLOCK_S": "constexpr", "BLOCK_T": "constexpr",
+        }
+        for block_r, block_s, block_t, warps in _PROCESS_CONFIGS:
+            for std in (True, False):
+                for has_index in (False, True):
+                    consts = {"STD": std, "HAS_INDEX": has_index, "BLOCK_R": block_r, "BLOCK_S": block_s, "BLOCK_T": block_t}
+                    configs.append(KernelConfig(_process_kernel, sig, consts, num_warps=warps))
+    return configs
+
+
+_PROCESS_IMPLS = {
+    "reference": lambda r, e, m, T, group_size, index, mode, eps: reference.process_advantages(
+        r, e, T, step_mask=m, group_size=group_size, index=index, mode=mode, eps=eps),
+    "torch": _process_torch,
+    "triton": _process_triton,
+}
+
+
+@torch.library.custom_op("rlkernels::process_advantages", mutates_args=())
+def _process_op(step_rewards: torch.Tensor, step_ends: torch.Tensor, step_mask: torch.Tensor | None, T: int,
+                group_size: int | None, index: torch.Tensor | None, mode: str, eps: float) -> torch.Tensor:
+    backend = backends.resolve(step_rewards.device, _PROCESS_SUPPORTED, step_rewards.dtype)
+    with backends.float32_compute(step_rewards.device):
+        out = _PROCESS_IMPLS[backend](step_rewards, step_ends, step_mask, T, group_size, index, mode, eps)  # [B, T]
+        return out.float().contiguous()
+
+
+@_process_op.register_fake
+def _(step_rewards, step_ends, step_mask, T, group_size, index, mode, eps):
+    return step_rewards.new_empty((step_rewards.shape[0], T), dtype=torch.float32)
+
+
+def process_advantages(
+    step_rewards: torch.Tensor,  # [B, S]
+    step_ends: torch.Tensor,  # [B, S] integer
+    T: int,
+    *,
+    step_mask: torch.Tensor | None = None,  # [B, S] bool or 0/1
+    group_size: int | None = None,
+    index: torch.Tensor | None = None,  # [B] integer group ids
+    mode: str = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages under process supervision (DeepSeekMath §4.1.3), float32 ``[B, T]``.
+
+    Each of the ``B`` completions (rows) has up to ``S`` reasoning steps, padded: step ``s`` of row ``b`` has
+    reward ``step_rewards[b, s]`` and ends at response token ``step_ends[b, s]`` (0-based, ``< T``); steps
+    where ``step_mask`` is 0 are padding. Every valid step reward is normalised with the mean and the
+    unbiased std of ALL valid step rewards of its group (the rows of one prompt): ``grpo``:
+    ``(r - mean)/(std + eps)`` (the convention and ``eps`` of :func:`group_advantages`); ``dr_grpo``:
+    ``r - mean``. Token ``t`` of row ``b`` then gets the sum of the normalised rewards of row ``b``'s steps
+    that end at or after ``t``: ``A[b, t] = Σ_{s valid, step_ends[b, s] >= t} r̃[b, s]``. Tokens after a row's
+    last step end get 0. A group with fewer than two valid steps, and every step of a group whose valid step
+    rewards are all equal, contributes exactly 0; NaN stays inside its group. With one step per row ending at
+    its last token this is :func:`group_advantages` broadcast over the tokens up to that end. Computed in
+    float32 for any float input dtype; no gradient (inputs are detached).
+
+    Args:
+        step_rewards: ``[B, S]`` float tensor, the reward of each step (any float dtype; padded entries are
+            never read into an output, even NaN).
+        step_ends: ``[B, S]`` integer tensor, the response-token index at which each step ends. Every valid
+            step's end must lie in ``[0, T)``; ends need not be sorted, and several steps may end at one token.
+        T: the response length of the output ``[B, T]`` (e.g. the trainer's padded response length).
+        step_mask: ``[B, S]`` bool or 0/1 numeric tensor, nonzero at real steps; ``None``: every step is real.
+        group_size: rows ``[g·group_size, (g+1)·group_size)`` form group ``g``; a positive int dividing ``B``.
+            Give it or ``index``, not both.
+        index: ``[B]`` integer tensor of group ids (e.g. the prompt id of each row); rows with equal ids form
+            a group, wherever they sit.
+        mode: ``"grpo"`` (z-score, DeepSeekMath) or ``"dr_grpo"`` (mean-centred only).
+        eps: added to the std in ``grpo`` mode; finite and ``>= 0``.
+
+    Returns:
+        float32 ``[B, T]`` token advantages on the device of ``step_rewards``.
+
+    Raises:
+        TypeError: non-float ``step_rewards``, non-integer ``step_ends``/``index``, a ``step_mask`` of another
+            dtype, non-int ``T``/``group_size``, non-number ``eps``.
+        ValueError: ``step_rewards`` not 2-D, mismatched shapes or devices, both or neither of
+            ``group_size``/``index``, ``group_size`` <= 0 or not dividing ``B``, a negative ``T``, a valid step
+            ending outside ``[0, T)`` (named ``step_ends``, with its row and step), an unknown ``mode``, a
+            negative, NaN or infinite ``eps``.
+    """
+    T, group_size, mode, eps = _validate_process(step_rewards=step_rewards, step_ends=step_ends, T=T, step_mask=step_mask,
+                                                 group_size=group_size, index=index, mode=mode, eps=eps)
+    detach = lambda x: None if x is None else x.detach()  # noqa: E731
+    return _process_op(step_rewards.detach(), step_ends.detach(), detach(step_mask), T, group_size, detach(index), mode, eps)

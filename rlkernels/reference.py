@@ -14,6 +14,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 RATIO_MODES = ("token", "sequence")  # policy_loss: per-token ratio (PPO/GRPO) or per-sequence (GSPO)
 GROUP_MODES = ("grpo", "dr_grpo", "rloo")
+PROCESS_MODES = ("grpo", "dr_grpo")  # process_advantages: z-score of the group's step rewards, or mean-centred only
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -344,4 +345,47 @@ def masked_whiten(
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
+    return out
+
+
+def process_advantages(
+    step_rewards: torch.Tensor,  # [B, S]
+    step_ends: torch.Tensor,  # [B, S] int
+    T: int,
+    *,
+    step_mask: torch.Tensor | None = None,  # [B, S]
+    group_size: int | None = None,
+    index: torch.Tensor | None = None,  # [B] int group ids
+    mode: str = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Process-supervision advantages (DeepSeekMath §4.1.3), one group and one step at a time; ``[B, T]``.
+
+    Every step reward (``step_mask`` nonzero, all when None) is normalised with the mean and the unbiased std of
+    ALL valid step rewards of its group (the rows of the group, as in :func:`group_advantages`): ``grpo``:
+    ``(r - mean)/(std + eps)``; ``dr_grpo``: ``r - mean``. A group with fewer than two valid steps, or whose
+    valid step rewards are all equal, gives exactly 0. Token ``t`` of row ``b`` gets the sum of the normalised
+    rewards of row ``b``'s valid steps that end at or after ``t`` (``step_ends[b, s] >= t``).
+    """
+    if mode not in PROCESS_MODES:
+        raise ValueError(f"mode must be one of {PROCESS_MODES}, got {mode!r}")
+    if (group_size is None) == (index is None):
+        raise ValueError("give exactly one of group_size or index")
+    r = _up(step_rewards)  # [B, S]
+    B, S = r.shape
+    valid = torch.ones(B, S, dtype=torch.bool, device=r.device) if step_mask is None else step_mask.bool()  # [B, S]
+    ids = torch.arange(B, device=r.device) // group_size if index is None else index  # [B]
+    norm = torch.zeros_like(r)  # [B, S]
+    for gid in torch.unique(ids).tolist():
+        steps = valid & (ids == gid)[:, None]  # [B, S]
+        g = r[steps]  # [n]
+        if g.numel() < 2 or bool((g == g[0]).all()):
+            continue  # exactly 0
+        centred = g - g.mean()
+        norm[steps] = centred / (g.std(unbiased=True) + eps) if mode == "grpo" else centred
+    out = torch.zeros(B, T, dtype=r.dtype, device=r.device)  # [B, T]
+    for b in range(B):
+        for s in range(S):
+            if valid[b, s]:
+                out[b, : int(step_ends[b, s]) + 1] += norm[b, s]
     return out

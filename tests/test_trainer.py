@@ -140,7 +140,7 @@ def test_phases_return_what_they_compute(tmp_path, algo):
     def filled(batch):
         return {f.name for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
 
-    inputs = {"ids", "attention_mask", "labels", "mask", "prompts", "completions", "answers"}
+    inputs = {"ids", "attention_mask", "labels", "mask", "prompts", "completions", "answers", "eos"}
     assert filled(rollout) == inputs
     assert filled(scored) == inputs | {"scores"}
     token_fields = {"old_logp", "ref_logp"} | ({"old_values"} if algo == "ppo" else set())

@@ -319,6 +319,8 @@ def test_fsdp_in_one_process_is_a_config_error(tmp_path):
         Trainer(from_dict(_cfg(tmp_path, "grpo", "fsdp")))
     with pytest.raises(ConfigError, match="^fsdp_offload_ref:"):
         from_dict(_cfg(tmp_path, "grpo", "ddp", fsdp_offload_ref=True))
+    with pytest.raises(ConfigError, match="^truncation: 'bootstrap' is not supported with shard='fsdp'"):
+        from_dict(_cfg(tmp_path, "ppo", "fsdp", truncation="bootstrap"))
 
 
 def test_resume_with_another_checkpoint_format_is_a_config_error(tmp_path):

@@ -39,9 +39,9 @@ class TrainConfig:
     critic_model: str = ""
     """PPO critic backbone: empty = a copy of the policy's backbone; else a model directory or .gguf file."""
     reward: str = "exact_format"
-    """Reward: a registered rule ('exact', 'format', 'exact_format'), a user callable 'module:function' called as fn(prompts, completions, answers) -> list[float], or a sequence-classification reward-model directory."""
+    """Reward: a registered rule ('exact', 'format', 'exact_format', or 'steps': one step reward per expected token, for prefix_sums), a user callable 'module:function' called as fn(prompts, completions, answers) -> one float per completion (outcome) or a list of (reward, end_token_index) steps (process supervision, routed automatically; see trainer/process.py, which also lists the keywords 'eos' and 'completion_tokens' a function may take), or a sequence-classification reward-model directory."""
     task: str = "first_digit"
-    """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10' (digit tasks for the tiny model) or 'arithmetic' (natural-language sums for chat models)."""
+    """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10', 'prefix_max', 'prefix_sums' (digit tasks for the tiny model; prefix_max / prefix_sums answer the running maxima / running totals mod 10 of three digits, one step per token, for the 'steps' reward) or 'arithmetic' (natural-language sums for chat models)."""
     prompts: str = ""
     """JSONL file of {"prompt": ..., "answer": ...} records; empty = use the built-in 'task' generator."""
     chat_template: bool = False
@@ -157,6 +157,14 @@ class TrainConfig:
     critic_init: str = "policy"
     """PPO critic start: 'policy' (the policy's backbone, or critic_model, with a zero value head) or 'reward' (the reward model's full weights, backbone and score head, as InstructGPT did; needs a reward-model directory with the policy's vocabulary as reward)."""
 
+    # --- issue 15: process/EOS/recipes ---
+    recipe: str = ""
+    """A paper's hyperparameters on top of the preset: '' (none), 'instructgpt', 'deepseek-grpo', 'dr-grpo', 'dapo' or 'gspo'; flags and config files still override each value. Precedence: defaults < preset < recipe < config file < flags; config.json records the resolved values."""
+    missing_eos_penalty: typing.Optional[float] = None
+    """Added to the score of every completion that did not end with EOS (truncated at max_new_tokens), as in 'The N implementation details of RLHF with PPO' (e.g. -1.0); with step rewards, to its last step. None: no penalty. Reward functions that take an 'eos' keyword also receive the flags themselves."""
+    truncation: str = "terminal"
+    """A completion cut at max_new_tokens without EOS: 'terminal' (its return ends there) or 'bootstrap' (PPO only: gamma times the critic's value of the state after its last token is added to its last reward)."""
+
     # --- issue 16: sharding ---
     shard: str = "ddp"
     """How the processes of a torchrun job share the models: 'ddp' (each holds all of them; DistributedDataParallel averages the gradients; in one process nothing is wrapped), 'fsdp' (FSDP2 fully_shard: every parameter, gradient and optimizer state split over the processes, one group per transformer block; checkpoints are sharded, written with torch.distributed.checkpoint; needs at least 2 processes) or 'none' (no wrapper; one process only)."""
@@ -172,10 +180,16 @@ class TrainConfig:
         self._check_ranges()
         self._check_sources()
         self._check_device()
+        from .process import check_config
+
+        check_config(self)
         if self.resume and self.overwrite:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
         if self.fsdp_offload_ref and self.shard != "fsdp":
             self._bad("fsdp_offload_ref", f"offloads FSDP shards: needs shard='fsdp' (shard is {self.shard!r})")
+        if self.shard == "fsdp" and self.truncation == "bootstrap":  # refused, not left to hang
+            self._bad("truncation", "'bootstrap' is not supported with shard='fsdp' yet: its extra critic forward runs "
+                      "only in the processes that hold truncated completions, and a sharded forward needs them all")
         self._check_honesty()
         self._resolve()
         return self
@@ -332,7 +346,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-TINY_TASKS = ("max_digit", "sum_mod10", "first_digit")
+TINY_TASKS = ("max_digit", "sum_mod10", "first_digit", "prefix_sums", "prefix_max")
 
 
 def _smollm2_path() -> str:
@@ -446,6 +460,8 @@ def load_file(path: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .recipes import help_text as recipes_help
+
     docs = field_docs()
     parser = argparse.ArgumentParser(
         prog="rlkernels-train",
@@ -457,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         tp, optional = _field_types()[f.name]
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} [default: {f.default!r}]".replace("%", "%%")
+        help_text = f"{docs.get(f.name, '')}{recipes_help() if f.name == 'recipe' else ''} [default: {f.default!r}]".replace("%", "%%")
         if tp is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
@@ -474,7 +490,9 @@ def from_dict(values: dict) -> TrainConfig:
     preset = values.get("preset", "default")
     if preset not in PRESETS:
         raise ConfigError(f"preset: must be one of {list(PRESETS)} (got {preset!r})")
-    merged = {**PRESETS[preset](), **values}
+    from .recipes import recipe_values
+
+    merged = {**PRESETS[preset](), **recipe_values(values.get("recipe", "")), **values}
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in merged.items()})
     cfg._explicit = frozenset(values) - {"preset"}  # what the user set (file or flags): TrainConfig.was_set
     return cfg.validate()

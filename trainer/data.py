@@ -41,7 +41,22 @@ def arithmetic(rng: random.Random) -> Example:
     return Example(f"What is {a} + {b}? Answer with just the number.", str(a + b))
 
 
-TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_digit, "arithmetic": arithmetic}
+def prefix_sums(rng: random.Random) -> Example:
+    """Multi-step arithmetic for process supervision: the running totals (mod 10) of three digits, one per
+    step, e.g. ``3 + 4 + 5 =`` -> ``3 7 2``; the 'steps' reward checks each intermediate total."""
+    d = _digits(rng, 3)
+    totals = [sum(d[: i + 1]) % 10 for i in range(3)]
+    return Example(" + ".join(map(str, d)) + " =", " ".join(map(str, totals)))
+
+
+def prefix_max(rng: random.Random) -> Example:
+    """Multi-step, every step checkable: the running maxima of three digits, e.g. ``3 7 2 =`` -> ``3 7 7``."""
+    d = _digits(rng, 3)
+    return Example(" ".join(map(str, d)) + " =", " ".join(str(max(d[: i + 1])) for i in range(3)))
+
+
+TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_digit, "arithmetic": arithmetic,
+         "prefix_sums": prefix_sums, "prefix_max": prefix_max}
 
 
 class PromptSource:

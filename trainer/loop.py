@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import rlkernels
 
-from . import checkpoint, knobs
+from . import checkpoint, knobs, process
 from . import distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
@@ -58,6 +58,15 @@ class Rollout:
     returns: torch.Tensor | None = None  # [B, R]
     kl_seq: torch.Tensor | None = None  # [B] the kl_estimator KL to the reference at rollout summed over each response
     raw_scores: torch.Tensor | None = None  # [B] the reward function's scores when reward_norm/reward_clip changed them
+    eos: torch.Tensor | None = None  # [B] bool: the response ended with EOS (False: truncated at max_new_tokens)
+    step_rewards: torch.Tensor | None = None  # [B, S] process supervision (trainer/process.py), else None
+    step_ends: torch.Tensor | None = None  # [B, S] int64 response-token index ending each step
+    step_mask: torch.Tensor | None = None  # [B, S] bool: real steps
+
+    @property
+    def steps(self):
+        """``(step_rewards, step_ends, step_mask)`` of a process-supervised batch, None for outcome rewards."""
+        return None if self.step_rewards is None else (self.step_rewards, self.step_ends, self.step_mask)
 
     def select(self, idx: torch.Tensor) -> "Rollout":
         """The rows ``idx`` [b] of every field."""
@@ -268,14 +277,19 @@ class Trainer:
         attention = torch.cat([prompt_mask, mask.long()], 1)  # [B, L]
         completions = self.tokenizer.batch_decode(response.masked_fill(~mask, self.pad_id), skip_special_tokens=True)
         return Rollout(ids, attention, labels, mask, [e.prompt for e in examples for _ in range(G)], completions,
-                       [e.answer for e in examples for _ in range(G)])
+                       [e.answer for e in examples for _ in range(G)], eos=is_eos.any(-1))
 
     def score(self, batch: Rollout, step: int) -> Rollout:
-        """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each)."""
-        raw = self.reward_fn(batch.prompts, batch.completions, batch.answers)
-        scores = torch.as_tensor(raw, dtype=torch.float32, device=self.device)  # [B]
-        if scores.shape != (batch.ids.shape[0],):
-            raise ValueError(f"reward: returned {tuple(scores.shape)} scores for {batch.ids.shape[0]} completions")
+        """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each) and,
+        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied."""
+        if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
+            batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
+        raw = process.call_reward(self.reward_fn, batch.prompts, batch.completions, batch.answers, batch.eos,
+                                  batch.labels, self.tokenizer)
+        lengths = batch.mask.long().sum(-1)  # [B] response tokens
+        scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
+        if steps is not None:
+            process.check_process_advantage(self.cfg)
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
@@ -283,7 +297,9 @@ class Trainer:
                 f"non-finite reward at step {step}: {len(bad)} of {len(raw)} samples (batch indices {bad[:8]}); "
                 f"first: reward={raw[i]!r} prompt={batch.prompts[i]!r} completion={batch.completions[i]!r}"
             )
-        return dataclasses.replace(batch, scores=scores)
+        scores, steps = process.eos_penalty(scores, steps, batch.eos, self.cfg.missing_eos_penalty, lengths)
+        fields = dict(zip(("step_rewards", "step_ends", "step_mask"), steps)) if steps is not None else {}
+        return dataclasses.replace(batch, scores=scores, **fields)
 
     @torch.no_grad()
     def score_tokens(self, batch: Rollout) -> Rollout:
@@ -311,10 +327,12 @@ class Trainer:
 
         ``kl_t`` [B, R] is ``kl_estimator(old_logp, ref_logp)`` at rollout when there is a reference and
         the old log-probs were taken apart (``kl_seq`` [B] its sum over each response), else 0.
-        GRPO: ``group_advantages`` of the scores, [B]; with ``kl_in`` 'reward'
-        ``A_t = A - kl_coef * Σ_{t'>=t} kl_t'`` [B, R] (:func:`knobs.grpo_token_advantages`).
+        GRPO: ``group_advantages`` of the scores, [B], or with step rewards ``process_advantages`` of the
+        steps, [B, R]; with ``kl_in`` 'reward' ``A_t = A - kl_coef * Σ_{t'>=t} kl_t'`` [B, R]
+        (:func:`knobs.grpo_token_advantages`).
         PPO: per-token rewards (``-kl_coef * kl_t`` with ``kl_in`` 'reward') plus the score on each
-        response's last token, GAE over the critic's ``old_values``; with ``whiten_advantages`` the
+        response's last token (with step rewards: each on its end token; with ``truncation='bootstrap'``: plus
+        γ·V after a truncated response), GAE over the critic's ``old_values``; with ``whiten_advantages`` the
         advantages are whitened with the statistics of the global batch (every process's tokens), [B, R].
         """
         cfg, ops = self.cfg, self.ops
@@ -324,13 +342,21 @@ class Trainer:
         kl_seq = kl.sum(-1) if measured else None  # [B]
         in_reward = measured and cfg.kl_in == "reward"
         if cfg.algo == "grpo":
-            adv = ops.group_advantages(batch.scores, cfg.group_size, mode=cfg.advantage)  # [B]
-            if in_reward:
-                adv = knobs.grpo_token_advantages(adv, kl, batch.mask, self.kl_coef)  # [B, R]
+            if batch.steps is not None:  # process supervision: per-token advantages
+                adv = ops.process_advantages(batch.step_rewards, batch.step_ends, batch.mask.shape[1],
+                                             step_mask=batch.step_mask, group_size=cfg.group_size,
+                                             mode=cfg.advantage)  # [B, R]
+                if in_reward:
+                    adv = adv - self.kl_coef * knobs.kl_reward_to_go(kl, batch.mask)  # [B, R]
+            else:
+                adv = ops.group_advantages(batch.scores, cfg.group_size, mode=cfg.advantage)  # [B]
+                if in_reward:
+                    adv = knobs.grpo_token_advantages(adv, kl, batch.mask, self.kl_coef)  # [B, R]
             return dataclasses.replace(batch, advantages=adv, kl_seq=kl_seq)
         rewards = -self.kl_coef * kl if in_reward else torch.zeros_like(m)  # [B, R]
-        last = batch.mask.long().sum(-1) - 1  # [B] index of the final response token
-        rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += batch.scores
+        rewards = rewards + process.token_rewards(batch.scores, batch.steps, batch.mask)  # [B, R]
+        if cfg.truncation == "bootstrap":  # truncated responses continue past their last token: + γ·V(after it)
+            rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
         if cfg.whiten_advantages and self.distributed:
@@ -344,6 +370,10 @@ class Trainer:
         ``raw_scores``; unchanged when both are off. The statistics cover every process's scores."""
         if not self.score_norm.active:
             return batch
+        if batch.steps is not None:  # refused, not ignored: step rewards are z-scored per group or enter GAE as given
+            flag = "reward_norm" if self.cfg.reward_norm != "none" else "reward_clip"
+            raise ConfigError(f"{flag}: normalises outcome scores, but the reward function returned step rewards "
+                              "(process supervision); run without it")
         pool = batch.scores  # [B]
         if self.distributed:
             parts = [torch.empty_like(batch.scores) for _ in range(self.world)]
@@ -435,7 +465,8 @@ class Trainer:
         metrics = {
             "reward/mean": float(raw.mean()),
             "reward/std": float(raw.std()) if raw.numel() > 1 else 0.0,
-            "reward/solved": float((raw >= 1.0).float().mean()),
+            "reward/solved": float(process.solved(raw, batch.steps).float().mean()),
+            "response/eos": float(batch.eos.float().mean()),
             "response/length": float(batch.mask.float().sum(-1).mean()),
         }
         if batch.raw_scores is not None:

@@ -1,7 +1,9 @@
 """Rewards: rule-based registry, user callables ('module:function'), reward models.
 
 Every reward is called as ``fn(prompts, completions, answers) -> list[float]``
-with one float per completion.
+with one float per completion, or (process supervision) one list of ``(reward, end_token_index)``
+steps per completion; keywords ``eos`` and ``completion_tokens`` are passed to functions that accept
+them (see trainer/process.py).
 """
 from __future__ import annotations
 
@@ -51,7 +53,21 @@ def exact_format(prompts, completions, answers):
     return out
 
 
-REWARDS: dict[str, Callable] = {"exact": exact, "format": format_, "exact_format": exact_format}
+def steps(prompts, completions, answers, completion_tokens=None):
+    """Process supervision: one step per token of the answer (``"3 7 2"``: three steps), step ``i`` ending at
+    response token ``i`` with reward 1 when that token is the expected one, else 0. A completion shorter than
+    the answer gets reward 0 for each missing step, ending at its last token. Token ``i`` is read from
+    ``completion_tokens`` (the trainer passes them); without them, from the completion's whitespace-split words."""
+    out = []
+    for i, (c, a) in enumerate(zip(completions, answers)):
+        tokens = completion_tokens[i] if completion_tokens is not None else c.split()
+        last = max(len(tokens) - 1, 0)
+        out.append([(1.0 if k < len(tokens) and tokens[k] == want else 0.0, min(k, last))
+                    for k, want in enumerate(a.split())])
+    return out
+
+
+REWARDS: dict[str, Callable] = {"exact": exact, "format": format_, "exact_format": exact_format, "steps": steps}
 
 
 def check_reward_spec(spec: str) -> str:

@@ -1,0 +1,177 @@
+"""process_advantages (GRPO with process supervision, DeepSeekMath §4.1.3) against the float64 reference and
+a hand-computed case, on every backend the machine runs (reference, torch, triton interpreted on CPU)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rlkernels
+from rlkernels import advantages as adv_mod
+from rlkernels import reference
+from tests.helpers import REL_TOL, backends, devices, forced_backend, rel_error
+
+BACKENDS = backends("cpu")
+DEVICE_BACKENDS = [(d, b) for d in devices() for b in backends(d)]  # CUDA pairs where a GPU is present
+
+
+def run(backend, *args, **kwargs):
+    with forced_backend(backend):
+        return rlkernels.process_advantages(*args, **kwargs)
+
+
+def random_steps(B, S, T, gen, p_valid=0.7):
+    """``[B, S]`` step rewards, ends in ``[0, T)`` and a step mask; padded steps hold NaN and an end past T
+    (neither may reach an output)."""
+    rewards = torch.randn(B, S, generator=gen) * 2 + 0.5  # [B, S]
+    ends = torch.randint(0, T, (B, S), generator=gen)  # [B, S]
+    mask = torch.rand(B, S, generator=gen) < p_valid  # [B, S]
+    rewards = torch.where(mask, rewards, float("nan"))
+    ends = torch.where(mask, ends, T + 5)
+    return rewards, ends, mask
+
+
+def check(backend, rewards, ends, T, dtype=torch.float32, **kwargs):
+    truth = reference.process_advantages(rewards.double(), ends, T, **kwargs)  # [B, T] float64
+    out = run(backend, rewards.to(dtype), ends, T, **kwargs)
+    assert out.dtype == torch.float32 and out.shape == (rewards.shape[0], T)
+    assert torch.equal(torch.isnan(out), torch.isnan(truth)), f"{backend}: NaN pattern differs"
+    tol = REL_TOL[torch.float32]
+    if dtype != torch.float32:  # the truth of the rounded inputs: only the op's own float32 arithmetic counts
+        truth = reference.process_advantages(rewards.to(dtype).double(), ends, T, **kwargs)
+    err = rel_error(out, truth)
+    assert err <= tol, f"{backend} {dtype} {kwargs.get('mode', 'grpo')}: relative error {err:.2e}"
+    return out, truth
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+def test_matches_float64_reference(backend, mode):
+    gen = torch.Generator().manual_seed(0)
+    # S = 5 and S = 11 take the Triton launcher's two block shapes; T = 70 spans two token blocks of 64
+    for B, S, T, group_size in ((8, 5, 70, 4), (6, 11, 20, 3), (4, 1, 3, 2)):
+        rewards, ends, mask = random_steps(B, S, T, gen)
+        rewards[:group_size] = torch.where(mask[:group_size], 0.1 + 0.2, float("nan"))  # a group whose steps are all equal
+        mask[group_size, :] = False  # a row with no step
+        out, _ = check(backend, rewards, ends, T, step_mask=mask, group_size=group_size, mode=mode)
+        assert torch.all(out[:group_size] == 0), "a constant group gives exactly 0, whatever the rounding of its mean"
+        assert torch.all(out[group_size] == 0), "a row with no step gives 0"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_index_groups_nan_and_low_precision(backend):
+    gen = torch.Generator().manual_seed(1)
+    B, S, T = 10, 4, 9
+    rewards, ends, mask = random_steps(B, S, T, gen)
+    index = torch.tensor([7, -3, 7, 500, -3, 7, 500, 500, 11, -3], dtype=torch.int32)  # arbitrary, scattered ids
+    mask[8] = False
+    rewards[8, 0], ends[8, 0], mask[8, 0] = 2.5, 3, True  # group 11 has one step: exactly 0
+    out, _ = check(backend, rewards, ends, T, step_mask=mask, index=index)
+    assert torch.all(out[8] == 0)
+    rewards[1, 0], ends[1, 0], mask[1, 0] = float("nan"), 6, True  # a NaN step reward stays inside its group (-3)
+    out, truth = check(backend, rewards, ends, T, step_mask=mask, index=index)
+    assert torch.isnan(out[index == -3]).any() and not torch.isnan(out[index != -3]).any()
+    if backend != "reference":
+        mask[1, 0] = False
+        check(backend, rewards, ends, T, dtype=torch.bfloat16, step_mask=mask, index=index)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hand_computed(backend):
+    # one group of two rows; its step rewards are {1, 0, 0}: mean 1/3, unbiased std sqrt(1/3)
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]])  # [2, 2]
+    ends = torch.tensor([[1, 3], [2, 0]])  # [2, 2]
+    mask = torch.tensor([[True, True], [True, False]])
+    out = run(backend, rewards, ends, 5, step_mask=mask, group_size=2, eps=0.0)
+    hi, lo = (2 / 3) / math.sqrt(1 / 3), (-1 / 3) / math.sqrt(1 / 3)  # the normalised rewards: 1.1547, -0.57735
+    want = torch.tensor([[hi + lo, hi + lo, lo, lo, 0.0], [lo, lo, lo, 0.0, 0.0]])
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    out = run(backend, rewards, ends, 5, step_mask=mask, group_size=2, mode="dr_grpo")
+    torch.testing.assert_close(out, torch.tensor([[1 / 3, 1 / 3, -1 / 3, -1 / 3, 0.0], [-1 / 3, -1 / 3, -1 / 3, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_step_at_the_end_is_outcome_supervision(backend):
+    """One step per row, ending at the row's last token: group_advantages of the scores on every token up to it."""
+    gen = torch.Generator().manual_seed(2)
+    B, T = 8, 6
+    scores = torch.randn(B, generator=gen)  # [B]
+    last = torch.randint(0, T, (B, 1), generator=gen)  # [B, 1]
+    out = run(backend, scores[:, None], last, T, group_size=4)  # [B, T]
+    want = reference.group_advantages(scores.double(), 4)[:, None] * (torch.arange(T)[None, :] <= last)
+    torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs(backend):
+    for B, S, T in ((4, 0, 5), (0, 3, 5), (2, 3, 0)):
+        rewards, ends = torch.randn(B, S), torch.zeros(B, S, dtype=torch.int64)  # [B, S] x2
+        mask = torch.zeros(B, S, dtype=torch.bool) if T == 0 else None  # T = 0 leaves no token for any step
+        out = run(backend, rewards, ends, T, step_mask=mask, group_size=2)
+        assert out.shape == (B, T) and out.dtype == torch.float32 and not out.any()
+
+
+def test_refuses_bad_inputs_naming_the_argument():
+    r, e = torch.randn(4, 3), torch.randint(0, 5, (4, 3))  # [B, S] x2
+    e[2, 1] = 5  # a valid step ending at T
+    with pytest.raises(ValueError, match=r"step_ends.*row 2 step 1 ends at 5"):
+        rlkernels.process_advantages(r, e, 5, group_size=2)
+    e[2, 1] = -1
+    with pytest.raises(ValueError, match="step_ends"):
+        rlkernels.process_advantages(r, e, 5, group_size=2)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    mask[2, 1] = False  # ... which is fine once that step is padding
+    assert rlkernels.process_advantages(r, e, 5, step_mask=mask, group_size=2).shape == (4, 5)
+    e[2, 1] = 0
+    cases = [
+        ((r[0], e[0], 5), {"group_size": 1}, ValueError, "step_rewards"),  # 1-D
+        ((r, e[:, :2], 5), {"group_size": 2}, ValueError, "step_ends"),
+        ((r, e.float(), 5), {"group_size": 2}, TypeError, "step_ends"),
+        ((r.long(), e, 5), {"group_size": 2}, TypeError, "step_rewards"),
+        ((r, e, 5), {"group_size": 2, "step_mask": torch.ones(4, 2)}, ValueError, "step_mask"),
+        ((r, e, 5), {"group_size": 3}, ValueError, "group_size"),
+        ((r, e, 5), {}, ValueError, "group_size or index"),
+        ((r, e, 5), {"group_size": 2, "index": torch.zeros(4, dtype=torch.int64)}, ValueError, "group_size or index"),
+        ((r, e, 5), {"index": torch.zeros(3, dtype=torch.int64)}, ValueError, "index"),
+        ((r, e, -1), {"group_size": 2}, ValueError, "T"),
+        ((r, e, 5.0), {"group_size": 2}, TypeError, "T"),
+        ((r, e, 5), {"group_size": 2, "mode": "rloo"}, ValueError, "mode"),
+        ((r, e, 5), {"group_size": 2, "eps": float("nan")}, ValueError, "eps"),
+    ]
+    for args, kwargs, error, name in cases:
+        with pytest.raises(error, match=name):
+            rlkernels.process_advantages(*args, **kwargs)
+
+
+def test_no_gradient_and_documented():
+    r = torch.randn(4, 2, requires_grad=True)  # [B, S]
+    out = rlkernels.process_advantages(r, torch.zeros(4, 2, dtype=torch.int64), 3, group_size=2)
+    assert not out.requires_grad
+    doc = rlkernels.process_advantages.__doc__
+    assert "Args:" in doc and "Returns:" in doc and "Raises:" in doc and "[B, S]" in doc and "§4.1.3" in doc
+    assert "process_advantages" in rlkernels.__all__
+    assert any(c.kernel is adv_mod._process_kernel for c in adv_mod.aot_configs())
+
+
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+def test_every_device_matches_float64(device, backend):
+    """The same random case on each device (CUDA runs the compiled Triton kernel), larger than the CPU tests'."""
+    gen = torch.Generator().manual_seed(5)
+    B, S, T = (64, 40, 300) if device == "cuda" else (8, 3, 10)
+    rewards, ends, mask = random_steps(B, S, T, gen)
+    truth = reference.process_advantages(rewards.double(), ends, T, step_mask=mask, group_size=8)  # [B, T]
+    out = run(backend, rewards.to(device), ends.to(device), T, step_mask=mask.to(device), group_size=8)
+    assert out.device.type == device
+    assert rel_error(out.cpu(), truth) <= REL_TOL[torch.float32]
+
+
+def test_custom_op_passes_opcheck_and_compiles():
+    """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
+    gen = torch.Generator().manual_seed(6)
+    rewards, ends, mask = random_steps(8, 3, 6, gen)
+    for args in ((rewards, ends, mask, 6, 4, None, "grpo", 1e-6), (rewards, ends, mask, 6, None, torch.arange(8) % 3, "dr_grpo", 0.0)):
+        result = torch.library.opcheck(adv_mod._process_op, args)
+        assert all(v == "SUCCESS" for v in result.values()), result
+    compiled = torch.compile(lambda r, e, m: adv_mod._process_op(r, e, m, 6, 4, None, "grpo", 1e-6) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(rewards, ends, mask), 2 * run("torch", rewards, ends, 6, step_mask=mask, group_size=4))
