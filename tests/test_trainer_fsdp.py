@@ -112,6 +112,12 @@ RESUME = dict(algo="ppo", steps=3, epochs=2, minibatches=2, kl_target=0.02, kl_c
               prompts_per_step=4, group_size=4)
 
 
+def _value_half(tr) -> None:
+    """The critic's value head says 0.5 everywhere (it starts at 0, which would make any bootstrap term 0)."""
+    with torch.no_grad():
+        sharding.unwrap(tr.critic).value_head.bias.fill_(0.5)  # a DTensor's local shard under FSDP
+
+
 def _worker(out: Path) -> None:
     """Every 2-process scenario, in one torchrun launch (each process saves what it saw under ``out``)."""
     import torch.distributed as dist
@@ -151,6 +157,14 @@ def _worker(out: Path) -> None:
         torch.save({"value_head_group": isinstance(tr.critic.inner.value_head, FSDPModule),
                     "dtypes": sorted({str(p.dtype) for p in tr.critic.parameters()}),
                     "metrics": read_metrics(out / "bf16" / "metrics.jsonl")}, out / f"bf16-{rank}.pt")
+        # PPO with truncation='bootstrap': the critic's value after each truncated completion, sharded
+        tr = Trainer(from_dict(_cfg(out / "boot", "ppo", "fsdp", truncation="bootstrap")))
+        _value_half(tr)
+        batch = _designed_batch(tr)
+        B = batch.ids.shape[0]
+        mine = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
+        mine = tr.advantages(tr.score_tokens(mine))
+        torch.save({"returns": mine.returns, "eos": mine.eos}, out / f"boot-{rank}.pt")
         # a moving reference (ref_mix_alpha): mixed shard by shard into the sharded reference after the step
         tr = Trainer(from_dict(_cfg(out / "mix", "grpo", "fsdp", ref_mix_alpha=0.5)))
         start = [p.detach().clone() for p in sharding.full_parameters(tr.policy)]
@@ -304,6 +318,25 @@ def test_other_dtype_modules_are_found_outside_the_blocks():
     assert sharding._other_dtype_modules(critic.to(torch.bfloat16), blocks) == []
 
 
+def test_fsdp_bootstrap_returns_equal_one_process(two_processes, tmp_path):
+    """truncation='bootstrap' under FSDP: every process runs the critic's extra forward (on all its rows, the
+    truncated ones kept), also one without truncated completions, and the returns equal one process's on the
+    same global batch."""
+    single = Trainer(from_dict(_cfg(tmp_path, "ppo", "ddp", truncation="bootstrap")))
+    _value_half(single)
+    want = single.advantages(single.score_tokens(_designed_batch(single)))
+    ranks = _load(two_processes, "boot")
+    # by design rank 0 holds truncated completions and rank 1 none: a forward run only where there are some would hang
+    assert bool((~ranks[0]["eos"]).any()) and not bool((~ranks[1]["eos"]).any())
+    # GAE over the same rewards and values, which come from forwards over other row sets (float32 rounding)
+    torch.testing.assert_close(torch.cat([r["returns"] for r in ranks]), want.returns, rtol=1e-5, atol=1e-6)
+    # the bootstrap term is real: without it the truncated rows' returns differ
+    plain = Trainer(from_dict(_cfg(tmp_path / "plain", "ppo", "ddp")))
+    _value_half(plain)
+    other = plain.advantages(plain.score_tokens(_designed_batch(plain)))
+    assert not torch.allclose(other.returns, want.returns, rtol=1e-5, atol=1e-6)
+
+
 def test_fsdp_moving_reference_mixes_the_shards(two_processes):
     """ref_mix_alpha=0.5 under FSDP: after one step the reference is 0.5 * policy + 0.5 * the initial policy."""
     for r in _load(two_processes, "mix"):
@@ -319,8 +352,6 @@ def test_fsdp_in_one_process_is_a_config_error(tmp_path):
         Trainer(from_dict(_cfg(tmp_path, "grpo", "fsdp")))
     with pytest.raises(ConfigError, match="^fsdp_offload_ref:"):
         from_dict(_cfg(tmp_path, "grpo", "ddp", fsdp_offload_ref=True))
-    with pytest.raises(ConfigError, match="^truncation: 'bootstrap' is not supported with shard='fsdp'"):
-        from_dict(_cfg(tmp_path, "ppo", "fsdp", truncation="bootstrap"))
 
 
 def test_resume_with_another_checkpoint_format_is_a_config_error(tmp_path):

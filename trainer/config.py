@@ -187,9 +187,6 @@ class TrainConfig:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
         if self.fsdp_offload_ref and self.shard != "fsdp":
             self._bad("fsdp_offload_ref", f"offloads FSDP shards: needs shard='fsdp' (shard is {self.shard!r})")
-        if self.shard == "fsdp" and self.truncation == "bootstrap":  # refused, not left to hang
-            self._bad("truncation", "'bootstrap' is not supported with shard='fsdp' yet: its extra critic forward runs "
-                      "only in the processes that hold truncated completions, and a sharded forward needs them all")
         self._check_honesty()
         self._resolve()
         return self

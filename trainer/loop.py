@@ -356,7 +356,12 @@ class Trainer:
         rewards = -self.kl_coef * kl if in_reward else torch.zeros_like(m)  # [B, R]
         rewards = rewards + process.token_rewards(batch.scores, batch.steps, batch.mask)  # [B, R]
         if cfg.truncation == "bootstrap":  # truncated responses continue past their last token: + γ·V(after it)
-            rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
+            if cfg.shard == "fsdp":  # a sharded forward needs every process: all rows, inside the critic's root
+                every = dataclasses.replace(batch, eos=torch.zeros_like(batch.eos))  # [B] all "truncated"
+                boot = self.critic(sharding.unwrap(self.critic), every, cfg.gamma, call=process.bootstrap_rewards)
+                rewards = rewards + boot * (~batch.eos)[:, None]  # [B, R] the truncated rows only
+            else:
+                rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
         if cfg.whiten_advantages and self.distributed:
