@@ -39,10 +39,8 @@ def set_rng_state(state: dict) -> None:
 def save(root: str | os.PathLike, step: int, modules: dict[str, torch.nn.Module], optimizer, extra: dict) -> Path:
     from safetensors.torch import save_file
 
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f".tmp-{_PREFIX}{step:06d}-{os.getpid()}"
+    tmp, final = staging_dirs(root, step, os.getpid())
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -51,13 +49,26 @@ def save(root: str | os.PathLike, step: int, modules: dict[str, torch.nn.Module]
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2))
+    publish(tmp, final)
+    return final
+
+
+def staging_dirs(root: str | os.PathLike, step: int, writer) -> tuple[Path, Path]:
+    """``(tmp, final)``: the directory a checkpoint of ``step`` is written into by ``writer`` (a process id,
+    or a name every process of a sharded save shares) and the name :func:`publish` gives it."""
+    root = Path(root)
+    return root / f".tmp-{_PREFIX}{step:06d}-{writer}", root / f"{_PREFIX}{step:06d}"
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Flush every file of the written checkpoint ``tmp`` to disk, then rename it to ``final`` (replacing
+    an older one): until the rename no reader sees it, so a crash leaves the whole checkpoint or none."""
     for f in tmp.iterdir():  # flush file contents before the rename makes them visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    return final
 
 
 def latest(root: str | os.PathLike) -> Path | None:

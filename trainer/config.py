@@ -165,6 +165,12 @@ class TrainConfig:
     truncation: str = "terminal"
     """A completion cut at max_new_tokens without EOS: 'terminal' (its return ends there) or 'bootstrap' (PPO only: gamma times the critic's value of the state after its last token is added to its last reward)."""
 
+    # --- issue 16: sharding ---
+    shard: str = "ddp"
+    """How the processes of a torchrun job share the models: 'ddp' (each holds all of them; DistributedDataParallel averages the gradients; in one process nothing is wrapped), 'fsdp' (FSDP2 fully_shard: every parameter, gradient and optimizer state split over the processes, one group per transformer block; checkpoints are sharded, written with torch.distributed.checkpoint; needs at least 2 processes) or 'none' (no wrapper; one process only)."""
+    fsdp_offload_ref: bool = False
+    """With shard='fsdp': keep the shards of the reference policy and of a reward model in CPU memory, copied to the device block by block for their forward (CPUOffloadPolicy)."""
+
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
@@ -179,6 +185,8 @@ class TrainConfig:
         check_config(self)
         if self.resume and self.overwrite:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
+        if self.fsdp_offload_ref and self.shard != "fsdp":
+            self._bad("fsdp_offload_ref", f"offloads FSDP shards: needs shard='fsdp' (shard is {self.shard!r})")
         self._check_honesty()
         self._resolve()
         return self
@@ -249,7 +257,7 @@ class TrainConfig:
             "preset": tuple(PRESETS), "algo": ("grpo", "ppo"), "losses": ("fused", "eager"), "ratio": RATIO_MODES,
             "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
             "kl_in": ("loss", "reward"), "reward_norm": ("none", "batch", "running"), "value_agg": AGG_MODES,
-            "critic_init": ("policy", "reward"),
+            "critic_init": ("policy", "reward"), "shard": ("none", "ddp", "fsdp"),
         }
         optional = {"kl_estimator", "kl_in"}  # None: resolved from other fields
         for name, allowed in choices.items():

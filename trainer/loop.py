@@ -3,7 +3,8 @@
 Losses are the pure ``(loss, metrics)`` functions of the op provider
 (``rlkernels`` fused ops, or ``rlkernels.reference`` with ``--losses eager``).
 Under ``torchrun`` each process takes its share of the prompts (whole groups)
-and gradients are averaged by ``DistributedDataParallel``; token means and PPO advantage
+and gradients are averaged by ``DistributedDataParallel`` (``shard='ddp'``) or the models are
+sharded with FSDP2 (``shard='fsdp'``, :mod:`trainer.distributed`); token means and PPO advantage
 whitening use global statistics, so N processes take the step one process would.
 """
 from __future__ import annotations
@@ -24,10 +25,11 @@ import torch.distributed as dist
 import rlkernels
 
 from . import checkpoint, knobs, process
+from . import distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
-from .rewards import load_reward
+from .rewards import RewardModel, load_reward
 
 
 class NonFiniteError(RuntimeError):
@@ -138,6 +140,9 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
             if name in saved and saved[name] != now[name]:
                 raise ConfigError(f"{name}: {path} was trained with {saved[name]!r}; resume with that, or start a new "
                                   f"run in another output_dir (got {now[name]!r})")
+        if sharding.is_sharded_checkpoint(path) != (cfg.shard == "fsdp"):  # DCP shards or whole safetensors
+            was = "sharded (shard='fsdp')" if sharding.is_sharded_checkpoint(path) else "whole (shard='ddp' or 'none')"
+            raise ConfigError(f"shard: {path} holds a {was} checkpoint; resume with that shard mode (got {cfg.shard!r})")
         return [f"resume: {name} changed: {saved[name]!r} -> {value!r}" for name, value in now.items()
                 if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
     used = checkpoint.run_files(out)
@@ -161,6 +166,11 @@ class Trainer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
+        if cfg.shard == "fsdp" and not self.distributed:
+            raise ConfigError("shard: 'fsdp' shards over the processes of a torchrun job and needs at least 2 "
+                              "(torchrun --nproc_per_node=N); in one process use 'ddp' or 'none'")
+        if cfg.shard == "none" and self.world > 1:
+            raise ConfigError(f"shard: 'none' leaves {self.world} processes training apart; use 'ddp' or 'fsdp'")
         if cfg.prompts_per_step % self.world:
             raise ValueError(f"prompts_per_step: {cfg.prompts_per_step} does not divide over {self.world} processes")
         if cfg.device.startswith("cuda") and self.distributed:
@@ -191,7 +201,15 @@ class Trainer:
 
         self.policy_lp = TokenLogprobs(self.policy, self.ops, cfg.temperature)
         self.policy_ddp, self.critic_ddp = self.policy_lp, self.critic
-        if self.distributed:
+        if cfg.shard == "fsdp":  # the sharded roots replace the modules everywhere they are called
+            self.policy_lp = self.policy_ddp = sharding.fsdp_wrap(self.policy_lp)
+            if self.ref is not None:
+                self.ref = sharding.fsdp_wrap(self.ref, frozen=True, offload=cfg.fsdp_offload_ref)
+            if self.critic is not None:
+                self.critic = self.critic_ddp = sharding.fsdp_wrap(self.critic)
+            if isinstance(self.reward_fn, RewardModel):
+                self.reward_fn.model = sharding.fsdp_wrap(self.reward_fn.model, frozen=True, offload=cfg.fsdp_offload_ref)
+        elif self.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             dev_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -242,10 +260,14 @@ class Trainer:
         prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(self.device)  # [B, P]
         prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(self.device)  # [B, P]
         self.policy.eval()
-        out = self.policy.generate(
+        sampling = dict(
             input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=cfg.temperature,
             top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
         )
+        if cfg.shard == "fsdp":  # inside the sharded root's forward, every process stepping until all are done
+            out = self.policy_lp(call=self.policy.generate, synced_gpus=True, **sampling)
+        else:
+            out = self.policy.generate(**sampling)
         self.policy.train()
         response = out[:, prompt_ids.shape[1] :]  # [B, R]
         is_eos = response == self.eos_id
@@ -334,7 +356,12 @@ class Trainer:
         rewards = -self.kl_coef * kl if in_reward else torch.zeros_like(m)  # [B, R]
         rewards = rewards + process.token_rewards(batch.scores, batch.steps, batch.mask)  # [B, R]
         if cfg.truncation == "bootstrap":  # truncated responses continue past their last token: + γ·V(after it)
-            rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
+            if cfg.shard == "fsdp":  # a sharded forward needs every process: all rows, inside the critic's root
+                every = dataclasses.replace(batch, eos=torch.zeros_like(batch.eos))  # [B] all "truncated"
+                boot = self.critic(sharding.unwrap(self.critic), every, cfg.gamma, call=process.bootstrap_rewards)
+                rewards = rewards + boot * (~batch.eos)[:, None]  # [B, R] the truncated rows only
+            else:
+                rewards = rewards + process.bootstrap_rewards(self.critic, batch, cfg.gamma)  # [B, R]
         adv, ret = ops.gae(rewards, batch.old_values, batch.mask, gamma=cfg.gamma, lam=cfg.lam)  # [B, R] x2
         # whitening statistics cover the global batch: each process's own would make N processes differ from one
         if cfg.whiten_advantages and self.distributed:
@@ -469,7 +496,7 @@ class Trainer:
         if cfg.kl_target is not None:
             self.adapt_kl(float(batch.kl_seq.mean()))  # after logging the coefficient this step used
         if self.ref is not None:  # after the update: ref_update_every / ref_mix_alpha
-            knobs.update_reference(self.ref.model, self.policy, step, cfg.ref_update_every, cfg.ref_mix_alpha)
+            knobs.update_reference(sharding.unwrap(self.ref).model, self.policy, step, cfg.ref_update_every, cfg.ref_mix_alpha)
         if self.distributed:  # average the logged scalars over processes
             keys = sorted(metrics)
             t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
@@ -488,10 +515,13 @@ class Trainer:
         if self.critic is not None:
             mods["critic"] = self.critic
         if self.ref is not None and (self.cfg.ref_update_every or self.cfg.ref_mix_alpha):  # it moves: save it
-            mods["reference"] = self.ref.model
+            mods["reference"] = sharding.unwrap(self.ref).model
         return mods
 
     def save(self) -> Path | None:
+        if self.cfg.shard == "fsdp":  # every process writes its shards
+            return sharding.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
+                                 {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
         path = None
         if self.rank == 0:
             path = checkpoint.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
@@ -508,10 +538,13 @@ class Trainer:
         if path is None:
             raise ConfigError(f"resume: no checkpoint under {self.out / 'checkpoints'} (start without --resume)")
         modules = self._modules()
-        if "reference" in modules and not (path / "reference.safetensors").exists():
-            # written before the reference moved: it was then still the initial one, which self.ref holds now
-            del modules["reference"]
-        state = checkpoint.load(path, modules, self.optimizer)
+        if self.cfg.shard == "fsdp":
+            state = sharding.load(path, modules, self.optimizer)
+        else:
+            if "reference" in modules and not (path / "reference.safetensors").exists():
+                # written before the reference moved: it was then still the initial one, which self.ref holds now
+                del modules["reference"]
+            state = checkpoint.load(path, modules, self.optimizer)
         self.step = int(state["step"])
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         if "reward_norm" in state:
