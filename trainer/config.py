@@ -130,6 +130,8 @@ class TrainConfig:
     """torch CPU threads (0 = automatic: 1 for the tiny model, whose ops are too small to split, else torch's default)."""
     dtype: str = "float32"
     """Parameter dtype: 'float32' or 'bfloat16'."""
+    pack: bool = False
+    """Run the model forwards packed (the real tokens of the batch end to end, no padding computed; trainer/packing.py) when the model's attention keeps packed sequences apart (checked at start; padded otherwise, with a note). Off by default: on a CPU, eager/SDPA attention over one packed row costs (total tokens)^2, more than the padding it saves (README, "Packed sequences"); meant for flash-attention's varlen kernels on a GPU."""
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
 

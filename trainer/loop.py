@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernels
+from rlkernels import hf
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
@@ -168,6 +169,8 @@ class Trainer:
         self.kl_coef = cfg.kl_coef
 
         self.policy_lp = TokenLogprobs(self.policy, self.ops, cfg.temperature)
+        if cfg.pack:
+            self._enable_packing()
         self.policy_ddp, self.critic_ddp = self.policy_lp, self.critic
         if self.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -183,6 +186,18 @@ class Trainer:
         self.step = 0
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
+
+    def _enable_packing(self) -> None:
+        """``--pack``: run the policy, reference and critic forwards packed when the model keeps packed
+        sequences apart (``rlkernels.hf.supports_packing``); otherwise say so and stay padded."""
+        if not hf.supports_packing(self.policy):
+            if self.rank == 0:
+                print(f"pack: {type(self.policy).__name__} ({getattr(self.policy.config, '_attn_implementation', '?')} attention) "
+                      "does not keep packed sequences apart; running padded")
+            return
+        for module in (self.policy_lp, self.ref, self.critic):
+            if module is not None:
+                module.pack = True
 
     # ------------------------------------------------------------------ phases
 
