@@ -218,12 +218,30 @@ def _alone_truth(model, ids, rms):
     return torch.cat(logps)[None], torch.cat(ents)[None]  # [1, total] x2
 
 
-def _padded(ids, rms):
+def _alone_head_truth(model, ids, rms):
+    """Each sequence alone through the model's float32 backbone, then its head in float64: [total] log-probs and
+    entropies (for a model too large to copy to float64 in a test; the backbone's rounding is then in the
+    truth, the same size for the packed and the padded layouts)."""
+    weight = model.get_output_embeddings().weight.double()  # [V, H]
+    logps, ents = [], []
+    with torch.no_grad():
+        for x, rm in zip(ids, rms):
+            h = model.base_model(input_ids=x[None], use_cache=False).last_hidden_state[0, :-1].double()  # [n-1, H]
+            logp_all = torch.log_softmax(h @ weight.T, -1)  # [n-1, V]
+            lp = logp_all.gather(-1, x[1:, None]).squeeze(-1)  # [n-1]
+            ent = -(logp_all.exp() * logp_all).sum(-1)  # [n-1]
+            keep = rm[1:].bool()
+            logps.append(torch.cat([lp.new_zeros(1), torch.where(keep, lp, 0.0)]))
+            ents.append(torch.cat([ent.new_zeros(1), torch.where(keep, ent, 0.0)]))
+    return torch.cat(logps)[None], torch.cat(ents)[None]  # [1, total] x2
+
+
+def _padded(ids, rms, prompts=PROMPTS):
     """Left-padded prompts and right-padded responses, as the trainer batches them: (ids, am, rm, pos) [B, T]."""
-    P, R = max(PROMPTS), max(RESPONSES)
+    P, R = max(prompts), max(x.numel() - p for x, p in zip(ids, prompts))
     B = len(ids)
     out = [torch.zeros(B, P + R, dtype=torch.long) for _ in range(3)]
-    for b, (x, rm, p) in enumerate(zip(ids, rms, PROMPTS)):
+    for b, (x, rm, p) in enumerate(zip(ids, rms, prompts)):
         sl = slice(P - p, P - p + x.numel())
         out[0][b, sl], out[1][b, sl], out[2][b, sl] = x, 1, rm
     am = out[1]
