@@ -86,8 +86,9 @@ def test_policy_loss_packed_equals_each_sequence_alone(backend, ratio, agg, norm
     want_grads = torch.autograd.grad(want, [x64[k] for k in grads])
 
     x = _with_grad(inputs, grads, lambda t: t)
+    fn = ref.policy_loss if backend == "reference" else rlkernels.policy_loss  # each module's own packed entry
     with forced_backend(backend):
-        loss, metrics = rlkernels.policy_loss(*(x[k] for k in order), ref_logp=x["ref_logp"], entropy=x["entropy"],
+        loss, metrics = fn(*(x[k] for k in order), ref_logp=x["ref_logp"], entropy=x["entropy"],
                                               agg=agg, norm_length=norm_length, cu_seqlens=CU, **options)
     got_grads = torch.autograd.grad(loss, [x[k] for k in grads])
     assert float(metrics["clipfrac"]) > 0  # the clip is exercised
@@ -105,7 +106,7 @@ def test_policy_loss_packed_equals_each_sequence_alone(backend, ratio, agg, norm
 
     p = {k: (v if k == "advantages" and v.dim() == 1 else padded(v)) for k, v in inputs.items()}
     with forced_backend(backend):
-        pad_loss, pad_metrics = rlkernels.policy_loss(*(p[k] for k in order), ref_logp=p["ref_logp"],
+        pad_loss, pad_metrics = fn(*(p[k] for k in order), ref_logp=p["ref_logp"],
                                                       entropy=p["entropy"], agg=agg, norm_length=norm_length, **options)
     assert torch.equal(loss.detach(), pad_loss) and metrics.keys() == pad_metrics.keys()
     assert all(torch.equal(metrics[k], pad_metrics[k]) for k in metrics)
@@ -134,12 +135,13 @@ def test_value_loss_packed_equals_each_sequence_alone(agg, norm_length, clip):
             "seq-mean-token-sum-norm": sums.sum() / (S * TMAX),
             "seq-mean-token-mean": sum(t / c for t, c in zip(sums, counts) if c > 0) / sum(c > 0 for c in counts)}[agg]
     (want_grad,) = torch.autograd.grad(want, [v64])
-    v = values.clone().requires_grad_()
-    with forced_backend("torch"):
-        loss, _ = rlkernels.value_loss(v, old, returns, mask, clip=clip, agg=agg, cu_seqlens=CU.int())
-    (grad,) = torch.autograd.grad(loss, [v])
-    assert_close_to_truth(loss.detach(), want.detach(), torch.float32, name="loss")
-    assert_close_to_truth(grad, want_grad, torch.float32, name="grad values")
+    for fn in (rlkernels.value_loss, ref.value_loss):
+        v = values.clone().requires_grad_()
+        with forced_backend("torch"):
+            loss, _ = fn(v, old, returns, mask, clip=clip, agg=agg, cu_seqlens=CU.int())
+        (grad,) = torch.autograd.grad(loss, [v])
+        assert_close_to_truth(loss.detach(), want.detach(), torch.float32, name="loss")
+        assert_close_to_truth(grad, want_grad, torch.float32, name="grad values")
 
 
 @pytest.mark.parametrize("fn", [rlkernels.policy_loss, ref.policy_loss], ids=["fused", "reference"])
@@ -361,3 +363,30 @@ def test_trainer_pack_falls_back_when_unsupported(tmp_path, monkeypatch, capsys)
     tr = Trainer(tiny(tmp_path, pack=True))
     assert not tr.policy_lp.pack
     assert "does not keep packed sequences apart; running padded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_trainer_head_sees_only_response_rows(pack):
+    """The trainer's TokenLogprobs (padded or --pack) sends the response tokens only through the head: no
+    prompt, no padding (issue 13 item 3), and gives the same log-probs either way."""
+    import types
+
+    from rlkernels.trainer.models import TokenLogprobs
+
+    model = _tiny("qwen2", False)
+    ids, rms = _sequences(seed=11)
+    pid, am, prm, _ = _padded(ids, rms)
+    R = max(RESPONSES)
+    labels = pid[:, -R:].masked_fill(prm[:, -R:] == 0, -100)  # [B, R]
+    rows = []
+
+    def recording(hidden, weight, labels, **kwargs):  # hidden [N, H]
+        rows.append(hidden.shape[0])
+        assert bool((labels != -100).all())
+        return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
+
+    with torch.no_grad(), forced_backend("torch"):
+        logp, _ = TokenLogprobs(model, types.SimpleNamespace(linear_logprobs=recording), pack=pack)(pid, am, labels)
+        want, _ = TokenLogprobs(model, rlkernels)(pid, am, labels)  # [B, R]
+    assert rows == [sum(RESPONSES)]
+    torch.testing.assert_close(logp, want)
