@@ -275,7 +275,9 @@ def response_logprobs(
     Two layouts. **Padded**: ``B`` rows of length ``T`` with an ``attention_mask``. **Packed** (no padding is
     ever computed): ``attention_mask=None`` and ``S`` sequences laid end to end in ``input_ids`` ``[1, total]``,
     their boundaries given by ``cu_seqlens`` ``[S + 1]`` (``rlkernels.packing``) or by ``position_ids`` that
-    restart at 0 for every sequence and step by 1 inside it. The model then runs once on ``[1, total]`` with
+    restart at 0 for every sequence and step by 1 inside it (with ``position_ids``, several packed rows
+    ``[P, C]`` too, each starting a sequence: what bounds attention's cost on a CPU, see ``trainer/packing.py``).
+    The model then runs once on the packed rows with
     those restarting ``position_ids`` and no attention mask, from which ``transformers`` builds a
     block-diagonal causal mask (eager and SDPA attention) or flash-attention's varlen ``cu_seqlens``
     (``flash_attention_2``); :func:`supports_packing` checks that the model in hand does. No token of one
@@ -285,14 +287,14 @@ def response_logprobs(
         model: a ``transformers`` causal LM (``*ForCausalLM``, e.g. Llama, Qwen2, GPT-2; under PEFT too),
             tied or untied embeddings, optional output bias. A head that soft-caps or scales its logits is
             refused (:func:`lm_head`).
-        input_ids: ``[B, T]`` prompt + response token ids (packed: ``[1, total]``).
+        input_ids: ``[B, T]`` prompt + response token ids (packed: ``[1, total]``, or ``[P, C]`` rows).
         attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (passed to the model); ``None`` for a
             packed batch.
         response_mask: same shape as ``input_ids``, 1 where a token should be scored (the response).
         position_ids: padded: ``[B, T]`` positions passed to the model; default the model's own (``0..T-1``).
             With left-padded prompts pass ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` so that positions
             start at each row's first real token, as ``generate`` numbered them when sampling. Packed:
-            ``[1, total]`` positions restarting at 0 per sequence (give this or ``cu_seqlens``).
+            positions restarting at 0 per sequence, 0 in every row's first column (give this or ``cu_seqlens``).
         cu_seqlens: packed only: ``[S + 1]`` int32/int64 boundaries, 0 first, ``total`` last, non-decreasing.
         temperature: the sampling temperature the logits are divided by.
         return_entropy: also return the entropy of each position's next-token distribution.
@@ -312,16 +314,17 @@ def response_logprobs(
     _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
     packed = attention_mask is None
     if packed:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"with attention_mask=None (packed), input_ids must be [1, total], got "
-                             f"{tuple(input_ids.shape)}")
         if (cu_seqlens is None) == (position_ids is None):
             raise ValueError("a packed batch (attention_mask=None) needs exactly one of cu_seqlens or position_ids")
         if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens, input_ids must be [1, total], got {tuple(input_ids.shape)}")
             position_ids = _packing.positions(cu_seqlens, input_ids.shape[1]).to(input_ids.device)  # [1, total]
         else:
             _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
-            _packing.cu_seqlens_from_positions(position_ids)  # validates: restarts at 0, steps by 1
+            if position_ids.numel() and bool((position_ids[:, 0] != 0).any()):
+                raise ValueError("packed position_ids must restart at 0 at the start of every row")
+            _packing.cu_seqlens_from_positions(position_ids.reshape(1, -1))  # validates: restarts at 0, steps by 1
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
     else:
         if cu_seqlens is not None:
@@ -335,7 +338,7 @@ def response_logprobs(
     hidden = final_hidden(backbone(model), **inputs)[:, :-1]  # [B, T-1, H]: position t-1 predicts token t
     scored = response_mask[:, 1:].bool()  # [B, T-1]
     if packed:  # a sequence's first token is not predicted by the previous sequence's last state
-        scored = scored & (position_ids[:, 1:] != 0)  # [1, total-1]
+        scored = scored & (position_ids[:, 1:] != 0)  # [P, C-1]
     labels = input_ids[:, 1:].masked_fill(~scored, -100)  # [B, T-1]
     result = label_logprobs(model, hidden, labels, temperature=temperature, return_entropy=return_entropy,
                             linear_logprobs=linear_logprobs)  # [B, T-1] (x2)

@@ -312,8 +312,10 @@ def test_packed_arguments_are_validated():
         hf.response_logprobs(model, ids, None, rm)
     with pytest.raises(ValueError, match="pass attention_mask=None with it"):
         hf.response_logprobs(model, ids, torch.ones_like(ids), rm, cu_seqlens=cu)
-    with pytest.raises(ValueError, match=r"input_ids must be \[1, total\]"):
+    with pytest.raises(ValueError, match=r"with cu_seqlens, input_ids must be \[1, total\]"):
         hf.response_logprobs(model, ids.view(2, 3), None, rm.view(2, 3), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"position_ids must restart at 0 at the start of every row"):
+        hf.response_logprobs(model, ids.view(2, 3), None, rm.view(2, 3), position_ids=torch.tensor([[0, 1, 2], [3, 4, 5]]))
     with pytest.raises(ValueError, match=r"cu_seqlens must end at the packed length 6"):
         hf.response_logprobs(model, ids, None, rm, cu_seqlens=torch.tensor([0, 3, 5]))
     with pytest.raises(ValueError, match=r"position_ids must restart at 0"):
@@ -390,3 +392,30 @@ def test_trainer_head_sees_only_response_rows(pack):
         want, _ = TokenLogprobs(model, rlkernels)(pid, am, labels)  # [B, R]
     assert rows == [sum(RESPONSES)]
     torch.testing.assert_close(logp, want)
+
+
+def test_trainer_rows_share_sequences_and_equal_padded():
+    """trainer.packing puts several sequences in one row of the padded width (first-fit decreasing, filler
+    after), and the log-probs, entropies and hidden states equal each sequence alone / the padded batch."""
+    from rlkernels.trainer import packing as trainer_packing
+
+    model = _tiny("llama", False)
+    prompts, responses = [2, 4, 1, 3], [3, 5, 2, 2]  # lengths 5, 9, 3, 5 in rows of 9
+    g = torch.Generator().manual_seed(13)
+    ids = [torch.randint(0, V, (p + r,), generator=g) for p, r in zip(prompts, responses)]
+    rms = [torch.cat([torch.zeros(p, dtype=torch.long), torch.ones(r, dtype=torch.long)]) for p, r in zip(prompts, responses)]
+    pid, am, prm, pos = _padded(ids, rms, prompts)  # [4, 9]
+    padded_index, packed_index, position_ids = trainer_packing._layout(am)
+    assert position_ids.tolist() == [list(range(9)), [0, 1, 2, 3, 4, 0, 1, 2, 0], [0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    flat, _ = packing.pack_padded(am)
+    want_lp, want_ent = _alone_truth(model, ids, rms)  # [1, total] x2
+    with torch.no_grad(), forced_backend("torch"):
+        lp, ent = trainer_packing.response_logprobs(model, pid, am, prm.bool(), temperature=1.0, return_entropy=True,
+                                                    linear_logprobs=rlkernels.linear_logprobs)  # [B, L] x2
+        pad_lp, pad_ent = hf.response_logprobs(model, pid, am, prm, position_ids=pos, return_entropy=True)
+        hidden = trainer_packing.final_hidden(model.base_model, pid, am)  # [B, L, H]
+        pad_hidden = hf.final_hidden(model.base_model, input_ids=pid, attention_mask=am, position_ids=pos)
+    assert lp.shape == pid.shape and not lp[am == 0].any() and not hidden[am == 0].any()
+    assert_close_to_truth(packing.pack(lp, flat), want_lp, torch.float32, eager=packing.pack(pad_lp, flat), name="logp")
+    assert_close_to_truth(packing.pack(ent, flat), want_ent, torch.float32, eager=packing.pack(pad_ent, flat), name="entropy")
+    torch.testing.assert_close(hidden[am != 0], pad_hidden[am != 0])
