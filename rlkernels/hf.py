@@ -9,7 +9,8 @@ The one path every caller takes (the bundled trainer, the TRL adapter, users):
 :func:`backbone` finds the backbone, :func:`lm_head` the head (refusing soft-capped
 or scaled logits), :func:`final_hidden` runs the backbone, :func:`label_logprobs`
 scores aligned labels, :func:`response_logprobs` puts them together for a batch of
-prompt + response ids.
+prompt + response ids, padded ``[B, T]`` or packed (``cu_seqlens`` / restarting ``position_ids``, no padding
+computed; :func:`supports_packing` checks that the model keeps packed sequences apart).
 
 ``transformers`` is never imported here: the functions only use the duck-typed
 ``PreTrainedModel`` interface, so ``import rlkernels`` stays cheap.
