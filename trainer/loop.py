@@ -189,13 +189,15 @@ class Trainer:
 
     def _enable_packing(self) -> None:
         """``--pack``: run the policy, reference and critic forwards packed when the model keeps packed
-        sequences apart (``rlkernels.hf.supports_packing``); otherwise say so and stay padded."""
+        sequences apart (``rlkernels.hf.supports_packing``); otherwise say so and stay padded. The reference is a
+        copy of the policy; a critic from another model (``critic_model``) stays padded (not probed)."""
         if not hf.supports_packing(self.policy):
             if self.rank == 0:
-                print(f"pack: {type(self.policy).__name__} ({getattr(self.policy.config, '_attn_implementation', '?')} attention) "
+                attention = getattr(self.policy.config, "_attn_implementation", "?")
+                print(f"pack: {type(self.policy).__name__} ({attention} attention) "
                       "does not keep packed sequences apart; running padded")
             return
-        for module in (self.policy_lp, self.ref, self.critic):
+        for module in (self.policy_lp, self.ref, None if self.cfg.critic_model else self.critic):
             if module is not None:
                 module.pack = True
 
