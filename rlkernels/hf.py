@@ -9,7 +9,8 @@ The one path every caller takes (the bundled trainer, the TRL adapter, users):
 :func:`backbone` finds the backbone, :func:`lm_head` the head (refusing soft-capped
 or scaled logits), :func:`final_hidden` runs the backbone, :func:`label_logprobs`
 scores aligned labels, :func:`response_logprobs` puts them together for a batch of
-prompt + response ids.
+prompt + response ids, padded ``[B, T]`` or packed (``cu_seqlens`` / restarting ``position_ids``, no padding
+computed; :func:`supports_packing` checks that the model keeps packed sequences apart).
 
 ``transformers`` is never imported here: the functions only use the duck-typed
 ``PreTrainedModel`` interface, so ``import rlkernels`` stays cheap.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from rlkernels import _checks
+from rlkernels import packing as _packing
 from rlkernels.fused_linear import linear_logprobs as _linear_logprobs
 
 
@@ -259,50 +261,113 @@ def label_logprobs(
 
 def response_logprobs(
     model,
-    input_ids: torch.Tensor,  # [B, T]
-    attention_mask: torch.Tensor,  # [B, T]
-    response_mask: torch.Tensor,  # [B, T]
+    input_ids: torch.Tensor,  # [B, T], or packed [1, total]
+    attention_mask: torch.Tensor | None,  # [B, T]; None when packed
+    response_mask: torch.Tensor,  # [B, T] or [1, total]
     *,
-    position_ids: torch.Tensor | None = None,  # [B, T]
+    position_ids: torch.Tensor | None = None,  # [B, T] or packed [1, total]
+    cu_seqlens: torch.Tensor | None = None,  # [S + 1] when packed
     temperature: float = 1.0,
     return_entropy: bool = False,
     linear_logprobs=None,
 ):
     """Log-probability of each response token of ``input_ids`` under a causal LM.
 
+    Two layouts. **Padded**: ``B`` rows of length ``T`` with an ``attention_mask``. **Packed** (no padding is
+    ever computed): ``attention_mask=None`` and ``S`` sequences laid end to end in ``input_ids`` ``[1, total]``,
+    their boundaries given by ``cu_seqlens`` ``[S + 1]`` (``rlkernels.packing``) or by ``position_ids`` that
+    restart at 0 for every sequence and step by 1 inside it (with ``position_ids``, several packed rows
+    ``[P, C]`` too, each starting a sequence: what bounds attention's cost on a CPU, see ``trainer/packing.py``).
+    The model then runs once on the packed rows with
+    those restarting ``position_ids`` and no attention mask, from which ``transformers`` builds a
+    block-diagonal causal mask (eager and SDPA attention) or flash-attention's varlen ``cu_seqlens``
+    (``flash_attention_2``); :func:`supports_packing` checks that the model in hand does. No token of one
+    sequence sees another, and the first token of each sequence is never scored.
+
     Args:
         model: a ``transformers`` causal LM (``*ForCausalLM``, e.g. Llama, Qwen2, GPT-2; under PEFT too),
             tied or untied embeddings, optional output bias. A head that soft-caps or scales its logits is
             refused (:func:`lm_head`).
-        input_ids: ``[B, T]`` prompt + response token ids.
-        attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (passed to the model).
-        response_mask: ``[B, T]`` 1 where a token should be scored (the response).
-        position_ids: ``[B, T]`` positions passed to the model; default the model's own (``0..T-1``). With
-            left-padded prompts pass ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` so that positions
-            start at each row's first real token, as ``generate`` numbered them when sampling.
+        input_ids: ``[B, T]`` prompt + response token ids (packed: ``[1, total]``, or ``[P, C]`` rows).
+        attention_mask: ``[B, T]`` 1 for real tokens, 0 for padding (passed to the model); ``None`` for a
+            packed batch.
+        response_mask: same shape as ``input_ids``, 1 where a token should be scored (the response).
+        position_ids: padded: ``[B, T]`` positions passed to the model; default the model's own (``0..T-1``).
+            With left-padded prompts pass ``(attention_mask.cumsum(-1) - 1).clamp(min=0)`` so that positions
+            start at each row's first real token, as ``generate`` numbered them when sampling. Packed:
+            positions restarting at 0 per sequence, 0 in every row's first column (give this or ``cu_seqlens``).
+        cu_seqlens: packed only: ``[S + 1]`` int32/int64 boundaries, 0 first, ``total`` last, non-decreasing.
         temperature: the sampling temperature the logits are divided by.
         return_entropy: also return the entropy of each position's next-token distribution.
         linear_logprobs: the head's kernel, as in :func:`label_logprobs`.
 
     Returns:
-        ``logp`` ``[B, T]`` float32, aligned with ``input_ids``: ``logp[b, t] = log p(input_ids[b, t] |
-        input_ids[b, :t])``, 0 where ``response_mask`` is 0 and at ``t = 0`` (nothing predicts the
-        first token). With ``return_entropy``, also ``entropy`` ``[B, T]`` of the distribution that
-        predicted token ``t``, masked the same way. Differentiable in the model's parameters. Only the
-        response positions go through the head.
+        ``logp`` float32 with the shape of ``input_ids`` (``[B, T]`` or ``[1, total]``), aligned with it:
+        ``logp[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` (packed: given the earlier tokens of the
+        same sequence), 0 where ``response_mask`` is 0 and at each sequence's first token (nothing predicts
+        it). With ``return_entropy``, also ``entropy`` of the distribution that predicted token ``t``, masked
+        the same way. Differentiable in the model's parameters. Only the response positions go through the
+        head: the hidden rows of the scored tokens are gathered before ``linear_logprobs`` (the ``[N, H]`` it
+        sees has ``N`` = number of scored tokens) and the results scattered back into the layout above.
     """
     _checks.integer(input_ids, "input_ids")
     _checks.rank(input_ids, "input_ids", 2)
-    _checks.same_shape(input_ids, "input_ids", attention_mask, "attention_mask")
     _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if position_ids is not None:
-        _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
-        inputs["position_ids"] = position_ids
+    packed = attention_mask is None
+    if packed:
+        if (cu_seqlens is None) == (position_ids is None):
+            raise ValueError("a packed batch (attention_mask=None) needs exactly one of cu_seqlens or position_ids")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens, input_ids must be [1, total], got {tuple(input_ids.shape)}")
+            position_ids = _packing.positions(cu_seqlens, input_ids.shape[1]).to(input_ids.device)  # [1, total]
+        else:
+            _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
+            if position_ids.numel() and bool((position_ids[:, 0] != 0).any()):
+                raise ValueError("packed position_ids must restart at 0 at the start of every row")
+            _packing.cu_seqlens_from_positions(position_ids.reshape(1, -1))  # validates: restarts at 0, steps by 1
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+    else:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens describes a packed batch: pass attention_mask=None with it")
+        _checks.same_shape(input_ids, "input_ids", attention_mask, "attention_mask")
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
+            inputs["position_ids"] = position_ids
     lm_head(model)  # refuse an unsupported head before running the backbone
     hidden = final_hidden(backbone(model), **inputs)[:, :-1]  # [B, T-1, H]: position t-1 predicts token t
-    labels = input_ids[:, 1:].masked_fill(~response_mask[:, 1:].bool(), -100)  # [B, T-1]
+    scored = response_mask[:, 1:].bool()  # [B, T-1]
+    if packed:  # a sequence's first token is not predicted by the previous sequence's last state
+        scored = scored & (position_ids[:, 1:] != 0)  # [P, C-1]
+    labels = input_ids[:, 1:].masked_fill(~scored, -100)  # [B, T-1]
     result = label_logprobs(model, hidden, labels, temperature=temperature, return_entropy=return_entropy,
                             linear_logprobs=linear_logprobs)  # [B, T-1] (x2)
     pad = lambda x: torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)  # noqa: E731  [B, T-1] -> [B, T]
     return tuple(pad(x) for x in result) if return_entropy else pad(result)
+
+
+def supports_packing(model) -> bool:
+    """Whether ``model``'s backbone keeps packed sequences apart when given restarting ``position_ids`` and
+    no attention mask (the packed path of :func:`response_logprobs`).
+
+    Checked, not assumed from version numbers: the backbone runs once on two copies of a 3-token sequence
+    packed as ``[1, 6]`` with positions ``0 1 2 0 1 2``; packing works when the second copy's hidden states
+    equal the first's (to 2e-2 of their scale: above 16-bit rounding, far below the change that attending
+    across the boundary makes). Costs one forward of 6 tokens, in eval mode (no dropout), without gradients.
+    """
+    base = backbone(model)
+    weight, _ = lm_head(model)
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3]], device=weight.device) % weight.shape[0]  # [1, 6]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]], device=weight.device)  # [1, 6]
+    was_training = base.training
+    try:
+        base.eval()
+        with torch.no_grad():
+            h = final_hidden(base, input_ids=ids, position_ids=pos).float()  # [1, 6, H]
+    except (TypeError, ValueError, RuntimeError):  # a backbone that takes no position_ids, or no mask-less call
+        return False
+    finally:
+        base.train(was_training)
+    first, second = h[0, :3], h[0, 3:]  # [3, H] each
+    return bool((first - second).abs().max() <= 2e-2 * first.abs().max().clamp(min=1e-6))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks
+from rlkernels import packing as _packing
 from rlkernels import reference as _ref
 from rlkernels._device import block_sum
 from rlkernels._host import mask_u8, no_grads, op_schema, unit_stride
@@ -807,6 +808,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
             ``"k3"`` (``exp(ref - logp) - (ref - logp) - 1``, unbiased and non-negative) or
             ``"abs"`` (``|logp - ref|``).
 
+    Elementwise, so packed ``[1, total]`` inputs need no sequence boundaries (no ``cu_seqlens``).
+
     Returns:
         ``[...]`` float32. Differentiable in ``logp`` and ``ref_logp``; gradients come back in
         their dtypes. On CUDA one fused elementwise Triton kernel writes the value and its
@@ -837,6 +840,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
     norm_length: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
 ):
     """PPO/GRPO clipped surrogate loss with optional dual clip, GSPO sequence ratio, KL and entropy terms.
 
@@ -869,6 +873,13 @@ def policy_loss(
         agg: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
             ``"seq-mean-token-sum-norm"``.
         norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), finite and > 0.
+        cu_seqlens: ``[S + 1]`` int32/int64 sequence boundaries of *packed* inputs (``rlkernels.packing``):
+            then ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy`` (and per-token ``advantages``) are
+            ``[1, total]`` with sequence ``s`` at ``[cu_seqlens[s], cu_seqlens[s+1])``, and ``advantages`` may
+            be ``[S]``. The result is, by definition, the padded op's on the ``[S, Tmax]`` view
+            (``Tmax`` the longest sequence, which is also ``norm_length``'s default): every ``agg`` mode and
+            ``ratio="sequence"`` act per packed sequence. Validated (starts at 0, non-decreasing, ends at
+            ``total``); read on the host once.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar, differentiable in ``logp``, ``ref_logp`` and
@@ -877,6 +888,12 @@ def policy_loss(
         ``kl`` / ``entropy`` when those tensors are given. Where both branches of the max tie (inside
         the clip range they are the same function of ``r``) the gradient is ``-A·dr``.
     """
+    if cu_seqlens is not None:  # packed [1, total] -> the padded [S, Tmax] view, then the one padded op
+        views = _packing.padded_views(cu_seqlens, "logp", ("advantages",), logp=logp, old_logp=old_logp,
+                                      advantages=advantages, mask=mask, ref_logp=ref_logp, entropy=entropy)
+        return policy_loss(**views, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio,
+                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg,
+                           norm_length=norm_length)
     opt = _validate_policy(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp,
                            entropy=entropy, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio,
                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg,
@@ -902,6 +919,7 @@ def value_loss(
     *,
     clip: float | None = None,
     agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
 ):
     """PPO value loss: ``½·max((v - R)², (clamp(v, old ± clip) - R)²)``, or ``½(v - R)²`` without ``clip``.
 
@@ -913,12 +931,18 @@ def value_loss(
             ±inf included) never reach the loss, the metrics or the gradient (exactly 0 there).
         clip: clip range ``>= 0`` and finite, or None for the plain squared error.
         agg: aggregation mode, as in :func:`policy_loss` (``seq-mean-token-sum-norm`` divides by ``B·T``).
+        cu_seqlens: ``[S + 1]`` boundaries of packed ``[1, total]`` inputs, as in :func:`policy_loss` (the
+            padded view's ``[S, Tmax]`` defines the result; ``seq-mean-token-sum-norm`` divides by ``S·Tmax``).
 
     Returns:
         ``(loss, metrics)``: float32 scalar loss differentiable in ``values`` (gradient in its dtype);
         ``metrics`` holds detached scalars ``clipfrac`` (share of tokens where the clipped error
         wins; 0 without ``clip``) and ``values_mean`` (masked mean of ``values``).
     """
+    if cu_seqlens is not None:  # packed [1, total] -> the padded [S, Tmax] view
+        views = _packing.padded_views(cu_seqlens, "values", values=values, old_values=old_values, returns=returns,
+                                      mask=mask)
+        return value_loss(**views, clip=clip, agg=agg)
     opt = _validate_value(values=values, old_values=old_values, returns=returns, mask=mask, clip=clip, agg=agg)
     constants = (old_values.detach(), returns.detach(), mask.detach())  # [B, T] each
     with _backend.float32_compute(values.device):

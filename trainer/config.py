@@ -130,6 +130,8 @@ class TrainConfig:
     """torch CPU threads (0 = automatic: 1 for the tiny model, whose ops are too small to split, else torch's default)."""
     dtype: str = "float32"
     """Parameter dtype: 'float32' or 'bfloat16'."""
+    pack: bool = False
+    """Run the model forwards packed (real tokens end to end in rows of the padded width, no padding computed; trainer/packing.py) when the model's attention keeps packed sequences apart (checked at start; padded otherwise, with a note). Same numbers as padded. Off by default: the default run's batches are ~98% real tokens, where packing only adds work (README, "The bundled trainer"); it pays where padding is a large share of the batch, and with flash-attention's varlen kernels on a GPU."""
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
 

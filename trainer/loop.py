@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import rlkernels
+from rlkernels import hf
 
 from . import checkpoint, knobs, process
 from . import distributed as sharding
@@ -200,6 +201,8 @@ class Trainer:
         self.score_norm = knobs.ScoreNormalizer(cfg.reward_norm, cfg.reward_norm_shift, cfg.reward_clip)
 
         self.policy_lp = TokenLogprobs(self.policy, self.ops, cfg.temperature)
+        if cfg.pack:
+            self._enable_packing()
         self.policy_ddp, self.critic_ddp = self.policy_lp, self.critic
         if cfg.shard == "fsdp":  # the sharded roots replace the modules everywhere they are called
             self.policy_lp = self.policy_ddp = sharding.fsdp_wrap(self.policy_lp)
@@ -238,6 +241,21 @@ class Trainer:
             model = frozen_copy(model.to(self.device))
         knobs.disable_dropout(model)
         return TokenLogprobs(model, self.ops, cfg.temperature)
+
+    def _enable_packing(self) -> None:
+        """``--pack``: run the policy, reference and critic forwards packed when the model keeps packed
+        sequences apart (``rlkernels.hf.supports_packing``); otherwise say so and stay padded. The reference is a
+        copy of the policy; a reference from ``ref_model`` or a critic from another model (``critic_model``) stays
+        padded (not probed)."""
+        if not hf.supports_packing(self.policy):
+            if self.rank == 0:
+                attention = getattr(self.policy.config, "_attn_implementation", "?")
+                print(f"pack: {type(self.policy).__name__} ({attention} attention) "
+                      "does not keep packed sequences apart; running padded")
+            return
+        for module in (self.policy_lp, None if self.cfg.ref_model else self.ref, None if self.cfg.critic_model else self.critic):
+            if module is not None:
+                module.pack = True
 
     # ------------------------------------------------------------------ phases
 

@@ -16,6 +16,8 @@ from torch import nn
 
 from rlkernels import hf
 
+from . import packing
+
 
 def ops_provider(name: str) -> types.ModuleType:
     """'fused' -> the public rlkernels ops; 'eager' -> rlkernels.reference (same signatures)."""
@@ -98,39 +100,48 @@ class TokenLogprobs(nn.Module):
     ``-100`` at padding (the scored tokens are read from ``ids``). Returns ``(logp [B, R], entropy [B, R])`` in float32 (``logp``
     alone with ``return_entropy=False``). Only the response tokens go through the head,
     through the op provider's ``linear_logprobs``. Wrapped in DistributedDataParallel
-    under torchrun.
+    under torchrun. With ``pack`` the real tokens run packed (``trainer.packing``), same outputs.
     """
 
-    def __init__(self, model: nn.Module, ops, temperature: float = 1.0):
+    def __init__(self, model: nn.Module, ops, temperature: float = 1.0, pack: bool = False):
         super().__init__()
         self.model = model
         self.ops = ops
         self.temperature = temperature
+        self.pack = pack
 
     def forward(self, ids, attention_mask, labels, return_entropy: bool = True):
         R = labels.shape[1]
         scored = torch.cat([torch.zeros_like(ids[:, :-R], dtype=torch.bool), labels != -100], 1)  # [B, L]
-        out = hf.response_logprobs(
-            self.model, ids, attention_mask, scored, position_ids=left_padded_positions(attention_mask),
-            temperature=self.temperature, return_entropy=return_entropy, linear_logprobs=self.ops.linear_logprobs,
-        )  # [B, L] (x2)
+        options = dict(temperature=self.temperature, return_entropy=return_entropy,
+                       linear_logprobs=self.ops.linear_logprobs)
+        if self.pack:
+            out = packing.response_logprobs(self.model, ids, attention_mask, scored, **options)  # [B, L] (x2)
+        else:
+            out = hf.response_logprobs(self.model, ids, attention_mask, scored,
+                                       position_ids=left_padded_positions(attention_mask), **options)  # [B, L] (x2)
         return tuple(x[:, -R:] for x in out) if return_entropy else out[:, -R:]  # [B, R]
 
 
 class Critic(nn.Module):
-    """A transformers backbone with a scalar value head: ``forward(...) -> values [B, R]`` (float32)."""
+    """A transformers backbone with a scalar value head: ``forward(...) -> values [B, R]`` (float32). With
+    ``pack`` the backbone runs on the packed real tokens (``trainer.packing``), same values."""
 
-    def __init__(self, backbone: nn.Module, hidden_size: int):
+    def __init__(self, backbone: nn.Module, hidden_size: int, pack: bool = False):
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
+        self.pack = pack
 
     def forward(self, ids, attention_mask, labels):
         R = labels.shape[1]
-        hidden = hf.final_hidden(self.backbone, input_ids=ids, attention_mask=attention_mask,
-                                 position_ids=left_padded_positions(attention_mask))  # [B, L, H]
+        if self.pack:
+            hidden = packing.final_hidden(self.backbone, ids, attention_mask)  # [B, L, H]
+        else:
+            hidden = hf.final_hidden(self.backbone, input_ids=ids, attention_mask=attention_mask,
+                                     position_ids=left_padded_positions(attention_mask))  # [B, L, H]
         hidden = hidden[:, -R - 1 : -1]  # [B, R, H]: the states that predict the response tokens
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [B, R]
 
