@@ -47,14 +47,17 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks, losses, reference
-from rlkernels._host import no_grads, op_schema
+from rlkernels import fused_linear as _fl
+from rlkernels._host import lse_merge, no_grads, op_schema
 
-# Budget of one chunk's float32 tiles (two [chunk, V] buffers); at V = 49152 a chunk is ~340 tokens, at
-# V = 151936 ~110: each GEMM still has hundreds of rows, and the tiles stay far below the [N, V] logits.
-_CHUNK_BYTES = 128 << 20
-# exp(x) is exactly 0 below this in float32 and float64; clamping z - max there keeps (a + c·d) finite where a
-# logit is -inf, so p·(a + c·d) is 0 there, never 0·inf.
-_EXP_ZERO_BELOW = -1000.0
+# Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
+# the float32 [N, H] d_hidden when that is larger (the op holds O(N·H) float32 anyway). At V = 49152 the floor is
+# 42 tokens: the tile stays in L3 between its two passes, and the peak stays at the two-op path's (which holds a
+# float32 [N, H] d_hidden and a [N, H] copy besides the gradients).
+_CHUNK_BYTES = 8 << 20
+# Elements of one vocabulary block of the tile (512 KiB float32: a core's L2 here), at least _VBLOCK_MIN wide.
+_BLOCK_ELEMS = 1 << 17
+_VBLOCK_MIN = 256
 
 
 @dataclass(frozen=True)
@@ -134,17 +137,23 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
 # ---------------------------------------------------------------- chunked computation (torch)
 
 
-def _chunks(B: int, T: int, V: int, ratio: str) -> list[tuple[int, int]]:
+def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0) -> list[tuple[int, int]]:
     """Token ranges ``[t0, t1)`` of the flattened ``[B·T]`` tokens: runs of any length for ``ratio="token"``,
-    whole sequences for ``"sequence"``, each within ``_CHUNK_BYTES`` of float32 tiles where possible."""
-    per_token = 3 * 4 * max(V, 1)  # two float32 tiles, and a third while the entropy's Σ p·d is formed
-    budget_tokens = max(1, _CHUNK_BYTES // per_token)
+    whole sequences for ``"sequence"``, each with a float32 ``[chunk, V]`` tile within ``max(_CHUNK_BYTES,
+    4·N·H)`` bytes where possible (a sequence longer than that still takes one chunk)."""
     N = B * T
+    budget_tokens = max(1, max(_CHUNK_BYTES, 4 * N * H) // (4 * max(V, 1)))
     if ratio == "sequence":
         step = max(1, budget_tokens // max(T, 1)) * T
     else:
         step = budget_tokens
     return [(t0, min(N, t0 + step)) for t0 in range(0, N, max(step, 1))]
+
+
+def _vblock(n: int, V: int) -> int:
+    """Width of one vocabulary block of an ``n``-token tile: about ``_BLOCK_ELEMS`` elements (a core's L2), so
+    each pass over a block (and the GEMMs that read it right after) finds it in cache."""
+    return min(V, max(_VBLOCK_MIN, _BLOCK_ELEMS // max(n, 1)))
 
 
 def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
@@ -158,60 +167,89 @@ def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
     return partials, g_logp * w, (g_ent * w if opt.with_entropy else None)
 
 
-def _tile_stats(z: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions):
-    """On a float32 logits tile ``z`` [n, V] (already divided by the temperature), in place: ``z`` becomes
-    ``d = z - max`` and a second tile ``e = exp(d)``. Returns ``(d, e, s [n], log_s [n], logp [n],
-    entropy [n], valid [n])`` (``s = Σ e``) with logp/entropy 0 at ignored labels (as linear_logprobs gives)."""
-    lowest = torch.finfo(z.dtype).min
-    V = z.shape[1]
-    row_max = z.amax(1).clamp(min=lowest)  # [n]; an all -inf row gets a finite max (p = 0, not NaN)
-    d = z.sub_(row_max.unsqueeze(1))  # [n, V]
-    e = torch.exp(d)  # [n, V]
-    s = e.sum(1)  # [n]
-    log_s = torch.log(s)  # [n]
-    valid = labels != opt.ignore_index  # [n]
-    safe = torch.where(valid & (labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [n]
-    logp = d.gather(1, safe.unsqueeze(1)).squeeze(1) - log_s  # [n]
-    # Σ e·d; e·d is NaN only where d = -inf (e = 0, p log p counts 0 there)
-    entropy = log_s - torch.nansum(e * d, 1) / s if opt.with_entropy else torch.zeros_like(logp)  # [n]
-    zero = torch.zeros_like(logp)
-    return d, e, s, log_s, torch.where(valid, logp, zero), torch.where(valid, entropy, zero), valid
-
-
-def _dz_in_place(d, e, labels, valid, s, log_s, logp, entropy, coef_logp, coef_ent, inv_t: float):
-    """``dL/dz`` for the tile (``z`` the raw logits before the temperature), written into ``e``: off the label
-    ``p_j (a + c log p_j)`` with ``a = -(g + g_H·H)/T``, ``c = -g_H/T``; at the label
-    ``(g (1 - p_y) - g_H p_y (log p_y + H))/T``, with ``1 - p_y = -expm1(log p_y)`` (no cancellation).
-    ``coef_logp`` / ``coef_ent`` [n] are dL/dlogp and dL/dentropy (None: no entropy term)."""
-    zero = torch.zeros((), dtype=e.dtype, device=e.device)
-    g = torch.where(valid, coef_logp, zero)  # [n]
-    inv_s = s.reciprocal().unsqueeze(1)  # [n, 1] 1/s (exp(-log s) would carry ulp(log s) into every p)
-    if coef_ent is None:
-        dz = e.mul_(inv_s * (-g * inv_t).unsqueeze(1))  # [n, V] -p_j g / T
-        at_y = g * -torch.expm1(logp) * inv_t  # [n]
-    else:
-        gh = torch.where(valid, coef_ent, zero)  # [n]
-        a = (-(g + gh * entropy) * inv_t).unsqueeze(1)  # [n, 1]
-        c = (-gh * inv_t).unsqueeze(1)  # [n, 1]
-        log_p = d.clamp_(min=_EXP_ZERO_BELOW).sub_(log_s.unsqueeze(1))  # [n, V], in place of d
-        dz = e.mul_(inv_s).mul_(log_p.mul_(c).add_(a))  # [n, V] p (a + c log p)
-        lp_finite = torch.where(logp == float("-inf"), zero, logp)  # p_y log p_y is 0 where p_y = 0
-        at_y = (g * -torch.expm1(logp) - gh * torch.exp(logp) * (lp_finite + entropy)) * inv_t  # [n]
-    rows = valid.nonzero().squeeze(1)  # [k]
-    dz[rows, labels[rows]] = at_y[rows]
-    return dz
-
-
 def _unit_layout(t0: int, t1: int, T: int, opt: FusedPolicyOptions):
     """``[U, L]`` shape of a chunk's units: a row of one per token (token ratio) or whole sequences."""
     n = t1 - t0
     return (n // T, T) if opt.ratio == "sequence" else (n, 1)
 
 
-def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """The driver both ops share: per chunk, ``tile_fn(t0, t1)`` gives the float32 logits tile [n, V] (divided by
-    the temperature), the statistics and the policy coefficients are formed, the tile becomes ``dz`` and
-    ``apply_fn(t0, t1, dz)`` consumes it. Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
+class _Tile:
+    """One chunk's float32 logits tile, held as contiguous ``[n, vb]`` vocabulary blocks (block ``j`` covers
+    columns ``spans[j]``) in one buffer allocated per call, plus one block-sized scratch buffer.
+
+    Pass 1 (:meth:`stats`) fills each block from ``block_fn`` and, while it is in cache, takes the block's row
+    max, ``Σ exp(z - max)``, ``Σ exp(z - max)(z - max)`` and the label's logit (``exp`` goes to the scratch
+    buffer; the block keeps ``z - max_block``); the blocks' partials merge by :func:`lse_merge`. Pass 2
+    (:meth:`dz_blocks`) re-centres each block on the row max and turns it into ``dz`` in place
+    (:func:`rlkernels.fused_linear._dz_tile`, recomputing ``exp`` rather than storing it), block by block, each
+    handed to the caller's GEMMs while it is in cache. So the chunk holds ONE float32 ``[n, V]`` tile."""
+
+    def __init__(self, n_max: int, V: int, cdt: torch.dtype, device):
+        self.V = V
+        self.vb = _vblock(n_max, V)
+        self.spans = [(v0, min(V, v0 + self.vb)) for v0 in range(0, V, self.vb)]
+        S = len(self.spans)
+        self.buf = torch.empty(n_max * V, dtype=cdt, device=device)  # the tile, [n, V] in blocks
+        self.scratch = torch.empty(n_max * self.vb, dtype=cdt, device=device)  # one block's exp
+        self.part = torch.empty(4, S, n_max, dtype=cdt, device=device)  # per block: max, Σ e, Σ e·d, label's z
+
+    def blocks(self, n: int):
+        return [self.buf[n * v0:n * v1].view(n, v1 - v0) for v0, v1 in self.spans]  # each [n, vb_j]
+
+    def stats(self, block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        """Pass 1 over the chunk's ``n`` tokens; returns ``(row_max, log_s, logp, entropy)`` [n] each (logp and
+        entropy 0 at ignored labels, entropy 0 without ``with_entropy``)."""
+        n, V, vb = labels.shape[0], self.V, self.vb
+        lowest = torch.finfo(self.buf.dtype).min
+        safe = torch.where((labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [n]
+        block_of_y = torch.div(safe, vb, rounding_mode="floor")  # [n]
+        col = (safe - block_of_y * vb)[:, None]  # [n, 1] the label's column within its block
+        last = self.spans[-1][1] - self.spans[-1][0]
+        col_last = col.clamp(max=last - 1)  # stays inside the narrower last block
+        p_m, p_s, p_u, p_z = (x[:, :n] for x in self.part.unbind(0))  # each [S, n]
+        S = len(self.spans)
+        for j, ((v0, v1), z) in enumerate(zip(self.spans, self.blocks(n))):
+            block_fn(v0, v1, z)  # z [n, vb_j] <- logits / T
+            torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
+            torch.amax(z, 1, out=p_m[j])
+            torch.clamp(p_m[j], min=lowest, out=p_m[j])  # an all -inf block: finite max, p = 0 (not NaN)
+            z.sub_(p_m[j].unsqueeze(1))  # d = z - max_block, kept for pass 2
+            e = torch.exp(z, out=self.scratch[:z.numel()].view_as(z))  # [n, vb_j]
+            torch.sum(e, 1, out=p_s[j])
+            if with_entropy:  # Σ e·d; NaN only where d = -inf (e = 0: p log p counts 0 there)
+                torch.nansum(e.mul_(z), 1, out=p_u[j])
+        m_all, s_all, u_all = lse_merge(p_m, p_s, p_u if with_entropy else None)  # [n] each
+        log_s = torch.log(s_all)  # [n]
+        entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
+        zy = p_z.gather(0, block_of_y[None]).squeeze(0)  # [n]
+        logp = (zy - m_all) - log_s  # [n] as log_softmax forms it (never z - one rounded lse)
+        logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
+        self._m_blocks = p_m
+        return m_all, log_s, logp, entropy
+
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        """Pass 2: yields ``(v0, v1, dz)`` per block, ``dz`` [n, vb_j] = dL/dz of the raw logits written in place
+        of the block (off the label ``p (a + c log p)``, the label's entry exact; see :func:`_dz_coefficients`)."""
+        n, V, vb = labels.shape[0], self.V, self.vb
+        stats = torch.stack((row_max, log_s))  # [2, n]
+        g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
+        row_max, a2, c2, a_s, at_y, valid, use_ent = _fl._dz_coefficients(coef_logp, g_ent, labels, stats, entropy,
+                                                                          logp, V, self.buf.dtype, opt)
+        safe = torch.where(valid, labels, torch.zeros_like(labels))  # [n]
+        tok, cols, vals, starts = _fl._labels_by_chunk(valid, safe, at_y, vb, len(self.spans))
+        coef = (a2[:, None], c2[:, None], a_s[:, None], self.scratch)
+        for j, ((v0, v1), d) in enumerate(zip(self.spans, self.blocks(n))):
+            shift = (row_max - self._m_blocks[j]).unsqueeze(1)  # [n, 1]: d_block - shift = z - row max
+            k0, k1 = starts[j], starts[j + 1]
+            yield v0, v1, _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
+
+
+def _run_chunks(chunk_fn, cdt, B, T, V, H, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """The driver both ops share. Per chunk of tokens ``chunk_fn(t0, t1)`` gives ``(block_fn, apply_fn)``:
+    ``block_fn(v0, v1, out)`` writes the float32 logits (divided by the temperature) of vocabulary columns
+    ``[v0, v1)`` into ``out`` [n, v1 - v0]; the statistics (pass 1, :class:`_Tile`) and the policy coefficients
+    are formed; then each block becomes ``dz`` and ``apply_fn(v0, v1, dz)`` consumes it (pass 2). Returns
+    ``(loss [], metrics [5], logp [N], entropy [N])``. ``H``: the hidden size (0 for logits), for the chunk budget."""
     N = B * T
     dev = labels.device
     m_bt = mask != 0  # [B, T]
@@ -226,21 +264,23 @@ def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, m
     logp_all = torch.zeros(N, dtype=cdt, device=dev)  # [N] (float64 for float64 inputs, as linear_logprobs)
     ent_all = torch.zeros(N, dtype=cdt, device=dev)  # [N]
     parts = []
-    inv_t = 1.0 / opt.temperature
-    for t0, t1 in _chunks(B, T, V, opt.ratio):
+    chunks = _chunks(B, T, V, opt.ratio, H)
+    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, dev)
+    for t0, t1 in chunks:
         U, L = _unit_layout(t0, t1, T, opt)
         unit = lambda x: x[t0:t1].reshape(U, L)  # noqa: E731  (a batch-wide [N] tensor's part in this chunk)
-        z = tile_fn(t0, t1)  # [n, V] float32
-        d, e, s, log_s, lp, ent, valid = _tile_stats(z, y[t0:t1], opt)
+        block_fn, apply_fn = chunk_fn(t0, t1)
+        y_c = y[t0:t1]  # [n]
+        row_max, log_s, lp, ent = tile.stats(block_fn, y_c, opt.with_entropy, opt)  # [n] each
         logp_all[t0:t1], ent_all[t0:t1] = lp, ent
         unit_w = w_tok[t0:t1].reshape(U, L)[:, 0]  # [U]
         partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), unit(old), unit(adv), unit(m),
                                               None if ref is None else unit(ref), unit_w, opt)
         parts.append((partials.sum(1) * unit_w.unsqueeze(-1), partials.sum(1)))  # weighted and raw [U, NSLOTS]
         if opt.grad_input or opt.grad_weight or opt.grad_bias:
-            dz = _dz_in_place(d, e, y[t0:t1], valid, s, log_s, lp, ent, c_lp.reshape(-1),
-                              None if c_ent is None else c_ent.reshape(-1), inv_t)  # [n, V]
-            apply_fn(t0, t1, dz)
+            for v0, v1, dz in tile.dz_blocks(c_lp.reshape(-1), None if c_ent is None else c_ent.reshape(-1), y_c,
+                                             row_max, log_s, lp, ent, opt):
+                apply_fn(v0, v1, dz)  # dz [n, v1 - v0]
     if parts:
         weighted = torch.cat([p[0] for p in parts])  # [units, NSLOTS]
         raw = torch.cat([p[1] for p in parts])  # [units, NSLOTS]
@@ -253,37 +293,42 @@ def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, m
 
 
 def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
-    """Three GEMMs over chunks; returns ``(loss, metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H]
-    or [0], d_weight [V, H] or [0], d_bias [V] or [0])``."""
+    """Three GEMMs over chunks of tokens, each chunk over vocabulary blocks (:class:`_Tile`); returns ``(loss,
+    metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0], d_bias [V] or
+    [0])``, the gradients in float32 (float64 for float64 inputs)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
     cdt = reference.compute_dtype(hidden)  # float32 (float64 for float64 inputs)
     h = hidden.reshape(N, H)  # [N, H]
-    w = weight.to(cdt)  # [V, H]; no copy for float32
     inv_t = 1.0 / opt.temperature
     b = None if bias is None else bias.to(cdt) * inv_t  # [V]
     # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
-    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator described above
+    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator the module notes
     d_hidden = torch.empty(N, H, dtype=cdt, device=hidden.device) if opt.grad_input else None  # [N, H]
     d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if opt.grad_bias else None  # [V]
 
-    def tile(t0, t1):
+    def chunk(t0, t1):
         h_c = h[t0:t1].to(cdt)  # [n, H]
-        if b is None:
-            return torch.mm(h_c, w.T).mul_(inv_t)  # [n, V] GEMM 1
-        return torch.addmm(b, h_c, w.T, alpha=inv_t)
+        dh_c = None if d_hidden is None else d_hidden[t0:t1].zero_()  # [n, H], summed over the blocks
 
-    def apply(t0, t1, dz):  # dz [n, V] = dL/dz of the raw logits (the 1/T is inside)
-        if d_hidden is not None:
-            d_hidden[t0:t1] = dz @ w  # GEMM 2
-        if d_weight is not None:
-            d_weight.addmm_(dz.T, h[t0:t1].to(cdt))  # GEMM 3
-        if d_bias is not None:
-            d_bias.add_(dz.sum(0))
+        def block(v0, v1, out):  # GEMM 1; a 16-bit weight is widened one block at a time (a view for float32)
+            _fl._logits_into(out, h_c, weight[v0:v1].to(cdt), None if b is None else b[v0:v1], inv_t)
 
-    loss, metrics, logp, ent = _run_chunks(tile, apply, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt)
+        def apply(v0, v1, dz):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
+            w_j = weight[v0:v1].to(cdt)  # [vb, H]
+            if dh_c is not None:
+                dh_c.addmm_(dz, w_j)  # GEMM 2
+            if d_weight is not None:
+                d_weight[v0:v1].addmm_(dz.T, h_c)  # GEMM 3
+            if d_bias is not None:
+                d_bias[v0:v1] += dz.sum(0)
+
+        return block, apply
+
+    loss, metrics, logp, ent = _run_chunks(chunk, cdt, B, T, V, H, labels, old_logp, advantages, mask, ref_logp,
+                                           opt)
     empty = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh [0] per output: outputs may not alias)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
@@ -292,8 +337,8 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
 
 
 def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """Two passes over the logits; returns ``(loss, metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V]
-    or [0])``."""
+    """Two passes over the logits (read once into the chunk's tile, ``d_logits`` written once); returns ``(loss,
+    metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])``."""
     B, T, V = logits.shape
     N = B * T
     cdt = reference.compute_dtype(logits)
@@ -301,13 +346,18 @@ def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: Fus
     inv_t = 1.0 / opt.temperature
     d_logits = torch.empty(N, V, dtype=logits.dtype, device=logits.device) if opt.grad_input else None  # [N, V]
 
-    def tile(t0, t1):
-        return z_all[t0:t1].to(cdt) * inv_t  # [n, V] (a copy: the caller's logits are never written)
+    def chunk(t0, t1):
+        def block(v0, v1, out):  # a copy: the caller's logits are never written
+            out.copy_(z_all[t0:t1, v0:v1])
+            if inv_t != 1.0:
+                out.mul_(inv_t)
 
-    def apply(t0, t1, dz):
-        d_logits[t0:t1] = dz
+        def apply(v0, v1, dz):
+            d_logits[t0:t1, v0:v1] = dz
 
-    loss, metrics, logp, ent = _run_chunks(tile, apply, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt)
+        return block, apply
+
+    loss, metrics, logp, ent = _run_chunks(chunk, cdt, B, T, V, 0, labels, old_logp, advantages, mask, ref_logp, opt)
     empty = logits.new_empty(0)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty if d_logits is None else d_logits.reshape(B, T, V))
@@ -376,23 +426,44 @@ def _no_double_backward():
                            "(create_graph=True): their gradients are formed in the forward as constants")
 
 
+def _upstream_is_one(d_loss: torch.Tensor) -> bool:
+    """Whether the upstream gradient is exactly 1 (``loss.backward()``): then the stored gradients are handed out
+    as they are, with no gradient-sized copy (and autograd copies them before accumulating when the graph is
+    retained). One scalar read (a device sync on a GPU); under ``torch.compile`` always False (no data-dependent
+    branch in the traced backward)."""
+    return not torch.compiler.is_compiling() and bool(d_loss == 1)
+
+
+def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
+    """A stored gradient ``g`` (compute dtype) times the upstream scalar, in ``dtype``, rounded once (the product
+    is formed in ``g``'s dtype and written straight into the output). ``[0]``: not computed -> None."""
+    if g.numel() == 0 and g.dim() == 1:
+        return None
+    if one:
+        return g if g.dtype == dtype else g.to(dtype)
+    return torch.mul(g, d_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+
+
 def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[4:7])
     ctx.has_bias = inputs[7] is not None
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, None if inputs[7] is None else inputs[7].dtype)
     ctx.mark_non_differentiable(*output[1:7])
+    # the non-differentiable outputs get no gradient tensors: materialized, the stored d_weight's would be a
+    # weight-sized [V, H] tensor of zeros (and d_logits' an [N, V] one)
+    ctx.set_materialize_grads(False)
 
 
 def _linear_backward(ctx, d_loss, *_unused):
     _no_double_backward()
+    if d_loss is None:  # the loss reaches no output that needs a gradient
+        return (None,) * 8 + no_grads(FusedPolicyOptions)
     d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
     dt_hidden, dt_weight, dt_bias = ctx.dtypes
 
-    def scale(g, dtype):  # [0]: not computed (the input needs no gradient)
-        return None if g.numel() == 0 and g.dim() == 1 else (g * d_loss.to(g.dtype)).to(dtype)
-
-    grads = (scale(d_hidden, dt_hidden), scale(d_weight, dt_weight), None, None, None, None, None,
-             scale(d_bias, dt_bias) if ctx.has_bias else None)
+    one = _upstream_is_one(d_loss)
+    grads = (_scaled(d_hidden, d_loss, one, dt_hidden), _scaled(d_weight, d_loss, one, dt_weight), None, None, None,
+             None, None, _scaled(d_bias, d_loss, one, dt_bias) if ctx.has_bias else None)
     return grads + no_grads(FusedPolicyOptions)
 
 
@@ -402,12 +473,13 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 def _logits_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
     ctx.mark_non_differentiable(*output[1:5])
+    ctx.set_materialize_grads(False)  # as in _linear_setup: no [N, V] zeros for d_logits' gradient
 
 
 def _logits_backward(ctx, d_loss, *_unused):
     _no_double_backward()
     (d_logits,) = ctx.saved_tensors
-    if d_logits.numel() == 0 and d_logits.dim() == 1:  # not computed
+    if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
         return (None,) * 6 + no_grads(FusedPolicyOptions)
     # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
     # other than 1 (loss.backward() passes 1) rounds it a second time

@@ -110,7 +110,9 @@ def test_linear_policy_loss_matches_float64_truth(device, backend, agg, options)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
-def test_linear_policy_loss_dtypes_and_odd_vocab(dtype, ratio):
+def test_linear_policy_loss_dtypes_and_odd_vocab(dtype, ratio, monkeypatch):
+    """Every input dtype, the vocabulary (4097) cut into 1000-wide blocks and a last one of 97."""
+    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 21 * 1000)  # 21 tokens: blocks of 1000 columns
     x = _inputs(3, 7, 40, 4097, seed=5, adv_per_seq=True)
     options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-mean")
     upstream = -0.6
@@ -125,8 +127,10 @@ def test_linear_policy_loss_dtypes_and_odd_vocab(dtype, ratio):
 
 def test_equals_two_op_path_and_chunking_does_not_matter(monkeypatch):
     """Against linear_logprobs + policy_loss, with the chunk budget forcing many chunks (token runs that split
-    sequences; whole sequences for GSPO) and with one chunk."""
+    sequences; whole sequences for GSPO) of many vocabulary blocks (64 wide, the last 44), and with one chunk
+    of one block."""
     x = _inputs(5, 11, 16, 300, seed=9)
+    default_budget = fused_policy._CHUNK_BYTES
     for ratio in ("token", "sequence"):
         options = dict(ratio=ratio, kl_coef=0.1, entropy_coef=0.05, agg="token-mean", temperature=0.8)
         h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
@@ -134,8 +138,11 @@ def test_equals_two_op_path_and_chunking_does_not_matter(monkeypatch):
         two_loss, _ = rlkernels.policy_loss(logp, x["old_logp"], x["advantages"], x["mask"], ref_logp=x["ref_logp"],
                                             entropy=ent, **{k: v for k, v in options.items() if k != "temperature"})
         two = torch.autograd.grad(two_loss, (h, w, b))
-        for budget in (fused_policy._CHUNK_BYTES, 3 * 4 * 300 * 7):  # one chunk; 7 tokens per chunk
+        # one chunk of one block; 7 tokens (or one sequence) per chunk in blocks of 64 columns
+        for budget, block in ((default_budget, 1 << 17), (4 * 300 * 7, 64)):
             monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", budget)
+            monkeypatch.setattr(fused_policy, "_VBLOCK_MIN", 64)
+            monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", block)
             loss, _, grads = _fused(x, options, 1.0, torch.float32, "torch")
             torch.testing.assert_close(loss, two_loss, rtol=1e-5, atol=1e-6)
             for g, t in zip(grads, two):
