@@ -105,6 +105,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
         bound="compute",
         make_inputs=make_inputs,
         providers=providers,
+        baseline="eager" if "eager" in providers else "rlkernels two-op",
     )
 
 
