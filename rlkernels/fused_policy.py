@@ -48,7 +48,9 @@ import torch
 
 from rlkernels import _backend, _checks, losses, reference
 from rlkernels import fused_linear as _fl
-from rlkernels._host import lse_merge, no_grads, op_schema
+from rlkernels._device import block_max, block_sum, expm1
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
+from rlkernels._triton import cdiv, jit, tl
 
 # Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
 # the float32 [N, H] d_hidden when that is larger (the op holds O(N·H) float32 anyway). At V = 49152 the floor is
@@ -137,12 +139,13 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
 # ---------------------------------------------------------------- chunked computation (torch)
 
 
-def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0) -> list[tuple[int, int]]:
+def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0, budget: int | None = None) -> list[tuple[int, int]]:
     """Token ranges ``[t0, t1)`` of the flattened ``[B·T]`` tokens: runs of any length for ``ratio="token"``,
-    whole sequences for ``"sequence"``, each with a float32 ``[chunk, V]`` tile within ``max(_CHUNK_BYTES,
-    4·N·H)`` bytes where possible (a sequence longer than that still takes one chunk)."""
+    whole sequences for ``"sequence"``, each with a float32 ``[chunk, V]`` tile within ``budget`` bytes
+    (default ``max(_CHUNK_BYTES, 4·N·H)``) where possible (a sequence longer than that still takes one chunk)."""
     N = B * T
-    budget_tokens = max(1, max(_CHUNK_BYTES, 4 * N * H) // (4 * max(V, 1)))
+    budget = max(_CHUNK_BYTES, 4 * N * H) if budget is None else budget
+    budget_tokens = max(1, budget // (4 * max(V, 1)))
     if ratio == "sequence":
         step = max(1, budget_tokens // max(T, 1)) * T
     else:
@@ -196,7 +199,7 @@ class _Tile:
     def blocks(self, n: int):
         return [self.buf[n * v0:n * v1].view(n, v1 - v0) for v0, v1 in self.spans]  # each [n, vb_j]
 
-    def stats(self, block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+    def stats(self, t0, t1, block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
         """Pass 1 over the chunk's ``n`` tokens; returns ``(row_max, log_s, logp, entropy)`` [n] each (logp and
         entropy 0 at ignored labels, entropy 0 without ``with_entropy``)."""
         n, V, vb = labels.shape[0], self.V, self.vb
@@ -228,7 +231,7 @@ class _Tile:
         return m_all, log_s, logp, entropy
 
     def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
-        """Pass 2: yields ``(v0, v1, dz)`` per block, ``dz`` [n, vb_j] = dL/dz of the raw logits written in place
+        """Pass 2: yields ``(v0, v1, dz, None)`` per block, ``dz`` [n, vb_j] = dL/dz of the raw logits written in place
         of the block (off the label ``p (a + c log p)``, the label's entry exact; see :func:`_dz_coefficients`)."""
         n, V, vb = labels.shape[0], self.V, self.vb
         stats = torch.stack((row_max, log_s))  # [2, n]
@@ -241,15 +244,18 @@ class _Tile:
         for j, ((v0, v1), d) in enumerate(zip(self.spans, self.blocks(n))):
             shift = (row_max - self._m_blocks[j]).unsqueeze(1)  # [n, 1]: d_block - shift = z - row max
             k0, k1 = starts[j], starts[j + 1]
-            yield v0, v1, _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
+            yield v0, v1, _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent), None
 
 
-def _run_chunks(chunk_fn, cdt, B, T, V, H, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """The driver both ops share. Per chunk of tokens ``chunk_fn(t0, t1)`` gives ``(block_fn, apply_fn)``:
-    ``block_fn(v0, v1, out)`` writes the float32 logits (divided by the temperature) of vocabulary columns
-    ``[v0, v1)`` into ``out`` [n, v1 - v0]; the statistics (pass 1, :class:`_Tile`) and the policy coefficients
-    are formed; then each block becomes ``dz`` and ``apply_fn(v0, v1, dz)`` consumes it (pass 2). Returns
-    ``(loss [], metrics [5], logp [N], entropy [N])``. ``H``: the hidden size (0 for logits), for the chunk budget."""
+def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions,
+                chunks):
+    """The driver every backend shares, over the token ranges ``chunks`` (:func:`_chunks`). Per chunk
+    ``chunk_fn(t0, t1)`` gives ``(block_fn, apply_fn)``; ``tile`` (:class:`_Tile`, or :class:`_TritonTile`)
+    forms the statistics (pass 1; the torch tile calls ``block_fn(v0, v1, out)`` to write the float32 logits,
+    divided by the temperature, of vocabulary columns ``[v0, v1)`` into ``out`` [n, v1 - v0]); the policy
+    coefficients are formed; then the tile yields ``dz`` block by block and ``apply_fn(v0, v1, dz, resid)``
+    consumes each (pass 2; ``resid`` [n]: the Triton row's float32 label residual for 16-bit inputs, else
+    None). Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
     N = B * T
     dev = labels.device
     m_bt = mask != 0  # [B, T]
@@ -264,23 +270,21 @@ def _run_chunks(chunk_fn, cdt, B, T, V, H, labels, old_logp, advantages, mask, r
     logp_all = torch.zeros(N, dtype=cdt, device=dev)  # [N] (float64 for float64 inputs, as linear_logprobs)
     ent_all = torch.zeros(N, dtype=cdt, device=dev)  # [N]
     parts = []
-    chunks = _chunks(B, T, V, opt.ratio, H)
-    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, dev)
     for t0, t1 in chunks:
         U, L = _unit_layout(t0, t1, T, opt)
         unit = lambda x: x[t0:t1].reshape(U, L)  # noqa: E731  (a batch-wide [N] tensor's part in this chunk)
         block_fn, apply_fn = chunk_fn(t0, t1)
         y_c = y[t0:t1]  # [n]
-        row_max, log_s, lp, ent = tile.stats(block_fn, y_c, opt.with_entropy, opt)  # [n] each
+        row_max, log_s, lp, ent = tile.stats(t0, t1, block_fn, y_c, opt.with_entropy, opt)  # [n] each
         logp_all[t0:t1], ent_all[t0:t1] = lp, ent
         unit_w = w_tok[t0:t1].reshape(U, L)[:, 0]  # [U]
         partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), unit(old), unit(adv), unit(m),
                                               None if ref is None else unit(ref), unit_w, opt)
         parts.append((partials.sum(1) * unit_w.unsqueeze(-1), partials.sum(1)))  # weighted and raw [U, NSLOTS]
         if opt.grad_input or opt.grad_weight or opt.grad_bias:
-            for v0, v1, dz in tile.dz_blocks(c_lp.reshape(-1), None if c_ent is None else c_ent.reshape(-1), y_c,
-                                             row_max, log_s, lp, ent, opt):
-                apply_fn(v0, v1, dz)  # dz [n, v1 - v0]
+            for v0, v1, dz, resid in tile.dz_blocks(c_lp.reshape(-1), None if c_ent is None else c_ent.reshape(-1),
+                                                    y_c, row_max, log_s, lp, ent, opt):
+                apply_fn(v0, v1, dz, resid)  # dz [n, v1 - v0]
     if parts:
         weighted = torch.cat([p[0] for p in parts])  # [units, NSLOTS]
         raw = torch.cat([p[1] for p in parts])  # [units, NSLOTS]
@@ -316,7 +320,7 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
         def block(v0, v1, out):  # GEMM 1; a 16-bit weight is widened one block at a time (a view for float32)
             _fl._logits_into(out, h_c, weight[v0:v1].to(cdt), None if b is None else b[v0:v1], inv_t)
 
-        def apply(v0, v1, dz):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
+        def apply(v0, v1, dz, _resid):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
             w_j = weight[v0:v1].to(cdt)  # [vb, H]
             if dh_c is not None:
                 dh_c.addmm_(dz, w_j)  # GEMM 2
@@ -327,8 +331,10 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
 
         return block, apply
 
-    loss, metrics, logp, ent = _run_chunks(chunk, cdt, B, T, V, H, labels, old_logp, advantages, mask, ref_logp,
-                                           opt)
+    chunks = _chunks(B, T, V, opt.ratio, H)
+    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, hidden.device)
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
+                                           opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh [0] per output: outputs may not alias)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
@@ -352,18 +358,280 @@ def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: Fus
             if inv_t != 1.0:
                 out.mul_(inv_t)
 
-        def apply(v0, v1, dz):
+        def apply(v0, v1, dz, _resid):
             d_logits[t0:t1, v0:v1] = dz
 
         return block, apply
 
-    loss, metrics, logp, ent = _run_chunks(chunk, cdt, B, T, V, 0, labels, old_logp, advantages, mask, ref_logp, opt)
+    chunks = _chunks(B, T, V, opt.ratio)
+    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, logits.device)
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
+                                           opt, chunks)
     empty = logits.new_empty(0)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-_LINEAR_IMPLS = {"torch": _linear_torch}
+
+
+# ---------------------------------------------------------------- Triton kernels
+#
+# The Triton row keeps the three-GEMM structure with the logits tile in global memory: kernel 1 runs GEMM 1
+# (fused_linear's _logits_tile, the same float32 accumulation as linear_logprobs' forward) over a chunk of tokens,
+# folds each [BLOCK_N, BLOCK_V] tile into online statistics (row max, Σ exp, Σ exp·d, the label's logit) and also
+# stores the float32 tile in a [chunk, V] workspace; the host merges the vocabulary splits' partials and runs the
+# policy loss's own implementation for the per-token coefficients; kernel 2 reads the stored tile back (no GEMM:
+# this is where the two-op path recomputes the logits) and writes dz in the inputs' dtype, with the label
+# entry's 16-bit rounding error kept in float32, as fused_linear's _dz_kernel does. GEMMs 2 and 3 are cuBLAS
+# (torch.mm on the dz chunk, float32 output for 16-bit inputs), as in linear_logprobs' Triton backward.
+
+
+@jit
+def _stats_store_kernel(
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n]
+    z_ptr,  # [n, V] float32 workspace: the logits / T
+    m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, n] float32
+    N, V, H, stride_hn, stride_wv, temperature,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < N
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max (finite start: no 0 * inf)
+    s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
+    u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
+    zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # the label's logit, from the float32 accumulator
+    z_rows = z_ptr + rows[:, None].to(tl.int64) * V  # [BLOCK_N, 1] 64-bit row offsets
+    v_start = split * SPLIT_TILES * BLOCK_V
+    for t in range(0, SPLIT_TILES):
+        v0 = v_start + t * BLOCK_V
+        if v0 < V:
+            cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            col_ok = cols < V
+            z = _fl._logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_hn, stride_wv,
+                                 temperature, HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+            tl.store(z_rows + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+            alpha = tl.exp(m - m_new)
+            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+            e = tl.exp(d)
+            ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
+            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+            s = alpha * s + block_sum(e, 1)
+            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+            m = m_new
+    out = split.to(tl.int64) * N + rows  # [BLOCK_N]
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(u_ptr + out, u, mask=row_ok)
+    tl.store(zy_ptr + out, zy, mask=row_ok)
+
+
+@jit
+def _dz_from_tile_kernel(
+    z_ptr,  # [n, V] float32: the stored logits / T
+    labels_ptr, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] each (float32 but the labels)
+    dz_ptr,  # [n, V] inputs' dtype (float32: the same memory as z_ptr, written in place)
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    N, V, temperature, ignore_index,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    row_ok = rows < N
+    col_ok = cols < V
+    offs = rows[:, None].to(tl.int64) * V + cols[None, :]  # [BLOCK_N, BLOCK_V]
+    io_ok = row_ok[:, None] & col_ok[None, :]
+    z = tl.load(z_ptr + offs, mask=io_ok, other=0.0)  # [BLOCK_N, BLOCK_V] the forward's logits, bit for bit
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    valid = label != ignore_index
+    g_lp = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dlogp
+    g_h = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dentropy
+    # the dz of fused_linear's _dz_kernel: log p = (z - max) - log s; p (log p + H) is 0 where p = 0;
+    # 1 - p_y = -expm1(log p_y) per row (no cancellation where p_y ~ 1)
+    logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
+    p = tl.exp(logp)
+    ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
+    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
+    one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
+    dz = tl.where(is_y, (g_lp * one_minus_p_y)[:, None], -g_lp[:, None] * p) - ent_term
+    dz = tl.where(valid[:, None], dz / temperature, 0.0)
+    dz_low = dz.to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptr + offs, dz_low, mask=io_ok)
+    lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)  # what rounding the label's entry lost
+    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
+
+
+# Tiles, the largest found to compile with no register spills (0 B local memory) on sm_80 and sm_90, aligned and
+# unaligned (tests/test_fused_policy.py::test_aot_compiles_every_config_without_spills, tests/test_aot_aligned.py).
+# Kernel 2 is elementwise over the stored tile (no GEMM): 32 x 128 on 8 warps (32 x 256 spilled 40-112 B
+# unaligned). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
+# (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
+# 64 x 128 x 32 on 8 warps and 64 x 64 x 8 fit (its BLOCK_K need not match anything: the tile is stored, never
+# recomputed).
+_DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
+_STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
+_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=8, split_tiles=64, num_warps=8,
+                                          num_stages=2),
+                torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
+# the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
+_TRITON_CHUNK_BYTES = 1 << 30
+
+
+def _stats_signature(ty: str) -> dict:
+    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64", "z_ptr": "*fp32"}
+    partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32"}
+    sizes = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
+    return {**inputs, **partials, **sizes}
+
+
+def _dz2_signature(ty: str) -> dict:
+    rows = {"labels_ptr": "*i64", "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32",
+            "gent_ptr": "*fp32"}
+    return {"z_ptr": "*fp32", **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", "N": "i32", "V": "i32",
+            "temperature": "fp32", "ignore_index": "i64"}
+
+
+def aot_configs() -> list:
+    """Every (kernel, constexprs, warps, stages) the Triton row can launch on a GPU, for the AOT compile tests.
+    Kernel 1 takes linear_logprobs' forward tiles (the same GEMM and online statistics, plus the tile's store)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    configs = []
+    for dtype, ty in TRITON_DTYPE_NAMES.items():
+        t = _STATS_TILES[dtype]
+        for has_bias in (False, True):
+            consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles}
+            configs.append(KernelConfig(_stats_store_kernel, {**_stats_signature(ty), **dict.fromkeys(consts, "constexpr")},
+                                        consts, t.num_warps, t.num_stages))
+        consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
+        configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
+                                    consts, _DZ2_WARPS, 1))
+    return configs
+
+
+class _TritonTile:
+    """The Triton row's chunk engine (same interface as :class:`_Tile`): kernel 1 fills the float32 ``[n, V]``
+    tile and the per-split statistics, kernel 2 turns it into ``dz`` (one block: the whole vocabulary), in the
+    inputs' dtype with the label residual for 16-bit inputs."""
+
+    def __init__(self, n_max: int, hidden, weight, bias, opt: FusedPolicyOptions):
+        self.h, self.w, self.b = hidden, weight, bias  # [N, H] (unit stride), [V, H], [V] or None
+        V = weight.shape[0]
+        self.V = V
+        self.t = _STATS_TILES[hidden.dtype]
+        self.S = cdiv(V, self.t.split_tiles * self.t.block_v)
+        dev = hidden.device
+        self.low = hidden.dtype != torch.float32
+        self.z = torch.empty(n_max * V, dtype=torch.float32, device=dev)  # the tile, [n, V]
+        self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if self.low else self.z  # [n, V]
+        self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
+        self.part = torch.empty(4, self.S, n_max, dtype=torch.float32, device=dev)  # m, s, u, zy per split
+        self.flags = _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden), self.t)
+        self.opt = opt
+
+    def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        n, V, t = t1 - t0, self.V, self.t
+        part = self.part[:, :, :n]  # [4, S, n]
+        h_c = self.h[t0:t1]  # [n, H]
+        _stats_store_kernel.launch(
+            (cdiv(n, t.block_n), self.S), h_c, self.w, self.b if self.b is not None else self.w, labels,
+            self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
+            opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, num_warps=t.num_warps, num_stages=t.num_stages)
+        m, s, u, zy = part.unbind(0)  # [S, n] each
+        m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
+        log_s = torch.log(s_all)  # [n]
+        entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
+        logp = (zy.sum(0) - m_all) - log_s  # [n]
+        logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
+        return m_all, log_s, logp, entropy
+
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        n, V = labels.shape[0], self.V
+        g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
+        resid = self.resid[:n].zero_()  # [n]
+        _dz_from_tile_kernel.launch(
+            (cdiv(n, _DZ2_BLOCK_N), cdiv(V, _DZ2_BLOCK_V)), self.z, labels, row_max.contiguous(), log_s.contiguous(),
+            entropy.float().contiguous(), coef_logp.float().contiguous(), g_ent.float().contiguous(), self.dz, resid,
+            n, V, opt.temperature, opt.ignore_index, BLOCK_N=_DZ2_BLOCK_N, BLOCK_V=_DZ2_BLOCK_V, num_warps=_DZ2_WARPS,
+            num_stages=1)
+        yield 0, V, self.dz[:n * V].view(n, V), (resid if self.low else None)
+
+
+def _triton_chunks(B: int, T: int, V: int, ratio: str, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """The Triton row's token chunks: the float32 ``[chunk, V]`` tile, and for 16-bit inputs a ``dz`` of their
+    dtype beside it, within ``_TRITON_CHUNK_BYTES``."""
+    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
+    return _chunks(B, T, V, ratio, budget=_TRITON_CHUNK_BYTES // per_token * 4 * V)
+
+
+def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
+    """Kernels 1 and 2 (above) per chunk of tokens, cuBLAS for GEMMs 2 and 3; the same outputs as
+    :func:`_linear_torch`. ``d_weight`` accumulates over the chunks in a float32 ``[V, H]`` buffer (the chunks run
+    over tokens, each needing its whole vocabulary row before any dz exists)."""
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    N = B * T
+    dev = hidden.device
+    h = unit_stride(hidden.reshape(N, H))  # [N, H]
+    weight = unit_stride(weight)  # [V, H]
+    labels = labels.contiguous()
+    low = hidden.dtype != torch.float32
+    d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if opt.grad_input else None  # [N, H]
+    d_weight = torch.zeros(V, H, dtype=torch.float32, device=dev) if opt.grad_weight else None  # [V, H]
+    d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
+    chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
+    tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
+    y_all = labels.reshape(N)  # [N]
+
+    def chunk(t0, t1):
+        h_c = h[t0:t1]  # [n, H]
+        y_c = y_all[t0:t1]
+        safe = torch.where((y_c != opt.ignore_index) & (y_c >= 0) & (y_c < V), y_c, torch.zeros_like(y_c))  # [n]
+
+        def apply(v0, v1, dz, resid):  # dz [n, V] in the inputs' dtype; resid [n] float32 (16-bit) or None
+            if not low:
+                if d_hidden is not None:
+                    torch.mm(dz, weight, out=d_hidden[t0:t1])  # GEMM 2
+                if d_weight is not None:
+                    d_weight.addmm_(dz.T, h_c)  # GEMM 3
+            else:
+                if d_hidden is not None:
+                    dh = _fl._mm_f32(dz, weight)  # [n, H] float32
+                    dh += resid[:, None] * weight[safe].float()
+                    d_hidden[t0:t1] = dh
+                if d_weight is not None:
+                    _fl._addmm_f32(d_weight, dz.T, h_c)
+                    _fl._add_at_labels(d_weight, safe, resid[:, None] * h_c.float())
+            if d_bias is not None:
+                d_bias.add_(dz.sum(0, dtype=torch.float32))
+                if low:
+                    _fl._add_at_labels(d_bias, safe, resid)
+
+        return None, apply
+
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
+                                           ref_logp, opt, chunks)
+    empty = lambda: hidden.new_empty(0)  # noqa: E731
+    return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
+            empty() if d_hidden is None else d_hidden.reshape(B, T, H),
+            empty() if d_weight is None else d_weight,
+            empty() if d_bias is None else d_bias)
+
+
+# Each op's backends, chosen at run time inside the op (rlkernels._backend.resolve); float64 never reaches Triton.
+# logits_policy_loss has no Triton row: on CUDA its torch row runs PyTorch's elementwise kernels per chunk.
+_LINEAR_IMPLS = {"torch": _linear_torch, "triton": _linear_triton}
 _LOGITS_IMPLS = {"torch": _logits_torch}
 
 

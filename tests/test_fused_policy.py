@@ -294,3 +294,61 @@ def test_logits_policy_loss_matches_float64_truth(dtype, backend, options):
     assert grad.dtype == dtype
     assert_close_to_truth(grad, t_grad, dtype, eager=e_grad, name="d_logits")
     assert torch.equal(z.detach(), logits)  # the caller's logits are never written
+
+
+# ---------------------------------------------------------------- Triton row (interpreter on CPU)
+
+TRITON_CASES = [  # (dtype, agg, options): every agg mode, GSPO, dual clip, each KL estimator kind, the entropy bonus
+    (torch.float32, "token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0)),
+    (torch.float32, "seq-mean-token-mean", dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1")),
+    (torch.float32, "seq-mean-token-sum", dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28, entropy_coef=0.01)),
+    (torch.float32, "seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
+    (torch.bfloat16, "token-mean", dict(kl_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=1.3)),
+    (torch.bfloat16, "seq-mean-token-mean", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
+]
+
+
+@pytest.mark.parametrize("dtype, agg, options", TRITON_CASES,
+                         ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
+                         ",".join(f"{k}={v}" for k, v in o.items()))
+def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
+    """The Triton kernels (stats + stored tile, dz from the tile) under the interpreter, several chunks (whole
+    sequences for GSPO), against the float64 truth of the rounded inputs, forward and backward."""
+    pytest.importorskip("triton")
+    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)  # the float32 tile (and a 16-bit dz)
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    x = _inputs(4, 5, 16, 200, seed=zlib.crc32(f"{agg}{options}".encode()) % 1000,
+                adv_per_seq=options.get("ratio") == "sequence")
+    assert len(fused_policy._triton_chunks(4, 5, 200, options.get("ratio", "token"), dtype)) == 2
+    options = dict(options, agg=agg)
+    upstream = 1.0 if dtype == torch.bfloat16 else 1.7
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, "triton")
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_aot_compiles_every_config_without_spills(arch):
+    """Both Triton kernels, every dtype (and bias on/off for kernel 1), build for sm_80/sm_90 with no register
+    spills; kernel 1's 16-bit GEMM runs on the tensor cores."""
+    pytest.importorskip("triton")
+    from rlkernels.testing.aot import compile_config
+
+    configs = fused_policy.aot_configs()
+    assert len(configs) == 9  # 3 dtypes x (kernel 1 with and without bias, kernel 2)
+    spilled = []
+    for config in configs:
+        report = compile_config(config, arch)
+        assert report.registers > 0
+        if report.spill_bytes:
+            spilled.append(str(report))
+        if config.kernel is fused_policy._stats_store_kernel and config.signature["h_ptr"] != "*fp32":
+            assert report.tensor_core_ops > 0, str(report)
+    assert not spilled, "configs that spill registers:\n" + "\n".join(spilled)
