@@ -133,6 +133,10 @@ class TrainConfig:
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
 
+    # --- issue 12 ---
+    policy_head: str = "fused"
+    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward) wherever the update has old log-probs from a separate pass (PPO, epochs or minibatches > 1); 'two-op' always uses linear_logprobs then policy_loss. With losses='eager' the reference path runs either way."""
+
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
@@ -153,6 +157,7 @@ class TrainConfig:
         choices = {
             "preset": tuple(PRESETS), "algo": ("grpo", "ppo"), "losses": ("fused", "eager"), "ratio": RATIO_MODES,
             "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
+            "policy_head": ("fused", "two-op"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -68,6 +68,14 @@ class Rollout:
         return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
+def uses_fused_head(cfg: TrainConfig, mb: Rollout) -> bool:
+    """Whether the policy loss comes from the hidden states through ``rlkernels.linear_policy_loss`` (issue 12):
+    ``policy_head='fused'`` with ``losses='fused'``, and old log-probs from a separate pass (without them the
+    update is on-policy, old = the log-probs being trained, which the fused op does not take; those updates
+    run linear_logprobs then policy_loss). It reports the entropy only with ``entropy_coef`` > 0."""
+    return cfg.policy_head == "fused" and cfg.losses == "fused" and mb.old_logp is not None
+
+
 def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0):
     """The loss of one minibatch and its metrics: ``(loss, metrics)``, no state read or written.
 
@@ -78,15 +86,19 @@ def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_sca
     ``metrics`` holds floats under namespaced keys: ``loss/policy``, ``policy/<policy_loss metric>``,
     and for PPO ``loss/value``, ``critic/<value_loss metric>``.
     """
-    logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
-    old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
     grpo_kl = cfg.algo == "grpo" and mb.ref_logp is not None  # PPO: the KL is in the rewards
-    loss, metrics = ops.policy_loss(
-        logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=mb.ref_logp if cfg.algo == "grpo" else None,
-        kl_coef=cfg.kl_coef if grpo_kl else 0.0, kl_estimator=cfg.kl_estimator, entropy=entropy,
-        entropy_coef=cfg.entropy_coef, agg=cfg.agg,
-    )
+    options = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ratio=cfg.ratio,
+                   ref_logp=mb.ref_logp if cfg.algo == "grpo" else None, kl_coef=cfg.kl_coef if grpo_kl else 0.0,
+                   kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, agg=cfg.agg)
+    if uses_fused_head(cfg, mb):  # --- issue 12 ---
+        hidden, weight, bias = policy(mb.ids, mb.attention_mask, mb.labels, head_inputs=True)  # [b, R, H], [V, H]
+        loss, metrics = ops.linear_policy_loss(hidden, weight, mb.labels, mb.old_logp, mb.advantages, mb.mask,
+                                               bias=bias, temperature=cfg.temperature, **options)
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("token_")}  # per-token tensors: not logged
+    else:
+        logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
+        loss, metrics = ops.policy_loss(logp, old, mb.advantages, mb.mask, entropy=entropy, **options)
     logs = {"loss/policy": float(loss.detach()), **{f"policy/{k}": float(v) for k, v in metrics.items()}}
     total = loss * (token_scale if cfg.agg == "token-mean" else 1.0)  # sequence means need no rescaling
     if critic is not None:
