@@ -57,8 +57,10 @@ from rlkernels._triton import cdiv, jit, tl
 # 42 tokens: the tile stays in L3 between its two passes, and the peak stays at the two-op path's (which holds a
 # float32 [N, H] d_hidden and a [N, H] copy besides the gradients).
 _CHUNK_BYTES = 8 << 20
-# Elements of one vocabulary block of the tile (512 KiB float32: a core's L2 here), at least _VBLOCK_MIN wide.
-_BLOCK_ELEMS = 1 << 17
+# Elements of one vocabulary block of the tile (2 MiB float32, as linear_logprobs' torch tile), at least _VBLOCK_MIN wide:
+# under load, 512 KiB blocks (the L2 here) cost 2x in the quick CPU bench (4x the small two-thread ops); 2 MiB ones
+# matched the two-op path there.
+_BLOCK_ELEMS = 1 << 19
 _VBLOCK_MIN = 256
 
 
