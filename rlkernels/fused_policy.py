@@ -23,18 +23,25 @@ implementation sees each token as a row of one. With ``ratio="sequence"`` (GSPO)
 whole sequence's ratio, so chunks are whole sequences (as many as fit the budget, at least one: a single sequence
 longer than the budget still takes one chunk, ``T·V`` floats).
 
-Memory: beyond the gradients, two float32 ``[chunk, V]`` tiles (a third while the entropy is summed) (the logits' shifted values and their exponentials)
-and O(N) per-token vectors. For 16-bit weights the torch path (CPU) computes in float32 like
-:func:`rlkernels.linear_logprobs`'s torch path does today: a float32 copy of the weight and a float32 ``d_weight``
-accumulator, cast once at the end (the same memory as the two-op path; removing them is the LM-head issue's
-V-chunked backward, which will apply to both).
+Torch row, per chunk (CPU): ONE float32 ``[chunk, V]`` logits tile (``_CHUNK_BYTES``, or the float32 ``[N, H]``
+size when larger), held as vocabulary blocks of ~2 MiB (:class:`_Tile`). Pass 1 fills each block (GEMM 1; a 16-bit
+weight widened one block at a time, never a float32 copy of the weight) and reduces it while it is in cache; pass 2
+re-centres each block on the row max, turns it into ``dz`` in place (``exp`` recomputed rather than stored) and runs
+GEMMs 2 and 3 on it right away. Memory beyond the gradients: the tile, one block of scratch and O(N) per-token
+vectors; ``d_hidden`` is float32 ``[N, H]``; ``d_weight`` accumulates over the token chunks in float32 ``[V, H]``
+(for a float32 weight that is the gradient itself; for 16-bit weights it is a weight-sized float32 buffer, which the
+two-op path avoids when N < V by running its backward vocabulary-outer -- a three-GEMM order cannot, since no dz
+exists before a token's whole vocabulary row has been reduced). The gradients stay in float32 until the backward
+scales them (one rounding to a 16-bit dtype); with an upstream gradient of exactly 1 the backward hands them out
+without a copy.
 
 ``logits_policy_loss(logits, labels, old_logp, advantages, mask, ...)`` is the same for users who already hold
 ``[B, T, V]`` logits: it reads them once (the statistics and the loss) and writes ``d_logits`` once, in the forward.
 
-Backends: ``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas
-through autograd, served before the ops). There is no Triton row yet: on CUDA the torch row runs cuBLAS GEMMs and
-PyTorch's elementwise kernels over the chunk.
+Backends: ``triton`` (CUDA default for ``linear_policy_loss``; see the Triton kernels section: kernel 1 stores the
+chunk's float32 logits tile while reducing it, kernel 2 forms dz from the stored tile, cuBLAS runs GEMMs 2 and 3),
+``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
+served before the ops). ``logits_policy_loss`` has no Triton row (its torch row runs on CUDA too).
 
 Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -> public functions.
 """
@@ -823,7 +830,10 @@ _RETURNS_DOC = """
 
     The backward only multiplies the gradients formed in the forward by the upstream scalar: a second
     backward (``retain_graph=True``) gives the same gradients; double backward (``create_graph=True``)
-    raises. Gradients are computed only for inputs that require them (with grad mode on).
+    raises. Gradients are computed only for inputs that require them (with grad mode on). With an upstream
+    gradient of exactly 1 (``loss.backward()``) the stored gradients are handed out without a copy: under
+    ``torch.autograd.grad(..., retain_graph=True)`` the returned tensors are the ones a second backward hands
+    out again, so do not modify them in place (``.grad`` accumulation copies them while the graph is retained).
 """
 
 
