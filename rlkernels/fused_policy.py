@@ -23,18 +23,25 @@ implementation sees each token as a row of one. With ``ratio="sequence"`` (GSPO)
 whole sequence's ratio, so chunks are whole sequences (as many as fit the budget, at least one: a single sequence
 longer than the budget still takes one chunk, ``T·V`` floats).
 
-Memory: beyond the gradients, two float32 ``[chunk, V]`` tiles (a third while the entropy is summed) (the logits' shifted values and their exponentials)
-and O(N) per-token vectors. For 16-bit weights the torch path (CPU) computes in float32 like
-:func:`rlkernels.linear_logprobs`'s torch path does today: a float32 copy of the weight and a float32 ``d_weight``
-accumulator, cast once at the end (the same memory as the two-op path; removing them is the LM-head issue's
-V-chunked backward, which will apply to both).
+Torch row, per chunk (CPU): ONE float32 ``[chunk, V]`` logits tile (``_CHUNK_BYTES``, or the float32 ``[N, H]``
+size when larger), held as vocabulary blocks of ~2 MiB (:class:`_Tile`). Pass 1 fills each block (GEMM 1; a 16-bit
+weight widened one block at a time, never a float32 copy of the weight) and reduces it while it is in cache; pass 2
+re-centres each block on the row max, turns it into ``dz`` in place (``exp`` recomputed rather than stored) and runs
+GEMMs 2 and 3 on it right away. Memory beyond the gradients: the tile, one block of scratch and O(N) per-token
+vectors; ``d_hidden`` is float32 ``[N, H]``; ``d_weight`` accumulates over the token chunks in float32 ``[V, H]``
+(for a float32 weight that is the gradient itself; for 16-bit weights it is a weight-sized float32 buffer, which the
+two-op path avoids when N < V by running its backward vocabulary-outer -- a three-GEMM order cannot, since no dz
+exists before a token's whole vocabulary row has been reduced). The gradients stay in float32 until the backward
+scales them (one rounding to a 16-bit dtype); with an upstream gradient of exactly 1 the backward hands them out
+without a copy.
 
 ``logits_policy_loss(logits, labels, old_logp, advantages, mask, ...)`` is the same for users who already hold
 ``[B, T, V]`` logits: it reads them once (the statistics and the loss) and writes ``d_logits`` once, in the forward.
 
-Backends: ``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas
-through autograd, served before the ops). There is no Triton row yet: on CUDA the torch row runs cuBLAS GEMMs and
-PyTorch's elementwise kernels over the chunk.
+Backends: ``triton`` (CUDA default for ``linear_policy_loss``; see the Triton kernels section: kernel 1 stores the
+chunk's float32 logits tile while reducing it, kernel 2 forms dz from the stored tile, cuBLAS runs GEMMs 2 and 3),
+``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
+served before the ops). ``logits_policy_loss`` has no Triton row (its torch row runs on CUDA too).
 
 Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -> public functions.
 """
@@ -47,14 +54,21 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks, losses, reference
-from rlkernels._host import no_grads, op_schema
+from rlkernels import fused_linear as _fl
+from rlkernels._device import block_max, block_sum, expm1
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
+from rlkernels._triton import cdiv, jit, tl
 
-# Budget of one chunk's float32 tiles (two [chunk, V] buffers); at V = 49152 a chunk is ~340 tokens, at
-# V = 151936 ~110: each GEMM still has hundreds of rows, and the tiles stay far below the [N, V] logits.
-_CHUNK_BYTES = 128 << 20
-# exp(x) is exactly 0 below this in float32 and float64; clamping z - max there keeps (a + c·d) finite where a
-# logit is -inf, so p·(a + c·d) is 0 there, never 0·inf.
-_EXP_ZERO_BELOW = -1000.0
+# Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
+# the float32 [N, H] d_hidden when that is larger (the op holds O(N·H) float32 anyway). At V = 49152 the floor is
+# 42 tokens: the tile stays in L3 between its two passes, and the peak stays at the two-op path's (which holds a
+# float32 [N, H] d_hidden and a [N, H] copy besides the gradients).
+_CHUNK_BYTES = 8 << 20
+# Elements of one vocabulary block of the tile (2 MiB float32, as linear_logprobs' torch tile), at least _VBLOCK_MIN wide:
+# under load, 512 KiB blocks (the L2 here) cost 2x in the quick CPU bench (4x the small two-thread ops); 2 MiB ones
+# matched the two-op path there.
+_BLOCK_ELEMS = 1 << 19
+_VBLOCK_MIN = 256
 
 
 @dataclass(frozen=True)
@@ -134,17 +148,24 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
 # ---------------------------------------------------------------- chunked computation (torch)
 
 
-def _chunks(B: int, T: int, V: int, ratio: str) -> list[tuple[int, int]]:
+def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0, budget: int | None = None) -> list[tuple[int, int]]:
     """Token ranges ``[t0, t1)`` of the flattened ``[B·T]`` tokens: runs of any length for ``ratio="token"``,
-    whole sequences for ``"sequence"``, each within ``_CHUNK_BYTES`` of float32 tiles where possible."""
-    per_token = 3 * 4 * max(V, 1)  # two float32 tiles, and a third while the entropy's Σ p·d is formed
-    budget_tokens = max(1, _CHUNK_BYTES // per_token)
+    whole sequences for ``"sequence"``, each with a float32 ``[chunk, V]`` tile within ``budget`` bytes
+    (default ``max(_CHUNK_BYTES, 4·N·H)``) where possible (a sequence longer than that still takes one chunk)."""
     N = B * T
+    budget = max(_CHUNK_BYTES, 4 * N * H) if budget is None else budget
+    budget_tokens = max(1, budget // (4 * max(V, 1)))
     if ratio == "sequence":
         step = max(1, budget_tokens // max(T, 1)) * T
     else:
         step = budget_tokens
     return [(t0, min(N, t0 + step)) for t0 in range(0, N, max(step, 1))]
+
+
+def _vblock(n: int, V: int) -> int:
+    """Width of one vocabulary block of an ``n``-token tile: about ``_BLOCK_ELEMS`` elements (a core's L2), so
+    each pass over a block (and the GEMMs that read it right after) finds it in cache."""
+    return min(V, max(_VBLOCK_MIN, _BLOCK_ELEMS // max(n, 1)))
 
 
 def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
@@ -158,60 +179,92 @@ def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
     return partials, g_logp * w, (g_ent * w if opt.with_entropy else None)
 
 
-def _tile_stats(z: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions):
-    """On a float32 logits tile ``z`` [n, V] (already divided by the temperature), in place: ``z`` becomes
-    ``d = z - max`` and a second tile ``e = exp(d)``. Returns ``(d, e, s [n], log_s [n], logp [n],
-    entropy [n], valid [n])`` (``s = Σ e``) with logp/entropy 0 at ignored labels (as linear_logprobs gives)."""
-    lowest = torch.finfo(z.dtype).min
-    V = z.shape[1]
-    row_max = z.amax(1).clamp(min=lowest)  # [n]; an all -inf row gets a finite max (p = 0, not NaN)
-    d = z.sub_(row_max.unsqueeze(1))  # [n, V]
-    e = torch.exp(d)  # [n, V]
-    s = e.sum(1)  # [n]
-    log_s = torch.log(s)  # [n]
-    valid = labels != opt.ignore_index  # [n]
-    safe = torch.where(valid & (labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [n]
-    logp = d.gather(1, safe.unsqueeze(1)).squeeze(1) - log_s  # [n]
-    # Σ e·d; e·d is NaN only where d = -inf (e = 0, p log p counts 0 there)
-    entropy = log_s - torch.nansum(e * d, 1) / s if opt.with_entropy else torch.zeros_like(logp)  # [n]
-    zero = torch.zeros_like(logp)
-    return d, e, s, log_s, torch.where(valid, logp, zero), torch.where(valid, entropy, zero), valid
-
-
-def _dz_in_place(d, e, labels, valid, s, log_s, logp, entropy, coef_logp, coef_ent, inv_t: float):
-    """``dL/dz`` for the tile (``z`` the raw logits before the temperature), written into ``e``: off the label
-    ``p_j (a + c log p_j)`` with ``a = -(g + g_H·H)/T``, ``c = -g_H/T``; at the label
-    ``(g (1 - p_y) - g_H p_y (log p_y + H))/T``, with ``1 - p_y = -expm1(log p_y)`` (no cancellation).
-    ``coef_logp`` / ``coef_ent`` [n] are dL/dlogp and dL/dentropy (None: no entropy term)."""
-    zero = torch.zeros((), dtype=e.dtype, device=e.device)
-    g = torch.where(valid, coef_logp, zero)  # [n]
-    inv_s = s.reciprocal().unsqueeze(1)  # [n, 1] 1/s (exp(-log s) would carry ulp(log s) into every p)
-    if coef_ent is None:
-        dz = e.mul_(inv_s * (-g * inv_t).unsqueeze(1))  # [n, V] -p_j g / T
-        at_y = g * -torch.expm1(logp) * inv_t  # [n]
-    else:
-        gh = torch.where(valid, coef_ent, zero)  # [n]
-        a = (-(g + gh * entropy) * inv_t).unsqueeze(1)  # [n, 1]
-        c = (-gh * inv_t).unsqueeze(1)  # [n, 1]
-        log_p = d.clamp_(min=_EXP_ZERO_BELOW).sub_(log_s.unsqueeze(1))  # [n, V], in place of d
-        dz = e.mul_(inv_s).mul_(log_p.mul_(c).add_(a))  # [n, V] p (a + c log p)
-        lp_finite = torch.where(logp == float("-inf"), zero, logp)  # p_y log p_y is 0 where p_y = 0
-        at_y = (g * -torch.expm1(logp) - gh * torch.exp(logp) * (lp_finite + entropy)) * inv_t  # [n]
-    rows = valid.nonzero().squeeze(1)  # [k]
-    dz[rows, labels[rows]] = at_y[rows]
-    return dz
-
-
 def _unit_layout(t0: int, t1: int, T: int, opt: FusedPolicyOptions):
     """``[U, L]`` shape of a chunk's units: a row of one per token (token ratio) or whole sequences."""
     n = t1 - t0
     return (n // T, T) if opt.ratio == "sequence" else (n, 1)
 
 
-def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """The driver both ops share: per chunk, ``tile_fn(t0, t1)`` gives the float32 logits tile [n, V] (divided by
-    the temperature), the statistics and the policy coefficients are formed, the tile becomes ``dz`` and
-    ``apply_fn(t0, t1, dz)`` consumes it. Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
+class _Tile:
+    """One chunk's float32 logits tile, held as contiguous ``[n, vb]`` vocabulary blocks (block ``j`` covers
+    columns ``spans[j]``) in one buffer allocated per call, plus one block-sized scratch buffer.
+
+    Pass 1 (:meth:`stats`) fills each block from ``block_fn`` and, while it is in cache, takes the block's row
+    max, ``Σ exp(z - max)``, ``Σ exp(z - max)(z - max)`` and the label's logit (``exp`` goes to the scratch
+    buffer; the block keeps ``z - max_block``); the blocks' partials merge by :func:`lse_merge`. Pass 2
+    (:meth:`dz_blocks`) re-centres each block on the row max and turns it into ``dz`` in place
+    (:func:`rlkernels.fused_linear._dz_tile`, recomputing ``exp`` rather than storing it), block by block, each
+    handed to the caller's GEMMs while it is in cache. So the chunk holds ONE float32 ``[n, V]`` tile."""
+
+    def __init__(self, n_max: int, V: int, cdt: torch.dtype, device):
+        self.V = V
+        self.vb = _vblock(n_max, V)
+        self.spans = [(v0, min(V, v0 + self.vb)) for v0 in range(0, V, self.vb)]
+        S = len(self.spans)
+        self.buf = torch.empty(n_max * V, dtype=cdt, device=device)  # the tile, [n, V] in blocks
+        self.scratch = torch.empty(n_max * self.vb, dtype=cdt, device=device)  # one block's exp
+        self.part = torch.empty(4, S, n_max, dtype=cdt, device=device)  # per block: max, Σ e, Σ e·d, label's z
+
+    def blocks(self, n: int):
+        return [self.buf[n * v0:n * v1].view(n, v1 - v0) for v0, v1 in self.spans]  # each [n, vb_j]
+
+    def stats(self, t0, t1, block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        """Pass 1 over the chunk's ``n`` tokens; returns ``(row_max, log_s, logp, entropy)`` [n] each (logp and
+        entropy 0 at ignored labels, entropy 0 without ``with_entropy``)."""
+        n, V, vb = labels.shape[0], self.V, self.vb
+        lowest = torch.finfo(self.buf.dtype).min
+        safe = torch.where((labels >= 0) & (labels < V), labels, torch.zeros_like(labels))  # [n]
+        block_of_y = torch.div(safe, vb, rounding_mode="floor")  # [n]
+        col = (safe - block_of_y * vb)[:, None]  # [n, 1] the label's column within its block
+        last = self.spans[-1][1] - self.spans[-1][0]
+        col_last = col.clamp(max=last - 1)  # stays inside the narrower last block
+        p_m, p_s, p_u, p_z = (x[:, :n] for x in self.part.unbind(0))  # each [S, n]
+        S = len(self.spans)
+        for j, ((v0, v1), z) in enumerate(zip(self.spans, self.blocks(n))):
+            block_fn(v0, v1, z)  # z [n, vb_j] <- logits / T
+            torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
+            torch.amax(z, 1, out=p_m[j])
+            torch.clamp(p_m[j], min=lowest, out=p_m[j])  # an all -inf block: finite max, p = 0 (not NaN)
+            z.sub_(p_m[j].unsqueeze(1))  # d = z - max_block, kept for pass 2
+            e = torch.exp(z, out=self.scratch[:z.numel()].view_as(z))  # [n, vb_j]
+            torch.sum(e, 1, out=p_s[j])
+            if with_entropy:  # Σ e·d; NaN only where d = -inf (e = 0: p log p counts 0 there)
+                torch.nansum(e.mul_(z), 1, out=p_u[j])
+        m_all, s_all, u_all = lse_merge(p_m, p_s, p_u if with_entropy else None)  # [n] each
+        log_s = torch.log(s_all)  # [n]
+        entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
+        zy = p_z.gather(0, block_of_y[None]).squeeze(0)  # [n]
+        logp = (zy - m_all) - log_s  # [n] as log_softmax forms it (never z - one rounded lse)
+        logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
+        self._m_blocks = p_m
+        return m_all, log_s, logp, entropy
+
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        """Pass 2: yields ``(v0, v1, dz, None)`` per block, ``dz`` [n, vb_j] = dL/dz of the raw logits written in place
+        of the block (off the label ``p (a + c log p)``, the label's entry exact; see :func:`_dz_coefficients`)."""
+        n, V, vb = labels.shape[0], self.V, self.vb
+        stats = torch.stack((row_max, log_s))  # [2, n]
+        g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
+        row_max, a2, c2, a_s, at_y, valid, use_ent = _fl._dz_coefficients(coef_logp, g_ent, labels, stats, entropy,
+                                                                          logp, V, self.buf.dtype, opt)
+        safe = torch.where(valid, labels, torch.zeros_like(labels))  # [n]
+        tok, cols, vals, starts = _fl._labels_by_chunk(valid, safe, at_y, vb, len(self.spans))
+        coef = (a2[:, None], c2[:, None], a_s[:, None], self.scratch)
+        for j, ((v0, v1), d) in enumerate(zip(self.spans, self.blocks(n))):
+            shift = (row_max - self._m_blocks[j]).unsqueeze(1)  # [n, 1]: d_block - shift = z - row max
+            k0, k1 = starts[j], starts[j + 1]
+            yield v0, v1, _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent), None
+
+
+def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions,
+                chunks):
+    """The driver every backend shares, over the token ranges ``chunks`` (:func:`_chunks`). Per chunk
+    ``chunk_fn(t0, t1)`` gives ``(block_fn, apply_fn)``; ``tile`` (:class:`_Tile`, or :class:`_TritonTile`)
+    forms the statistics (pass 1; the torch tile calls ``block_fn(v0, v1, out)`` to write the float32 logits,
+    divided by the temperature, of vocabulary columns ``[v0, v1)`` into ``out`` [n, v1 - v0]); the policy
+    coefficients are formed; then the tile yields ``dz`` block by block and ``apply_fn(v0, v1, dz, resid)``
+    consumes each (pass 2; ``resid`` [n]: the Triton row's float32 label residual for 16-bit inputs, else
+    None). Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
     N = B * T
     dev = labels.device
     m_bt = mask != 0  # [B, T]
@@ -226,21 +279,21 @@ def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, m
     logp_all = torch.zeros(N, dtype=cdt, device=dev)  # [N] (float64 for float64 inputs, as linear_logprobs)
     ent_all = torch.zeros(N, dtype=cdt, device=dev)  # [N]
     parts = []
-    inv_t = 1.0 / opt.temperature
-    for t0, t1 in _chunks(B, T, V, opt.ratio):
+    for t0, t1 in chunks:
         U, L = _unit_layout(t0, t1, T, opt)
         unit = lambda x: x[t0:t1].reshape(U, L)  # noqa: E731  (a batch-wide [N] tensor's part in this chunk)
-        z = tile_fn(t0, t1)  # [n, V] float32
-        d, e, s, log_s, lp, ent, valid = _tile_stats(z, y[t0:t1], opt)
+        block_fn, apply_fn = chunk_fn(t0, t1)
+        y_c = y[t0:t1]  # [n]
+        row_max, log_s, lp, ent = tile.stats(t0, t1, block_fn, y_c, opt.with_entropy, opt)  # [n] each
         logp_all[t0:t1], ent_all[t0:t1] = lp, ent
         unit_w = w_tok[t0:t1].reshape(U, L)[:, 0]  # [U]
         partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), unit(old), unit(adv), unit(m),
                                               None if ref is None else unit(ref), unit_w, opt)
         parts.append((partials.sum(1) * unit_w.unsqueeze(-1), partials.sum(1)))  # weighted and raw [U, NSLOTS]
         if opt.grad_input or opt.grad_weight or opt.grad_bias:
-            dz = _dz_in_place(d, e, y[t0:t1], valid, s, log_s, lp, ent, c_lp.reshape(-1),
-                              None if c_ent is None else c_ent.reshape(-1), inv_t)  # [n, V]
-            apply_fn(t0, t1, dz)
+            for v0, v1, dz, resid in tile.dz_blocks(c_lp.reshape(-1), None if c_ent is None else c_ent.reshape(-1),
+                                                    y_c, row_max, log_s, lp, ent, opt):
+                apply_fn(v0, v1, dz, resid)  # dz [n, v1 - v0]
     if parts:
         weighted = torch.cat([p[0] for p in parts])  # [units, NSLOTS]
         raw = torch.cat([p[1] for p in parts])  # [units, NSLOTS]
@@ -253,37 +306,44 @@ def _run_chunks(tile_fn, apply_fn, cdt, B, T, V, labels, old_logp, advantages, m
 
 
 def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
-    """Three GEMMs over chunks; returns ``(loss, metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H]
-    or [0], d_weight [V, H] or [0], d_bias [V] or [0])``."""
+    """Three GEMMs over chunks of tokens, each chunk over vocabulary blocks (:class:`_Tile`); returns ``(loss,
+    metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0], d_bias [V] or
+    [0])``, the gradients in float32 (float64 for float64 inputs)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
     cdt = reference.compute_dtype(hidden)  # float32 (float64 for float64 inputs)
     h = hidden.reshape(N, H)  # [N, H]
-    w = weight.to(cdt)  # [V, H]; no copy for float32
     inv_t = 1.0 / opt.temperature
     b = None if bias is None else bias.to(cdt) * inv_t  # [V]
     # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
-    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator described above
+    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator the module notes
     d_hidden = torch.empty(N, H, dtype=cdt, device=hidden.device) if opt.grad_input else None  # [N, H]
     d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if opt.grad_bias else None  # [V]
 
-    def tile(t0, t1):
+    def chunk(t0, t1):
         h_c = h[t0:t1].to(cdt)  # [n, H]
-        if b is None:
-            return torch.mm(h_c, w.T).mul_(inv_t)  # [n, V] GEMM 1
-        return torch.addmm(b, h_c, w.T, alpha=inv_t)
+        dh_c = None if d_hidden is None else d_hidden[t0:t1].zero_()  # [n, H], summed over the blocks
 
-    def apply(t0, t1, dz):  # dz [n, V] = dL/dz of the raw logits (the 1/T is inside)
-        if d_hidden is not None:
-            d_hidden[t0:t1] = dz @ w  # GEMM 2
-        if d_weight is not None:
-            d_weight.addmm_(dz.T, h[t0:t1].to(cdt))  # GEMM 3
-        if d_bias is not None:
-            d_bias.add_(dz.sum(0))
+        def block(v0, v1, out):  # GEMM 1; a 16-bit weight is widened one block at a time (a view for float32)
+            _fl._logits_into(out, h_c, weight[v0:v1].to(cdt), None if b is None else b[v0:v1], inv_t)
 
-    loss, metrics, logp, ent = _run_chunks(tile, apply, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt)
+        def apply(v0, v1, dz, _resid):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
+            w_j = weight[v0:v1].to(cdt)  # [vb, H]
+            if dh_c is not None:
+                dh_c.addmm_(dz, w_j)  # GEMM 2
+            if d_weight is not None:
+                d_weight[v0:v1].addmm_(dz.T, h_c)  # GEMM 3
+            if d_bias is not None:
+                d_bias[v0:v1] += dz.sum(0)
+
+        return block, apply
+
+    chunks = _chunks(B, T, V, opt.ratio, H)
+    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, hidden.device)
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
+                                           opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh [0] per output: outputs may not alias)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
@@ -292,8 +352,8 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
 
 
 def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """Two passes over the logits; returns ``(loss, metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V]
-    or [0])``."""
+    """Two passes over the logits (read once into the chunk's tile, ``d_logits`` written once); returns ``(loss,
+    metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])``."""
     B, T, V = logits.shape
     N = B * T
     cdt = reference.compute_dtype(logits)
@@ -301,19 +361,286 @@ def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: Fus
     inv_t = 1.0 / opt.temperature
     d_logits = torch.empty(N, V, dtype=logits.dtype, device=logits.device) if opt.grad_input else None  # [N, V]
 
-    def tile(t0, t1):
-        return z_all[t0:t1].to(cdt) * inv_t  # [n, V] (a copy: the caller's logits are never written)
+    def chunk(t0, t1):
+        def block(v0, v1, out):  # a copy: the caller's logits are never written
+            out.copy_(z_all[t0:t1, v0:v1])
+            if inv_t != 1.0:
+                out.mul_(inv_t)
 
-    def apply(t0, t1, dz):
-        d_logits[t0:t1] = dz
+        def apply(v0, v1, dz, _resid):
+            d_logits[t0:t1, v0:v1] = dz
 
-    loss, metrics, logp, ent = _run_chunks(tile, apply, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt)
+        return block, apply
+
+    chunks = _chunks(B, T, V, opt.ratio)
+    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, logits.device)
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
+                                           opt, chunks)
     empty = logits.new_empty(0)
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-_LINEAR_IMPLS = {"torch": _linear_torch}
+
+
+# ---------------------------------------------------------------- Triton kernels
+#
+# The Triton row keeps the three-GEMM structure with the logits tile in global memory: kernel 1 runs GEMM 1
+# (fused_linear's _logits_tile, the same float32 accumulation as linear_logprobs' forward) over a chunk of tokens,
+# folds each [BLOCK_N, BLOCK_V] tile into online statistics (row max, Σ exp, Σ exp·d, the label's logit) and also
+# stores the float32 tile in a [chunk, V] workspace; the host merges the vocabulary splits' partials and runs the
+# policy loss's own implementation for the per-token coefficients; kernel 2 reads the stored tile back (no GEMM:
+# this is where the two-op path recomputes the logits) and writes dz in the inputs' dtype, with the label
+# entry's 16-bit rounding error kept in float32, as fused_linear's _dz_kernel does. GEMMs 2 and 3 are cuBLAS
+# (torch.mm on the dz chunk, float32 output for 16-bit inputs), as in linear_logprobs' Triton backward.
+
+
+@jit
+def _stats_store_kernel(
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n]
+    z_ptr,  # [n, V] float32 workspace: the logits / T
+    m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, n] float32
+    N, V, H, stride_hn, stride_wv, temperature,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    row_ok = rows < N
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max (finite start: no 0 * inf)
+    s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
+    u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
+    zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # the label's logit, from the float32 accumulator
+    z_rows = z_ptr + rows[:, None].to(tl.int64) * V  # [BLOCK_N, 1] 64-bit row offsets
+    v_start = split * SPLIT_TILES * BLOCK_V
+    for t in range(0, SPLIT_TILES):
+        v0 = v_start + t * BLOCK_V
+        if v0 < V:
+            cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+            col_ok = cols < V
+            z = _fl._logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_hn, stride_wv,
+                                 temperature, HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+            tl.store(z_rows + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
+            z = tl.where(col_ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+            alpha = tl.exp(m - m_new)
+            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+            e = tl.exp(d)
+            ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
+            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+            s = alpha * s + block_sum(e, 1)
+            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+            m = m_new
+    out = split.to(tl.int64) * N + rows  # [BLOCK_N]
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(u_ptr + out, u, mask=row_ok)
+    tl.store(zy_ptr + out, zy, mask=row_ok)
+
+
+@jit
+def _dz_from_tile_kernel(
+    z_ptr,  # [n, V] float32: the stored logits / T
+    labels_ptr, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] each (float32 but the labels)
+    dz_ptr,  # [n, V] inputs' dtype (float32: the same memory as z_ptr, written in place)
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    N, V, temperature, ignore_index,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    row_ok = rows < N
+    col_ok = cols < V
+    offs = rows[:, None].to(tl.int64) * V + cols[None, :]  # [BLOCK_N, BLOCK_V]
+    io_ok = row_ok[:, None] & col_ok[None, :]
+    z = tl.load(z_ptr + offs, mask=io_ok, other=0.0)  # [BLOCK_N, BLOCK_V] the forward's logits, bit for bit
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    valid = label != ignore_index
+    g_lp = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dlogp
+    g_h = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dentropy
+    # the dz of fused_linear's _dz_kernel: log p = (z - max) - log s; p (log p + H) is 0 where p = 0;
+    # 1 - p_y = -expm1(log p_y) per row (no cancellation where p_y ~ 1)
+    logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
+    p = tl.exp(logp)
+    ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
+    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
+    one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
+    dz = tl.where(is_y, (g_lp * one_minus_p_y)[:, None], -g_lp[:, None] * p) - ent_term
+    dz = tl.where(valid[:, None], dz / temperature, 0.0)
+    dz_low = dz.to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptr + offs, dz_low, mask=io_ok)
+    lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)  # what rounding the label's entry lost
+    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
+
+
+# Tiles, the largest found to compile with no register spills (0 B local memory) on sm_80 and sm_90, aligned and
+# unaligned (tests/test_fused_policy.py::test_aot_compiles_every_config_without_spills, tests/test_aot_aligned.py).
+# Kernel 2 is elementwise over the stored tile (no GEMM): 32 x 128 on 8 warps (32 x 256 spilled 40-112 B
+# unaligned). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
+# (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
+# 64 x 128 x 32 on 8 warps and 64 x 64 x 8 fit (its BLOCK_K need not match anything: the tile is stored, never
+# recomputed).
+_DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
+_STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
+_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=8, split_tiles=64, num_warps=8,
+                                          num_stages=2),
+                torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
+# the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
+_TRITON_CHUNK_BYTES = 1 << 30
+
+
+def _stats_signature(ty: str) -> dict:
+    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64", "z_ptr": "*fp32"}
+    partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32"}
+    sizes = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
+    return {**inputs, **partials, **sizes}
+
+
+def _dz2_signature(ty: str) -> dict:
+    rows = {"labels_ptr": "*i64", "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32",
+            "gent_ptr": "*fp32"}
+    return {"z_ptr": "*fp32", **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", "N": "i32", "V": "i32",
+            "temperature": "fp32", "ignore_index": "i64"}
+
+
+def aot_configs() -> list:
+    """Every (kernel, constexprs, warps, stages) the Triton row can launch on a GPU, for the AOT compile tests.
+    Kernel 1 takes linear_logprobs' forward tiles (the same GEMM and online statistics, plus the tile's store)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    configs = []
+    for dtype, ty in TRITON_DTYPE_NAMES.items():
+        t = _STATS_TILES[dtype]
+        for has_bias in (False, True):
+            consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles}
+            configs.append(KernelConfig(_stats_store_kernel, {**_stats_signature(ty), **dict.fromkeys(consts, "constexpr")},
+                                        consts, t.num_warps, t.num_stages))
+        consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
+        configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
+                                    consts, _DZ2_WARPS, 1))
+    return configs
+
+
+class _TritonTile:
+    """The Triton row's chunk engine (same interface as :class:`_Tile`): kernel 1 fills the float32 ``[n, V]``
+    tile and the per-split statistics, kernel 2 turns it into ``dz`` (one block: the whole vocabulary), in the
+    inputs' dtype with the label residual for 16-bit inputs."""
+
+    def __init__(self, n_max: int, hidden, weight, bias, opt: FusedPolicyOptions):
+        self.h, self.w, self.b = hidden, weight, bias  # [N, H] (unit stride), [V, H], [V] or None
+        V = weight.shape[0]
+        self.V = V
+        self.t = _STATS_TILES[hidden.dtype]
+        self.S = cdiv(V, self.t.split_tiles * self.t.block_v)
+        dev = hidden.device
+        self.low = hidden.dtype != torch.float32
+        self.z = torch.empty(n_max * V, dtype=torch.float32, device=dev)  # the tile, [n, V]
+        self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if self.low else self.z  # [n, V]
+        self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
+        self.part = torch.empty(4, self.S, n_max, dtype=torch.float32, device=dev)  # m, s, u, zy per split
+        self.flags = _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden), self.t)
+        self.opt = opt
+
+    def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        n, V, t = t1 - t0, self.V, self.t
+        part = self.part[:, :, :n]  # [4, S, n]
+        h_c = self.h[t0:t1]  # [n, H]
+        _stats_store_kernel.launch(
+            (cdiv(n, t.block_n), self.S), h_c, self.w, self.b if self.b is not None else self.w, labels,
+            self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
+            opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, num_warps=t.num_warps, num_stages=t.num_stages)
+        m, s, u, zy = part.unbind(0)  # [S, n] each
+        m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
+        log_s = torch.log(s_all)  # [n]
+        entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
+        logp = (zy.sum(0) - m_all) - log_s  # [n]
+        logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
+        return m_all, log_s, logp, entropy
+
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        n, V = labels.shape[0], self.V
+        g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
+        resid = self.resid[:n].zero_()  # [n]
+        _dz_from_tile_kernel.launch(
+            (cdiv(n, _DZ2_BLOCK_N), cdiv(V, _DZ2_BLOCK_V)), self.z, labels, row_max.contiguous(), log_s.contiguous(),
+            entropy.float().contiguous(), coef_logp.float().contiguous(), g_ent.float().contiguous(), self.dz, resid,
+            n, V, opt.temperature, opt.ignore_index, BLOCK_N=_DZ2_BLOCK_N, BLOCK_V=_DZ2_BLOCK_V, num_warps=_DZ2_WARPS,
+            num_stages=1)
+        yield 0, V, self.dz[:n * V].view(n, V), (resid if self.low else None)
+
+
+def _triton_chunks(B: int, T: int, V: int, ratio: str, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """The Triton row's token chunks: the float32 ``[chunk, V]`` tile, and for 16-bit inputs a ``dz`` of their
+    dtype beside it, within ``_TRITON_CHUNK_BYTES``."""
+    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
+    return _chunks(B, T, V, ratio, budget=_TRITON_CHUNK_BYTES // per_token * 4 * V)
+
+
+def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
+    """Kernels 1 and 2 (above) per chunk of tokens, cuBLAS for GEMMs 2 and 3; the same outputs as
+    :func:`_linear_torch`. ``d_weight`` accumulates over the chunks in a float32 ``[V, H]`` buffer (the chunks run
+    over tokens, each needing its whole vocabulary row before any dz exists)."""
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    N = B * T
+    dev = hidden.device
+    h = unit_stride(hidden.reshape(N, H))  # [N, H]
+    weight = unit_stride(weight)  # [V, H]
+    labels = labels.contiguous()
+    low = hidden.dtype != torch.float32
+    d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if opt.grad_input else None  # [N, H]
+    d_weight = torch.zeros(V, H, dtype=torch.float32, device=dev) if opt.grad_weight else None  # [V, H]
+    d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
+    chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
+    tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
+    y_all = labels.reshape(N)  # [N]
+
+    def chunk(t0, t1):
+        h_c = h[t0:t1]  # [n, H]
+        y_c = y_all[t0:t1]
+        safe = torch.where((y_c != opt.ignore_index) & (y_c >= 0) & (y_c < V), y_c, torch.zeros_like(y_c))  # [n]
+
+        def apply(v0, v1, dz, resid):  # dz [n, V] in the inputs' dtype; resid [n] float32 (16-bit) or None
+            if not low:
+                if d_hidden is not None:
+                    torch.mm(dz, weight, out=d_hidden[t0:t1])  # GEMM 2
+                if d_weight is not None:
+                    d_weight.addmm_(dz.T, h_c)  # GEMM 3
+            else:
+                if d_hidden is not None:
+                    dh = _fl._mm_f32(dz, weight)  # [n, H] float32
+                    dh += resid[:, None] * weight[safe].float()
+                    d_hidden[t0:t1] = dh
+                if d_weight is not None:
+                    _fl._addmm_f32(d_weight, dz.T, h_c)
+                    _fl._add_at_labels(d_weight, safe, resid[:, None] * h_c.float())
+            if d_bias is not None:
+                d_bias.add_(dz.sum(0, dtype=torch.float32))
+                if low:
+                    _fl._add_at_labels(d_bias, safe, resid)
+
+        return None, apply
+
+    loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
+                                           ref_logp, opt, chunks)
+    empty = lambda: hidden.new_empty(0)  # noqa: E731
+    return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
+            empty() if d_hidden is None else d_hidden.reshape(B, T, H),
+            empty() if d_weight is None else d_weight,
+            empty() if d_bias is None else d_bias)
+
+
+# Each op's backends, chosen at run time inside the op (rlkernels._backend.resolve); float64 never reaches Triton.
+# logits_policy_loss has no Triton row: on CUDA its torch row runs PyTorch's elementwise kernels per chunk.
+_LINEAR_IMPLS = {"torch": _linear_torch, "triton": _linear_triton}
 _LOGITS_IMPLS = {"torch": _logits_torch}
 
 
@@ -376,23 +703,44 @@ def _no_double_backward():
                            "(create_graph=True): their gradients are formed in the forward as constants")
 
 
+def _upstream_is_one(d_loss: torch.Tensor) -> bool:
+    """Whether the upstream gradient is exactly 1 (``loss.backward()``): then the stored gradients are handed out
+    as they are, with no gradient-sized copy (and autograd copies them before accumulating when the graph is
+    retained). One scalar read (a device sync on a GPU); under ``torch.compile`` always False (no data-dependent
+    branch in the traced backward)."""
+    return not torch.compiler.is_compiling() and bool(d_loss == 1)
+
+
+def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
+    """A stored gradient ``g`` (compute dtype) times the upstream scalar, in ``dtype``, rounded once (the product
+    is formed in ``g``'s dtype and written straight into the output). ``[0]``: not computed -> None."""
+    if g.numel() == 0 and g.dim() == 1:
+        return None
+    if one:
+        return g if g.dtype == dtype else g.to(dtype)
+    return torch.mul(g, d_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+
+
 def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[4:7])
     ctx.has_bias = inputs[7] is not None
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, None if inputs[7] is None else inputs[7].dtype)
     ctx.mark_non_differentiable(*output[1:7])
+    # the non-differentiable outputs get no gradient tensors: materialized, the stored d_weight's would be a
+    # weight-sized [V, H] tensor of zeros (and d_logits' an [N, V] one)
+    ctx.set_materialize_grads(False)
 
 
 def _linear_backward(ctx, d_loss, *_unused):
     _no_double_backward()
+    if d_loss is None:  # the loss reaches no output that needs a gradient
+        return (None,) * 8 + no_grads(FusedPolicyOptions)
     d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
     dt_hidden, dt_weight, dt_bias = ctx.dtypes
 
-    def scale(g, dtype):  # [0]: not computed (the input needs no gradient)
-        return None if g.numel() == 0 and g.dim() == 1 else (g * d_loss.to(g.dtype)).to(dtype)
-
-    grads = (scale(d_hidden, dt_hidden), scale(d_weight, dt_weight), None, None, None, None, None,
-             scale(d_bias, dt_bias) if ctx.has_bias else None)
+    one = _upstream_is_one(d_loss)
+    grads = (_scaled(d_hidden, d_loss, one, dt_hidden), _scaled(d_weight, d_loss, one, dt_weight), None, None, None,
+             None, None, _scaled(d_bias, d_loss, one, dt_bias) if ctx.has_bias else None)
     return grads + no_grads(FusedPolicyOptions)
 
 
@@ -402,12 +750,13 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 def _logits_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
     ctx.mark_non_differentiable(*output[1:5])
+    ctx.set_materialize_grads(False)  # as in _linear_setup: no [N, V] zeros for d_logits' gradient
 
 
 def _logits_backward(ctx, d_loss, *_unused):
     _no_double_backward()
     (d_logits,) = ctx.saved_tensors
-    if d_logits.numel() == 0 and d_logits.dim() == 1:  # not computed
+    if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
         return (None,) * 6 + no_grads(FusedPolicyOptions)
     # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
     # other than 1 (loss.backward() passes 1) rounds it a second time
@@ -481,7 +830,10 @@ _RETURNS_DOC = """
 
     The backward only multiplies the gradients formed in the forward by the upstream scalar: a second
     backward (``retain_graph=True``) gives the same gradients; double backward (``create_graph=True``)
-    raises. Gradients are computed only for inputs that require them (with grad mode on).
+    raises. Gradients are computed only for inputs that require them (with grad mode on). With an upstream
+    gradient of exactly 1 (``loss.backward()``) the stored gradients are handed out without a copy: under
+    ``torch.autograd.grad(..., retain_graph=True)`` the returned tensors are the ones a second backward hands
+    out again, so do not modify them in place (``.grad`` accumulation copies them while the graph is retained).
 """
 
 

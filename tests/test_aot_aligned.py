@@ -9,7 +9,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from rlkernels.testing.aot import compile_config  # noqa: E402
 
-MODULES = ("rlkernels.softmax", "rlkernels.fused_linear", "rlkernels.losses", "rlkernels.advantages")
+MODULES = ("rlkernels.softmax", "rlkernels.fused_linear", "rlkernels.losses", "rlkernels.advantages",
+           "rlkernels.fused_policy")
 
 
 @pytest.mark.parametrize("arch", [80, 90])

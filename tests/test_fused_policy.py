@@ -111,7 +111,9 @@ def test_linear_policy_loss_matches_float64_truth(device, backend, agg, options)
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
-def test_linear_policy_loss_dtypes_and_odd_vocab(device, dtype, ratio):
+def test_linear_policy_loss_dtypes_and_odd_vocab(device, dtype, ratio, monkeypatch):
+    """Every input dtype, the vocabulary (4097) cut into 1000-wide blocks and a last one of 97."""
+    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 21 * 1000)  # 21 tokens: blocks of 1000 columns
     x = _inputs(3, 7, 40, 4097, seed=5, adv_per_seq=True, device=device)
     options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-mean")
     upstream = -0.6
@@ -126,8 +128,10 @@ def test_linear_policy_loss_dtypes_and_odd_vocab(device, dtype, ratio):
 
 def test_equals_two_op_path_and_chunking_does_not_matter(monkeypatch):
     """Against linear_logprobs + policy_loss, with the chunk budget forcing many chunks (token runs that split
-    sequences; whole sequences for GSPO) and with one chunk."""
+    sequences; whole sequences for GSPO) of many vocabulary blocks (64 wide, the last 44), and with one chunk
+    of one block."""
     x = _inputs(5, 11, 16, 300, seed=9)
+    default_budget = fused_policy._CHUNK_BYTES
     for ratio in ("token", "sequence"):
         options = dict(ratio=ratio, kl_coef=0.1, entropy_coef=0.05, agg="token-mean", temperature=0.8)
         h, w, b = (x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
@@ -135,8 +139,11 @@ def test_equals_two_op_path_and_chunking_does_not_matter(monkeypatch):
         two_loss, _ = rlkernels.policy_loss(logp, x["old_logp"], x["advantages"], x["mask"], ref_logp=x["ref_logp"],
                                             entropy=ent, **{k: v for k, v in options.items() if k != "temperature"})
         two = torch.autograd.grad(two_loss, (h, w, b))
-        for budget in (fused_policy._CHUNK_BYTES, 3 * 4 * 300 * 7):  # one chunk; 7 tokens per chunk
+        # one chunk of one block; 7 tokens (or one sequence) per chunk in blocks of 64 columns
+        for budget, block in ((default_budget, 1 << 17), (4 * 300 * 7, 64)):
             monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", budget)
+            monkeypatch.setattr(fused_policy, "_VBLOCK_MIN", 64)
+            monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", block)
             loss, _, grads = _fused(x, options, 1.0, torch.float32, "torch")
             torch.testing.assert_close(loss, two_loss, rtol=1e-5, atol=1e-6)
             for g, t in zip(grads, two):
@@ -289,3 +296,61 @@ def test_logits_policy_loss_matches_float64_truth(device, dtype, backend, option
     assert grad.dtype == dtype
     assert_close_to_truth(grad, t_grad, dtype, eager=e_grad, name="d_logits")
     assert torch.equal(z.detach(), logits)  # the caller's logits are never written
+
+
+# ---------------------------------------------------------------- Triton row (interpreter on CPU)
+
+TRITON_CASES = [  # (dtype, agg, options): every agg mode, GSPO, dual clip, each KL estimator kind, the entropy bonus
+    (torch.float32, "token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0)),
+    (torch.float32, "seq-mean-token-mean", dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1")),
+    (torch.float32, "seq-mean-token-sum", dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28, entropy_coef=0.01)),
+    (torch.float32, "seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
+    (torch.bfloat16, "token-mean", dict(kl_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=1.3)),
+    (torch.bfloat16, "seq-mean-token-mean", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
+]
+
+
+@pytest.mark.parametrize("dtype, agg, options", TRITON_CASES,
+                         ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
+                         ",".join(f"{k}={v}" for k, v in o.items()))
+def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
+    """The Triton kernels (stats + stored tile, dz from the tile) under the interpreter, several chunks (whole
+    sequences for GSPO), against the float64 truth of the rounded inputs, forward and backward."""
+    pytest.importorskip("triton")
+    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)  # the float32 tile (and a 16-bit dz)
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    x = _inputs(4, 5, 16, 200, seed=zlib.crc32(f"{agg}{options}".encode()) % 1000,
+                adv_per_seq=options.get("ratio") == "sequence")
+    assert len(fused_policy._triton_chunks(4, 5, 200, options.get("ratio", "token"), dtype)) == 2
+    options = dict(options, agg=agg)
+    upstream = 1.0 if dtype == torch.bfloat16 else 1.7
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, "triton")
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_aot_compiles_every_config_without_spills(arch):
+    """Both Triton kernels, every dtype (and bias on/off for kernel 1), build for sm_80/sm_90 with no register
+    spills; kernel 1's 16-bit GEMM runs on the tensor cores."""
+    pytest.importorskip("triton")
+    from rlkernels.testing.aot import compile_config
+
+    configs = fused_policy.aot_configs()
+    assert len(configs) == 9  # 3 dtypes x (kernel 1 with and without bias, kernel 2)
+    spilled = []
+    for config in configs:
+        report = compile_config(config, arch)
+        assert report.registers > 0
+        if report.spill_bytes:
+            spilled.append(str(report))
+        if config.kernel is fused_policy._stats_store_kernel and config.signature["h_ptr"] != "*fp32":
+            assert report.tensor_core_ops > 0, str(report)
+    assert not spilled, "configs that spill registers:\n" + "\n".join(spilled)

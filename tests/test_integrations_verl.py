@@ -357,3 +357,41 @@ def test_patch_fused_kernels(verl_core):
         assert verl_core.get_policy_loss_fn("rlkernels_vanilla") is rkv.compute_policy_loss_vanilla
     finally:
         exp.FusedLinearForPPO, verl_F.logprobs_from_logits = saved
+
+
+@pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum-norm"),
+                                            ("gspo", "seq-mean-token-mean")])
+def test_policy_loss_from_hidden_equals_the_two_op_loss(loss_mode, agg):
+    """A minimal actor that holds hidden states: policy_loss_from_hidden (rlkernels.linear_policy_loss) against the
+    adapter's own two-op loss (FusedLinearForPPO's log-probs, then compute_policy_loss_<mode>): loss and gradients
+    of hidden and weight, with clipping and the dual clip exercised (verl itself not needed)."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, V = 3, 6, 16, 97
+    hidden = torch.randn(B, T, H, generator=g)  # [B, T, H]
+    weight = torch.randn(V, H, generator=g) / H**0.5 * 2  # [V, H]
+    ids = torch.randint(0, V, (B, T), generator=g)  # [B, T]
+    with torch.no_grad():
+        lp = rkv.FusedLinearForPPO()(hidden, weight, ids, temperature=0.9)[0]  # [B, T]
+    old = lp + 0.5 * torch.randn(B, T, generator=g)  # [B, T] ratios off 1: clipped on both sides
+    adv = torch.randn(B, T, generator=g)  # [B, T]
+    mask = torch.rand(B, T, generator=g) > 0.2  # [B, T]
+    config = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28, clip_ratio_c=1.5)
+    if loss_mode == "gspo":  # GSPO's tiny clip range: sequence ratios get clipped
+        config = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    two_op = rkv.compute_policy_loss_vanilla if loss_mode == "vanilla" else rkv.compute_policy_loss_gspo
+
+    def run(fused):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            loss, _ = rkv.policy_loss_from_hidden(h, w, ids, old, adv, mask, loss_agg_mode=agg, config=config,
+                                                  temperature=0.9, loss_mode=loss_mode)
+        else:
+            logp = rkv.FusedLinearForPPO()(h, w, ids, temperature=0.9)[0]  # [B, T]
+            loss, _ = two_op(old, logp, adv, mask, loss_agg_mode=agg, config=config)
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    _, metrics = rkv.policy_loss_from_hidden(hidden, weight, ids, old, adv, mask, loss_agg_mode=agg, config=config,
+                                             temperature=0.9, loss_mode=loss_mode)
+    assert metrics["clipfrac"] > 0  # the clip acts
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -173,6 +173,10 @@ class TrainConfig:
     fsdp_offload_ref: bool = False
     """With shard='fsdp': keep the shards of the reference policy and of a reward model in CPU memory, copied to the device block by block for their forward (CPUOffloadPolicy)."""
 
+    # --- issue 12 ---
+    policy_head: str = "fused"
+    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward) wherever the update has old log-probs from a separate pass (PPO, epochs or minibatches > 1); 'two-op' always uses linear_logprobs then policy_loss. With losses='eager' the reference path runs either way."""
+
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` naming the first invalid field; touches no model."""
@@ -260,6 +264,7 @@ class TrainConfig:
             "agg": AGG_MODES, "advantage": GROUP_MODES, "kl_estimator": KL_ESTIMATORS, "dtype": ("float32", "bfloat16"),
             "kl_in": ("loss", "reward"), "reward_norm": ("none", "batch", "running"), "value_agg": AGG_MODES,
             "critic_init": ("policy", "reward"), "shard": ("none", "ddp", "fsdp"),
+            "policy_head": ("fused", "two-op"),
         }
         optional = {"kl_estimator", "kl_in"}  # None: resolved from other fields
         for name, allowed in choices.items():

@@ -81,6 +81,16 @@ class Rollout:
         return Rollout(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
+def uses_fused_head(cfg: TrainConfig, mb: Rollout) -> bool:
+    """Whether the policy loss comes from the hidden states through ``rlkernels.linear_policy_loss`` (issue 12):
+    ``policy_head='fused'`` with ``losses='fused'``, and old log-probs from a separate pass (without them the
+    update is on-policy, old = the log-probs being trained, which the fused op does not take; those updates
+    run linear_logprobs then policy_loss), and not under ``shard='fsdp'`` (the gathered head weight lives only
+    inside the sharded root's forward; the op runs after it). It reports the entropy only with ``entropy_coef`` > 0."""
+    return (cfg.policy_head == "fused" and cfg.losses == "fused" and mb.old_logp is not None
+            and cfg.shard != "fsdp")
+
+
 def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0,
                    kl_coef: float | None = None):
     """The loss of one minibatch and its metrics: ``(loss, metrics)``, no state read or written.
@@ -94,15 +104,21 @@ def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_sca
     ``loss/policy``, ``policy/<policy_loss metric>``, ``policy/ratio_outside``, and for PPO
     ``loss/value``, ``critic/<value_loss metric>``.
     """
-    logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
-    old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
     kl_in_loss = cfg.kl_in == "loss" and mb.ref_logp is not None
-    loss, metrics = ops.policy_loss(
-        logp, old, mb.advantages, mb.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, ratio=cfg.ratio, ref_logp=mb.ref_logp if kl_in_loss else None,
-        kl_coef=(cfg.kl_coef if kl_coef is None else kl_coef) if kl_in_loss else 0.0,
-        kl_estimator=cfg.kl_estimator or "k3", entropy=entropy, entropy_coef=cfg.entropy_coef, agg=cfg.agg,
-    )
+    options = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, ratio=cfg.ratio,
+                   ref_logp=mb.ref_logp if kl_in_loss else None,
+                   kl_coef=(cfg.kl_coef if kl_coef is None else kl_coef) if kl_in_loss else 0.0,
+                   kl_estimator=cfg.kl_estimator or "k3", entropy_coef=cfg.entropy_coef, agg=cfg.agg)
+    if uses_fused_head(cfg, mb):  # --- issue 12 ---
+        hidden, weight, bias = policy(mb.ids, mb.attention_mask, mb.labels, head_inputs=True)  # [b, R, H], [V, H]
+        loss, metrics = ops.linear_policy_loss(hidden, weight, mb.labels, mb.old_logp, mb.advantages, mb.mask,
+                                               bias=bias, temperature=cfg.temperature, **options)
+        logp, old = metrics["token_logp"], mb.old_logp  # [b, R] x2 (detached)
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("token_")}  # per-token tensors: not logged
+    else:
+        logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()  # [b, R]
+        loss, metrics = ops.policy_loss(logp, old, mb.advantages, mb.mask, entropy=entropy, **options)
     logs = {"loss/policy": float(loss.detach()), **{f"policy/{k}": float(v) for k, v in metrics.items()}}
     high = cfg.clip_low if cfg.clip_high is None else cfg.clip_high
     logs["policy/ratio_outside"] = knobs.ratio_outside(logp, old, mb.mask, cfg.ratio, cfg.clip_low, high)

@@ -98,7 +98,9 @@ class TokenLogprobs(nn.Module):
     ``forward(ids [B, L], attention_mask [B, L], labels [B, R])`` where the last R
     positions of ``ids`` are the response; ``labels`` is that response with
     ``-100`` at padding (the scored tokens are read from ``ids``). Returns ``(logp [B, R], entropy [B, R])`` in float32 (``logp``
-    alone with ``return_entropy=False``). Only the response tokens go through the head,
+    alone with ``return_entropy=False``); with ``head_inputs=True`` instead ``(hidden [B, R, H], weight [V, H],
+    bias [V] or None)``, the final hidden states that predict the response and the head, for
+    ``rlkernels.linear_policy_loss`` (called through this module so that DDP sees the forward). Only the response tokens go through the head,
     through the op provider's ``linear_logprobs``. Wrapped in DistributedDataParallel
     under torchrun. With ``pack`` the real tokens run packed (``trainer.packing``), same outputs.
     """
@@ -110,8 +112,14 @@ class TokenLogprobs(nn.Module):
         self.temperature = temperature
         self.pack = pack
 
-    def forward(self, ids, attention_mask, labels, return_entropy: bool = True):
+    def forward(self, ids, attention_mask, labels, return_entropy: bool = True, head_inputs: bool = False):
         R = labels.shape[1]
+        if head_inputs:  # issue 12: what rlkernels.linear_policy_loss takes, instead of the log-probs
+            weight, bias = hf.lm_head(self.model)  # [V, H], [V] or None
+            hidden = hf.final_hidden(hf.backbone(self.model), input_ids=ids, attention_mask=attention_mask,
+                                     position_ids=left_padded_positions(attention_mask))  # [B, L, H]
+            hidden = hidden[:, -R - 1 : -1].to(weight.device, weight.dtype)  # [B, R, H]: predict the response
+            return hidden, weight, bias
         scored = torch.cat([torch.zeros_like(ids[:, :-R], dtype=torch.bool), labels != -100], 1)  # [B, L]
         options = dict(temperature=self.temperature, return_entropy=return_entropy,
                        linear_logprobs=self.ops.linear_logprobs)

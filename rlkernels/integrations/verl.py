@@ -47,7 +47,7 @@ from rlkernels.reference import aggregate
 __all__ = [
     "register", "POLICY_LOSSES", "ADV_ESTIMATORS", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
     "kl_penalty", "agg_loss", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
-    "compute_gae_advantage_return", "logprobs_from_logits", "FusedLinearForPPO",
+    "compute_gae_advantage_return", "logprobs_from_logits", "FusedLinearForPPO", "policy_loss_from_hidden",
     "vocab_parallel_log_probs_from_logits", "vocab_parallel_entropy", "linear_cross_entropy",
 ]
 
@@ -161,6 +161,34 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
             "actor/ppo_kl": ((-d) * m).sum().div(msum).item(),
             "actor/pg_clipfrac_lower": (lower * m).sum().div(msum).item(),
         }
+    return loss * factor, metrics
+
+
+def policy_loss_from_hidden(hidden_states, vocab_weights, input_ids, old_log_prob, advantages, response_mask,
+                            loss_agg_mode="token-mean", config=None, temperature: float = 1.0, loss_mode="vanilla"):
+    """The policy loss of ``loss_mode`` (``"vanilla"`` or ``"gspo"``) straight from the actor's final hidden states,
+    through ``rlkernels.linear_policy_loss`` (three GEMMs: the head's gradient formed in the forward), for an actor
+    that computes its loss from hidden states (verl's fused-kernel path, where ``FusedLinearForPPO`` gives the
+    log-probs): equals ``compute_policy_loss_<loss_mode>(old_log_prob, FusedLinearForPPO()(hidden_states,
+    vocab_weights, input_ids, temperature)[0], ...)``'s loss, except that verl's ±20 log-ratio clamp (vanilla) is not
+    applied (it changes only tokens whose log-ratio passes ±20). ``hidden_states`` ``[B, T, H]``, ``vocab_weights``
+    ``[V, H]``, ``input_ids`` / ``old_log_prob`` / ``advantages`` / ``response_mask`` ``[B, T]``. Returns
+    ``(loss, metrics)``, ``metrics`` rlkernels' (``clipfrac``, ``approx_kl``, ``ratio_mean``, ``token_logp``)."""
+    if config is None:
+        raise ValueError("policy_loss_from_hidden needs verl's actor config (clip_ratio, ...)")
+    if loss_mode not in ("vanilla", "gspo"):
+        raise ValueError(f"loss_mode must be 'vanilla' or 'gspo', got {loss_mode!r}")
+    low, high = _clip_range(config)
+    dual = None
+    if loss_mode == "vanilla":
+        dual = _cfg(config, "clip_ratio_c", 3.0)
+        if not dual > 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {dual}")
+    agg, norm, factor = _agg_plan(response_mask, loss_agg_mode, **_batch_info(config))
+    loss, metrics = rlkernels.linear_policy_loss(
+        hidden_states, vocab_weights, input_ids.to(torch.int64), old_log_prob.detach(), advantages, response_mask,
+        temperature=temperature, clip_low=low, clip_high=high, dual_clip=dual,
+        ratio="token" if loss_mode == "vanilla" else "sequence", agg=agg, norm_length=norm)
     return loss * factor, metrics
 
 
