@@ -448,16 +448,18 @@ def aot_configs():
                 "stride_mb": "i32", "stride_mt": "i32", "gamma": "fp32", "lam": "fp32",
                 "BLOCK_B": "constexpr", "BLOCK_T": "constexpr",
             }
-            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps))
+            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps,
+                                        elements=block_b * block_t))
         sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
-        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS))
+        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
+                                    elements=_WHITEN_BLOCK))
         for shift in (True, False):
             sig = {
                 "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",
                 "SHIFT_MEAN": "constexpr", "BLOCK": "constexpr", "P_BLOCK": "constexpr",
             }
             consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
-            configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS))
+            configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
     for mode in GROUP_MODES:
         for has_index, (block, warps) in ((False, _GROUP_BLOCKS[0]), (False, _GROUP_BLOCKS[1]), (True, _GROUP_BLOCKS[1])):
             sig = {
@@ -465,7 +467,7 @@ def aot_configs():
                 "eps": "fp32", "MODE": "constexpr", "HAS_INDEX": "constexpr", "BLOCK": "constexpr",
             }
             consts = {"MODE": GROUP_MODES.index(mode), "HAS_INDEX": has_index, "BLOCK": block}
-            configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=warps))
+            configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=warps, elements=block))
     return configs
 
 

@@ -296,9 +296,11 @@ def aot_configs() -> list[KernelConfig]:
     out = []
     for dtype in TRITON_DTYPE_NAMES.values():
         for cfg in _LAUNCH_CONFIGS:
-            out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
+            out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages,
+                                   elements=cfg.block_v))
             constexprs = {"BLOCK_V": cfg.block_v, "INTERPRETED": False}
-            out.append(KernelConfig(_logprobs_bwd_kernel, _bwd_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages))
+            out.append(KernelConfig(_logprobs_bwd_kernel, _bwd_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages,
+                                   elements=cfg.block_v))
     return out
 
 
