@@ -219,25 +219,48 @@ def _logprobs_bwd_kernel(
     # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
     safe_label = tl.where(valid & in_range, label, 0)
     x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
-    one_minus_p_y = -expm1((x_y - x_max) * inv_temp - log_s)
-    v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
+    logp_y = (x_y - x_max) * inv_temp - log_s
+    p_y = tl.exp(logp_y)
+    # the label's entry: [g_logp (1 - p_y) - g_H p_y (log p_y + H)] / T, its entropy term 0 where p_y = 0
+    g_y = (g_logp * -expm1(logp_y) - g_ent * tl.where(p_y > 0, p_y * (logp_y + ent), 0.0)) * inv_temp
+    # every other entry: dz_j = -[g_logp + g_H (log p_j + H)] p_j / T with p_j = 2^u_j / s, u_j = (x_j - max)·log2(e)/T
+    # and log p_j = u_j ln 2 - log s, i.e. dz_j = 2^u_j (a + b u_j)
+    a = -(g_logp + g_ent * (ent - log_s)) * inv_temp * inv_s
+    b = -g_ent * 0.6931471805599453 * inv_temp * inv_s
+    c = inv_temp * 1.4426950408889634  # log2(e) / T
+    label32 = tl.where(valid & in_range, label, -1).to(tl.int32)  # never equal to a column when out of range
     cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols  # [BLOCK_V]
-        mask = offs < V
-        # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
-        x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-        # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
-        d = (x - x_max) * inv_temp  # [BLOCK_V]
-        p = tl.exp(d) * inv_s  # [BLOCK_V]
-        logp = d - log_s  # [BLOCK_V]
-        # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
-        d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
-        g = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent  # [BLOCK_V]
-        g = tl.where(valid, g * inv_temp, 0.0)
-        if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
-            g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
-        tl.store(out_ptr + offs, g.to(dlogits_ptr.dtype.element_ty), mask=mask)
+    v_full = V - V % BLOCK_V
+    if valid:
+        for start in range(0, v_full, BLOCK_V):  # full blocks: no mask
+            offs = start + cols  # [BLOCK_V]
+            x = tl.load(row_ptr + offs).to(tl.float32)  # [BLOCK_V]
+            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+            tl.store(out_ptr + offs, g)
+        if v_full < V:
+            offs = v_full + cols  # [BLOCK_V]
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+            tl.store(out_ptr + offs, g, mask=offs < V)
+    else:  # an ignored row: zeros, whatever its logits hold (they are never read)
+        zero = tl.zeros([BLOCK_V], dlogits_ptr.dtype.element_ty)  # [BLOCK_V]
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols  # [BLOCK_V]
+            tl.store(out_ptr + offs, zero, mask=offs < V)
+
+
+@jit
+def _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl.constexpr):
+    """One block of ``dlogits`` in its dtype: ``2^u (a + b u)`` with ``u = (x - max)·c`` clamped below at -1e4
+    (``2^u`` is 0 there either way, and ``p log p`` is then 0·finite at a -inf logit, not NaN; the clamp keeps
+    NaN), ``g_y`` at the label's column."""
+    # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
+    u = tl.maximum((x - x_max) * c, -1.0e4, propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_V]
+    g = tl.math.exp2(u) * (a + b * u)  # [BLOCK_V]
+    g = tl.where(offs == label32, g_y, g)
+    if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
+        g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
+    return g.to(dlogits_ptr.dtype.element_ty)
 
 
 # ---------------------------------------------------------------- launcher
