@@ -6,7 +6,9 @@ Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
   ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
   across chunks);
-- ``triton``: Triton kernels (interpreted on CPU tensors);
+- ``triton``: Triton kernels (interpreted on CPU tensors); contiguous groups of up to 1024
+  take ``_group_tile_kernel`` (many groups per program, one register-resident pass),
+  index-given and larger groups ``_group_kernel`` (one program per group);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
 Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run

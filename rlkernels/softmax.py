@@ -6,13 +6,17 @@ float32 log-softmax (and, for the entropy, the probabilities) of every row;
 here each row is reduced in vocabulary blocks:
 
 - forward: one read of the row, an online log-sum-exp and an online
-  ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``), giving
+  ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``; on a GPU each
+  thread keeps its own running max and sums over its 16-byte chunks, merged
+  across the block once per row, see ``_online_row_stats``), giving
   ``log p_y = (z_y - m) - log s`` and ``H = log s - w / s`` (``z = logits/T``).
   Each row's max logit ``x_max`` (``m = x_max/T``) and shifted sum
   ``s = Σ e^(z-m)`` (``stats`` ``[..., 2]``, the same layout and values in
   every backend) and ``H`` are kept for the backward: O(N).
 - backward: one more read of the row, one write of ``dlogits`` in the logits
-  dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T``, with
+  dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T`` (the Triton
+  kernel writes it as ``2^u (a + b u)`` with per-row ``a, b``, the label's entry
+  formed once per row), with
   ``p_j = e^(z_j - m) / s`` (never ``e^(z_j - lse)`` from one float32 ``lse``,
   which loses ``ulp(|lse|)`` at large logits) and ``1 - p_y`` formed as
   ``-expm1(log p_y)``; ``p log p`` is 0 where ``p = 0`` (a -inf logit).
