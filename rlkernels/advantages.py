@@ -6,7 +6,9 @@ Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
   ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
   across chunks);
-- ``triton``: Triton kernels (interpreted on CPU tensors);
+- ``triton``: Triton kernels (interpreted on CPU tensors); contiguous groups of up to 1024
+  take ``_group_tile_kernel`` (many groups per program, one register-resident pass),
+  index-given and larger groups ``_group_kernel`` (one program per group);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
 Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run
@@ -170,6 +172,38 @@ def _group_kernel(
 
 
 @jit
+def _group_tile_kernel(
+    s_ptr, out_ptr,  # [N] float32, N = G * group_size
+    G, group_size, eps,
+    MODE,  # the position of the mode in GROUP_MODES (a run-time value: one compiled kernel serves every mode)
+    GS: tl.constexpr,  # a power of two >= group_size: the columns of the tile
+    GROUPS: tl.constexpr,  # groups per program: the rows of the tile
+):
+    """Contiguous groups, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
+    read, each group's mean and Σ(s - mean)² from the registers (two passes over registers, none over
+    memory), one write."""
+    g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
+    j = tl.arange(0, GS)  # [GS]
+    ok = (g < G)[:, None] & (j < group_size)[None, :]  # [GROUPS, GS]
+    idx = g[:, None] * group_size + j[None, :]  # [GROUPS, GS] (the launcher checks N < 2**31)
+    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
+    n = group_size.to(tl.float32)
+    mean = block_sum(x, 1) / n  # [GROUPS]
+    # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
+    hi = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
+    lo = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
+    one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
+    constant = (((hi == lo) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
+    d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
+    ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
+    grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps)  # [GROUPS]
+    rloo = n / tl.maximum(n - 1.0, 1.0)  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+    scale = tl.where(MODE == GRPO, grpo, tl.where(MODE == DR_GRPO, 1.0, rloo))  # [GROUPS]
+    y = tl.where(constant[:, None], 0.0, d * scale[:, None])  # [GROUPS, GS]
+    tl.store(out_ptr + idx, y, mask=ok)
+
+
+@jit
 def _sum2(a, b):
     """``(block_sum(a, 0), block_sum(b, 0))`` of two 1-D blocks in ONE reduction: the pair travels
     joined (``[BLOCK, 2]``), so the shuffles and barriers are paid once (two reductions of 8 warps cost
@@ -330,7 +364,11 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
 _GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
-_GROUP_BLOCKS = ((32, 1), (256, 4))  # (BLOCK, num_warps)
+_GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
+# _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
+# stays small), _GROUP_TILE scores per program in _GROUP_TILE_WARPS warps (16 per thread)
+_GROUP_TILE_GS = (16, 64, 256, 1024)
+_GROUP_TILE, _GROUP_TILE_WARPS = 2048, 4
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 
 
@@ -340,10 +378,6 @@ def _gae_config(T: int) -> tuple[int, int, int]:
     if T <= 256:
         return _GAE_CONFIGS[1]
     return _GAE_CONFIGS[2]
-
-
-def _group_config(group_size: int | None) -> tuple[int, int]:
-    return _GROUP_BLOCKS[0] if group_size is not None and group_size <= 32 else _GROUP_BLOCKS[1]
 
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -403,12 +437,19 @@ def _group_triton(scores, group_size, index, mode, eps):
     if N == 0:
         return out
     perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
-    block, warps = _group_config(group_size if index is None else None)
-    kwargs = {"num_warps": warps} if s.is_cuda else {}
     G = starts.numel() - 1
+    if index is None and group_size <= _GROUP_TILE_GS[-1]:
+        gs = next(c for c in _GROUP_TILE_GS if c >= group_size)
+        kwargs = {"num_warps": _GROUP_TILE_WARPS} if s.is_cuda else {}
+        _group_tile_kernel.launch(
+            (cdiv(G, _GROUP_TILE // gs),), s, out, G, group_size, float(eps), GROUP_MODES.index(mode),
+            GS=gs, GROUPS=_GROUP_TILE // gs, **kwargs,
+        )
+        return out
+    kwargs = {"num_warps": _GROUP_WARPS} if s.is_cuda else {}
     _group_kernel.launch(
         (G,), s, out, perm if index is not None else starts, starts, group_size or 0, float(eps),
-        MODE=GROUP_MODES.index(mode), HAS_INDEX=index is not None, BLOCK=block, **kwargs,
+        MODE=GROUP_MODES.index(mode), HAS_INDEX=index is not None, BLOCK=_GROUP_BLOCK, **kwargs,
     )
     return out
 
@@ -448,24 +489,31 @@ def aot_configs():
                 "stride_mb": "i32", "stride_mt": "i32", "gamma": "fp32", "lam": "fp32",
                 "BLOCK_B": "constexpr", "BLOCK_T": "constexpr",
             }
-            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps))
+            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps,
+                                        elements=block_b * block_t))
         sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
-        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS))
+        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
+                                    elements=_WHITEN_BLOCK))
         for shift in (True, False):
             sig = {
                 "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",
                 "SHIFT_MEAN": "constexpr", "BLOCK": "constexpr", "P_BLOCK": "constexpr",
             }
             consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
-            configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS))
+            configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
+    for gs in _GROUP_TILE_GS:
+        sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "G": "i32", "group_size": "i32", "eps": "fp32", "MODE": "i32",
+               "GS": "constexpr", "GROUPS": "constexpr"}
+        consts = {"GS": gs, "GROUPS": _GROUP_TILE // gs}
+        configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=_GROUP_TILE_WARPS, elements=_GROUP_TILE))
     for mode in GROUP_MODES:
-        for has_index, (block, warps) in ((False, _GROUP_BLOCKS[0]), (False, _GROUP_BLOCKS[1]), (True, _GROUP_BLOCKS[1])):
+        for has_index in (False, True):
             sig = {
                 "s_ptr": "*fp32", "out_ptr": "*fp32", "perm_ptr": "*i64", "starts_ptr": "*i64", "group_size": "i32",
                 "eps": "fp32", "MODE": "constexpr", "HAS_INDEX": "constexpr", "BLOCK": "constexpr",
             }
-            consts = {"MODE": GROUP_MODES.index(mode), "HAS_INDEX": has_index, "BLOCK": block}
-            configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=warps))
+            consts = {"MODE": GROUP_MODES.index(mode), "HAS_INDEX": has_index, "BLOCK": _GROUP_BLOCK}
+            configs.append(KernelConfig(_group_kernel, sig, consts, num_warps=_GROUP_WARPS, elements=_GROUP_BLOCK))
     configs.extend(_process_aot_configs())
     return configs
 

@@ -362,7 +362,8 @@ def aot_configs() -> list[KernelConfig]:
     kl_sig = {"logp_ptr": "*bf16", "ref_ptr": "*bf16", "kl_ptr": "*fp32", "grad_ptr": "*fp32", "N": "i32",
               "EST": "constexpr", "WRITE_GRAD": "constexpr", "BLOCK": "constexpr"}
     configs = [
-        KernelConfig(_kl_kernel, kl_sig, {"EST": est, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_KL}, num_warps=NUM_WARPS)
+        KernelConfig(_kl_kernel, kl_sig, {"EST": est, "WRITE_GRAD": write_grad, "BLOCK": BLOCK_KL}, num_warps=NUM_WARPS,
+                     elements=BLOCK_KL)
         for est in range(len(KL_ESTIMATORS)) for write_grad in (False, True)
     ]
     policy_sig = {name: "*bf16" for name in ("logp_ptr", "old_ptr", "adv_ptr", "ref_ptr", "ent_ptr")}
@@ -375,12 +376,13 @@ def aot_configs() -> list[KernelConfig]:
         for has_ent in (False, True):
             for seq in (False, True):
                 constexprs = {"HAS_REF": has_ref, "KL_EST": est, "HAS_ENT": has_ent, "SEQ_RATIO": seq, "BLOCK": BLOCK_T}
-                configs.append(KernelConfig(_policy_kernel, policy_sig, constexprs, num_warps=POLICY_WARPS))
+                configs.append(KernelConfig(_policy_kernel, policy_sig, constexprs, num_warps=POLICY_WARPS, elements=BLOCK_T))
     value_sig = {"v_ptr": "*bf16", "old_ptr": "*bf16", "ret_ptr": "*bf16", "mask_ptr": "*u8", "g_v_ptr": "*fp32",
                  "part_ptr": "*fp32", "T": "i32", "stride_v": "i32", "stride_old": "i32", "stride_ret": "i32",
                  "stride_mask": "i32", "clip": "fp32", "HAS_CLIP": "constexpr", "BLOCK": "constexpr"}
     for has_clip in (False, True):
-        configs.append(KernelConfig(_value_kernel, value_sig, {"HAS_CLIP": has_clip, "BLOCK": BLOCK_T}, num_warps=NUM_WARPS))
+        configs.append(KernelConfig(_value_kernel, value_sig, {"HAS_CLIP": has_clip, "BLOCK": BLOCK_T}, num_warps=NUM_WARPS,
+                                    elements=BLOCK_T))
     return configs
 
 

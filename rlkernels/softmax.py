@@ -6,13 +6,17 @@ float32 log-softmax (and, for the entropy, the probabilities) of every row;
 here each row is reduced in vocabulary blocks:
 
 - forward: one read of the row, an online log-sum-exp and an online
-  ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``), giving
+  ``Σ e^(z-m) (z-m)`` (both shifted by the running max ``m``; on a GPU each
+  thread keeps its own running max and sums over its 16-byte chunks, merged
+  across the block once per row, see ``_online_row_stats``), giving
   ``log p_y = (z_y - m) - log s`` and ``H = log s - w / s`` (``z = logits/T``).
   Each row's max logit ``x_max`` (``m = x_max/T``) and shifted sum
   ``s = Σ e^(z-m)`` (``stats`` ``[..., 2]``, the same layout and values in
   every backend) and ``H`` are kept for the backward: O(N).
 - backward: one more read of the row, one write of ``dlogits`` in the logits
-  dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T``, with
+  dtype: ``dz_j = [g_logp (δ_jy - p_j) - g_H p_j (log p_j + H)] / T`` (the Triton
+  kernel writes it as ``2^u (a + b u)`` with per-row ``a, b``, the label's entry
+  formed once per row), with
   ``p_j = e^(z_j - m) / s`` (never ``e^(z_j - lse)`` from one float32 ``lse``,
   which loses ``ulp(|lse|)`` at large logits) and ``1 - p_y`` formed as
   ``-expm1(log p_y)``; ``p log p`` is 0 where ``p = 0`` (a -inf logit).
@@ -55,40 +59,72 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema
-from rlkernels._triton import jit, tl
+from rlkernels._triton import HAS_TRITON, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
 
 
+# the most negative finite float32: each tile row's shift before it has seen anything (a constexpr: a @jit global)
+_FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38) if HAS_TRITON else -3.4028234663852886e38
+
+
 @jit
-def _online_row_stats(row_ptr, V, v_end, inv_temp, BLOCK_V: tl.constexpr):
+def _tile_update(x, m_r, s_r, w_r, c):
+    """Fold a ``[CHUNKS, ROWS, VEC]`` tile of logits ``x`` (float32) into the tile rows' running max ``m_r``,
+    ``s_r = Σ 2^u`` and ``w_r = Σ 2^u u`` (``u = (x - m_r)·c``, ``c = log2(e)/T``), all ``[ROWS]``."""
+    m_new = tl.maximum(m_r, block_max(block_max(x, 2), 0))  # [ROWS]; finite unless the row holds +inf (NaN follows)
+    # m - m' <= 0; clamped at -1e4 (2^-1e4 is 0) so a row that saw nothing (m = lowest) never gives -inf·0
+    step = tl.maximum((m_r - m_new) * c, -1.0e4)  # [ROWS]
+    alpha = tl.math.exp2(step)  # [ROWS]
+    # u clamped below at -1e4 (2^u is 0 there either way): 2^u·u is then 0·finite at a -inf logit, not
+    # NaN; the clamp keeps NaN (a NaN logit poisons its row as everywhere else)
+    u = tl.maximum((x - m_new[None, :, None]) * c, -1.0e4, propagate_nan=tl.PropagateNan.ALL)  # [CHUNKS, ROWS, VEC]
+    e = tl.math.exp2(u)  # [CHUNKS, ROWS, VEC]
+    # re-centre w on the new max: Σ 2^(u')(u') = α (w + (m - m')c s)
+    w_r = alpha * (w_r + step * s_r) + block_sum(block_sum(e * u, 2), 0)
+    s_r = alpha * s_r + block_sum(block_sum(e, 2), 0)
+    return m_new, s_r, w_r
+
+
+@jit
+def _online_row_stats(row_ptr, V, v_end, inv_temp, BLOCK_V: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
     """One read of a row's first ``v_end`` logits (``V`` or 0) in blocks: ``(x_max, s, w)``, its max logit,
-    ``s = Σ e^(z - m)`` and ``w = Σ e^(z - m) (z - m)`` with ``z = x/T``, ``m = x_max/T``, kept as running values
-    re-centred on every new max (online log-sum-exp)."""
-    cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    # Everything is shifted by the running max logit before the temperature scales it: z - max(z) =
-    # (x - x_max)/T is then exactly 0 at the max and exact near it at any magnitude. (x·inv_temp - m,
-    # which the compiler contracts into one fma, would leave the product's rounding residual at the
-    # max: up to ulp(m)/2, which e^(·) cannot absorb once |logits/T| passes ~1e9.)
-    x_max = tl.full([], float("-inf"), tl.float32)  # running max logit
-    s = tl.full([], 0.0, tl.float32)  # Σ e^(z - m), m = x_max / T
-    w = tl.full([], 0.0, tl.float32)  # Σ e^(z - m) (z - m)
-    for start in range(0, v_end, BLOCK_V):
-        offs = start + cols  # [BLOCK_V]
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-        x_new = tl.maximum(x_max, block_max(x, 0))
-        # a row whose values so far are all -inf keeps a finite shift, so no -inf - -inf
-        x_safe = tl.where(x_new == float("-inf"), 0.0, x_new)
-        step = (x_max - x_safe) * inv_temp  # m - m' <= 0 (-inf while nothing was seen)
-        alpha = tl.exp(step)
-        d = (x - x_safe) * inv_temp  # [BLOCK_V] z - m'
-        e = tl.exp(d)  # [BLOCK_V]
-        # re-centre w on the new max: Σ e^(z-m')(z-m') = α (w + (m - m') s)
-        shift = tl.where(alpha > 0, step, 0.0)  # m = -inf (nothing seen yet) has s = w = 0
-        w = alpha * (w + shift * s)
-        w += block_sum(e * tl.where(e > 0, d, 0.0), 0)
-        s = alpha * s + block_sum(e, 0)
-        x_max = x_new
+    ``s = Σ e^(z - m)`` and ``w = Σ e^(z - m) (z - m)`` with ``z = x/T``, ``m = x_max/T``.
+
+    A block of ``BLOCK_V`` logits is a ``[CHUNKS, ROWS, VEC]`` tile: tile row ``r`` holds the ``VEC``
+    consecutive logits (16 bytes) at ``r·VEC + k·ROWS·VEC`` for each chunk ``k`` (a warp's loads are
+    contiguous). With ``ROWS`` = the program's threads, each thread owns one tile row and keeps its own
+    running max, ``Σ 2^u`` and ``Σ 2^u u`` (an online log-sum-exp, base 2: ``u = (x - max)·log2(e)/T``), in
+    registers. The tile rows are merged across the block once, after the loop: an iteration has no shuffle,
+    barrier or shared memory. The full blocks are read without a mask, the last partial block (if any)
+    after the loop."""
+    CHUNKS: tl.constexpr = BLOCK_V // (ROWS * VEC)
+    offs0 = (tl.arange(0, CHUNKS)[:, None, None] * (ROWS * VEC) + tl.arange(0, ROWS)[None, :, None] * VEC
+             + tl.arange(0, VEC)[None, None, :])  # [CHUNKS, ROWS, VEC]
+    # Everything is shifted by a max logit before the temperature scales it: z - max(z) = (x - x_max)/T is
+    # then exactly 0 at the max and exact near it at any magnitude (x·inv_temp - m, which the compiler
+    # contracts into one fma, would leave the product's rounding residual at the max: up to ulp(m)/2, which
+    # e^(·) cannot absorb once |logits/T| passes ~1e9).
+    c = inv_temp * 1.4426950408889634  # log2(e) / T
+    m_r = tl.full([ROWS], _FLOAT32_LOWEST, tl.float32)  # running max logit of each tile row
+    s_r = tl.full([ROWS], 0.0, tl.float32)  # Σ 2^u over the tile row's logits so far
+    w_r = tl.full([ROWS], 0.0, tl.float32)  # Σ 2^u u
+    v_full = v_end - v_end % BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        x = tl.load(row_ptr + start + offs0).to(tl.float32)  # [CHUNKS, ROWS, VEC]
+        m_r, s_r, w_r = _tile_update(x, m_r, s_r, w_r, c)
+    if v_full < v_end:
+        offs = v_full + offs0  # [CHUNKS, ROWS, VEC]
+        x = tl.load(row_ptr + offs, mask=offs < v_end, other=float("-inf")).to(tl.float32)  # [CHUNKS, ROWS, VEC]
+        m_r, s_r, w_r = _tile_update(x, m_r, s_r, w_r, c)
+    # merge the tile rows, each re-centred on the row's max x_max
+    x_max = block_max(m_r, 0)
+    step = tl.maximum((m_r - x_max) * c, -1.0e4)  # [ROWS]
+    f = tl.math.exp2(step)  # [ROWS]
+    s = block_sum(f * s_r, 0)
+    w = block_sum(f * (w_r + step * s_r), 0) * 0.6931471805599453  # base 2 -> natural: Σ e^(z-m)(z-m)
+    # a row of only -inf logits saw nothing (s = 0): its max is -inf, not the initial shift
+    x_max = tl.where(s == 0.0, float("-inf"), x_max)
     return x_max, s, w
 
 
@@ -106,6 +142,8 @@ def _logprobs_fwd_kernel(
     inv_temp,  # 1 / temperature
     ignore_index,
     BLOCK_V: tl.constexpr,
+    ROWS: tl.constexpr,  # tile rows per block: the program's threads (see _online_row_stats)
+    VEC: tl.constexpr,  # logits per 16 bytes
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
@@ -113,7 +151,7 @@ def _logprobs_fwd_kernel(
     valid = label != ignore_index
     in_range = (label >= 0) & (label < V)
     # ignored rows run zero iterations: their logits are never read
-    x_max, s, w = _online_row_stats(row_ptr, V, tl.where(valid, V, 0), inv_temp, BLOCK_V)
+    x_max, s, w = _online_row_stats(row_ptr, V, tl.where(valid, V, 0), inv_temp, BLOCK_V, ROWS, VEC)
     s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
     # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
     x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
@@ -185,25 +223,48 @@ def _logprobs_bwd_kernel(
     # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
     safe_label = tl.where(valid & in_range, label, 0)
     x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
-    one_minus_p_y = -expm1((x_y - x_max) * inv_temp - log_s)
-    v_read = tl.where(valid, V, 0)  # ignored rows read nothing and write zeros
+    logp_y = (x_y - x_max) * inv_temp - log_s
+    p_y = tl.exp(logp_y)
+    # the label's entry: [g_logp (1 - p_y) - g_H p_y (log p_y + H)] / T, its entropy term 0 where p_y = 0
+    g_y = (g_logp * -expm1(logp_y) - g_ent * tl.where(p_y > 0, p_y * (logp_y + ent), 0.0)) * inv_temp
+    # every other entry: dz_j = -[g_logp + g_H (log p_j + H)] p_j / T with p_j = 2^u_j / s, u_j = (x_j - max)·log2(e)/T
+    # and log p_j = u_j ln 2 - log s, i.e. dz_j = 2^u_j (a + b u_j)
+    a = -(g_logp + g_ent * (ent - log_s)) * inv_temp * inv_s
+    b = -g_ent * 0.6931471805599453 * inv_temp * inv_s
+    c = inv_temp * 1.4426950408889634  # log2(e) / T
+    label32 = tl.where(valid & in_range, label, -1).to(tl.int32)  # never equal to a column when out of range
     cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols  # [BLOCK_V]
-        mask = offs < V
-        # masked lanes (and ignored rows) read -inf: p = 0 there, no overflow in exp
-        x = tl.load(row_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-        # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
-        d = (x - x_max) * inv_temp  # [BLOCK_V]
-        p = tl.exp(d) * inv_s  # [BLOCK_V]
-        logp = d - log_s  # [BLOCK_V]
-        # p log p → 0 as p → 0 (a -inf logit must not give 0 * -inf); NaN p stays NaN through the product
-        d_ent = -g_ent * p * tl.where(p > 0, logp + ent, 0.0)  # [BLOCK_V]
-        g = tl.where(offs == label, g_logp * one_minus_p_y, -g_logp * p) + d_ent  # [BLOCK_V]
-        g = tl.where(valid, g * inv_temp, 0.0)
-        if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
-            g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
-        tl.store(out_ptr + offs, g.to(dlogits_ptr.dtype.element_ty), mask=mask)
+    v_full = V - V % BLOCK_V
+    if valid:
+        for start in range(0, v_full, BLOCK_V):  # full blocks: no mask
+            offs = start + cols  # [BLOCK_V]
+            x = tl.load(row_ptr + offs).to(tl.float32)  # [BLOCK_V]
+            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+            tl.store(out_ptr + offs, g)
+        if v_full < V:
+            offs = v_full + cols  # [BLOCK_V]
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+            tl.store(out_ptr + offs, g, mask=offs < V)
+    else:  # an ignored row: zeros, whatever its logits hold (they are never read)
+        zero = tl.zeros([BLOCK_V], dlogits_ptr.dtype.element_ty)  # [BLOCK_V]
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols  # [BLOCK_V]
+            tl.store(out_ptr + offs, zero, mask=offs < V)
+
+
+@jit
+def _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl.constexpr):
+    """One block of ``dlogits`` in its dtype: ``2^u (a + b u)`` with ``u = (x - max)·c`` clamped below at -1e4
+    (``2^u`` is 0 there either way, and ``p log p`` is then 0·finite at a -inf logit, not NaN; the clamp keeps
+    NaN), ``g_y`` at the label's column."""
+    # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
+    u = tl.maximum((x - x_max) * c, -1.0e4, propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_V]
+    g = tl.math.exp2(u) * (a + b * u)  # [BLOCK_V]
+    g = tl.where(offs == label32, g_y, g)
+    if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
+        g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
+    return g.to(dlogits_ptr.dtype.element_ty)
 
 
 # ---------------------------------------------------------------- launcher
@@ -244,8 +305,8 @@ class _LaunchConfig:
 
 
 # The launcher picks from this fixed set only (by V); aot_configs() compiles each one.
-_SMALL_V = _LaunchConfig(block_v=1024, num_warps=4, num_stages=2)  # V <= 1024: one block per row
-_LARGE_V = _LaunchConfig(block_v=4096, num_warps=8, num_stages=2)  # 16 elements per thread per block
+_SMALL_V = _LaunchConfig(block_v=1024, num_warps=1, num_stages=2)  # V <= 1024: one block per row, 32 elements per thread
+_LARGE_V = _LaunchConfig(block_v=8192, num_warps=8, num_stages=2)  # 32 elements per thread per block
 _LAUNCH_CONFIGS = (_SMALL_V, _LARGE_V)
 
 # Below this, exp() is exactly 0 in float32 and float64: clamping log p (or z - m) to it turns
@@ -275,8 +336,13 @@ def _fwd_signature(dtype: str) -> dict:
     return {
         "logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
         "stats_ptr": "*fp32", "stride_outer": "i64", "stride_inner": "i64", "inner": "i32", "V": "i32",
-        "inv_temp": "fp32", "ignore_index": "i64", "BLOCK_V": "constexpr",
+        "inv_temp": "fp32", "ignore_index": "i64", "BLOCK_V": "constexpr", "ROWS": "constexpr", "VEC": "constexpr",
     }  # fmt: skip
+
+
+def _fwd_constexprs(cfg: _LaunchConfig, dtype: str) -> dict:
+    """The forward's tile: one tile row per thread, 16 bytes of logits per chunk."""
+    return {"BLOCK_V": cfg.block_v, "ROWS": 32 * cfg.num_warps, "VEC": 16 // (4 if dtype == "fp32" else 2)}
 
 
 def _bwd_signature(dtype: str) -> dict:
@@ -296,9 +362,11 @@ def aot_configs() -> list[KernelConfig]:
     out = []
     for dtype in TRITON_DTYPE_NAMES.values():
         for cfg in _LAUNCH_CONFIGS:
-            out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), {"BLOCK_V": cfg.block_v}, cfg.num_warps, cfg.num_stages))
+            out.append(KernelConfig(_logprobs_fwd_kernel, _fwd_signature(dtype), _fwd_constexprs(cfg, dtype), cfg.num_warps, cfg.num_stages,
+                                   elements=cfg.block_v))
             constexprs = {"BLOCK_V": cfg.block_v, "INTERPRETED": False}
-            out.append(KernelConfig(_logprobs_bwd_kernel, _bwd_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages))
+            out.append(KernelConfig(_logprobs_bwd_kernel, _bwd_signature(dtype), constexprs, cfg.num_warps, cfg.num_stages,
+                                   elements=cfg.block_v))
     return out
 
 
@@ -518,7 +586,7 @@ def _triton_forward(logits, labels, opt: LogprobsOptions):
         cfg = _launch_config(V)
         _logprobs_fwd_kernel.launch(
             (N,), rows, lab, logp, entropy, stats, rows.stride(0), rows.stride(1), I, V, 1.0 / opt.temperature, opt.ignore_index,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_fwd_constexprs(cfg, TRITON_DTYPE_NAMES[logits.dtype]), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if not opt.return_entropy:
         entropy.zero_()  # as the torch backend: the op's outputs do not depend on the backend

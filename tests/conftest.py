@@ -30,12 +30,22 @@ def smollm2_dir(tmp_path_factory):
     return dequantized_smollm2(cache_dir=tmp_path_factory.mktemp("rlkernels-cache"))
 
 
+def _sass_columns(r) -> str:
+    """CTAs per SM and, where the configuration says how many elements an iteration handles, the main loop's
+    SASS instructions per element per thread (rlkernels.testing.aot)."""
+    ctas = getattr(r, "ctas_per_sm", 0)
+    per_element = getattr(r, "instructions_per_element", 0.0)
+    if not ctas:
+        return ""
+    return f"{ctas:2d} CTAs/SM  " + (f"{per_element:6.1f} SASS/elem  " if per_element else " " * 18)
+
+
 def _aot_table(reports) -> str:
     lines = [f"Triton kernels compiled ahead of time: {len(reports)} (configuration x arch)"]
     for r in reports:
         lines.append(
             f"sm_{r.arch}  {r.registers:3d} regs  {r.spill_bytes:4d} B spilled  {r.shared_bytes:6d} B shared  "
-            f"loads {r.widest_load_bytes:2d} B  {'aligned  ' if r.aligned else 'unaligned'}  {r.label}"
+            f"loads {r.widest_load_bytes:2d} B  {'aligned  ' if r.aligned else 'unaligned'}  {_sass_columns(r)}{r.label}"
         )
     spilling = sum(1 for r in reports if r.spill_bytes)
     lines.append(f"{spilling} of {len(reports)} spill")

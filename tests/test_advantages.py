@@ -173,7 +173,8 @@ def check_group(backend, scores, group_size=None, index=None, mode="grpo", devic
 @pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
 def test_group_contiguous(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(7)
-    for group_size in (1, 2, 5, 16, 64):
+    # 1-64: Triton's tile kernel (many groups per program, padded columns, a partial last tile); 1100: one program per group
+    for group_size in (1, 2, 5, 16, 64, 1100):
         scores = torch.randn(group_size * 6, generator=gen) * 3 + 1
         scores[group_size : 2 * group_size] = 0.7  # a constant group
         out = check_group(backend, scores, group_size, mode=mode, device=device)

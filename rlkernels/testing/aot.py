@@ -10,6 +10,19 @@ and integer arguments divisible by 16 (row strides of vocabularies such as
 128256 or 151936) are marked ``tt.divisibility=16``, which is what lets it emit
 16-byte vector loads. ``aligned=True`` compiles that specialization; the
 default compiles the unaligned one (odd sizes such as V = 4097).
+
+SASS instruction budgets. The report also reads the cubin's SASS (``nvdisasm``): the
+main loop is the range of each outermost backward branch (a loop the compiler kept; a
+branch to itself, the trap after ``EXIT``, is not one), and its instruction count per
+element each thread handles in one iteration is the proxy for the issue cost of a
+memory-bound kernel. Why it matters: an H100 SM issues 128 lane-instructions per clock
+and its share of HBM bandwidth is about 12.8 B per clock, so a kernel moving ``b`` bytes
+per element stays memory-bound only below ``128·b/12.8 = 10·b`` instructions per element.
+A kernel without a loop (one tile per program) is counted whole, from its first
+instruction to its last ``EXIT``. ``KernelConfig.elements`` says how many elements one
+program handles per loop iteration (per program when there is no loop); configurations
+without it get no per-element figure. CTAs per SM follow from registers, warps and
+shared memory (:func:`ctas_per_sm`).
 """
 from __future__ import annotations
 
@@ -29,6 +42,9 @@ class KernelConfig:
     constexprs: dict = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    # elements (tokens, scores, logits) one program handles per iteration of its main loop, or per program
+    # when the kernel has no loop; 0: no per-element instruction count for this configuration
+    elements: int = 0
 
     @property
     def label(self) -> str:
@@ -50,19 +66,87 @@ class CompileReport:
     widest_load_bytes: int  # the widest global load per thread in the PTX (16 = fully vectorized)
     async_copies: int  # cp.async instructions in the PTX: tiles staged asynchronously (software pipelining)
     tensor_core_ops: int  # wgmma (sm_90) or mma.sync (sm_80) instructions in the PTX
+    num_warps: int = 4
+    loop_instructions: int = 0  # SASS instructions in the main loop body (all outermost loops), or the whole kernel
+    elements_per_thread: float = 0.0  # elements one thread handles per loop iteration (0: not given)
+    ctas_per_sm: int = 0  # resident CTAs per SM (registers, warps, shared memory)
+
+    @property
+    def instructions_per_element(self) -> float:
+        """SASS instructions of the main loop per element per thread (0 when the elements are not given)."""
+        return self.loop_instructions / self.elements_per_thread if self.elements_per_thread else 0.0
 
     def __str__(self) -> str:
+        per_element = f", {self.instructions_per_element:.1f} SASS/element" if self.elements_per_thread else ""
         return (
             f"sm_{self.arch} {self.label}{' aligned' if self.aligned else ''}: {self.registers} regs, "
-            f"{self.spill_bytes} B spilled/local, {self.shared_bytes} B shared, loads up to {self.widest_load_bytes} B"
+            f"{self.spill_bytes} B spilled/local, {self.shared_bytes} B shared, loads up to {self.widest_load_bytes} B, "
+            f"{self.ctas_per_sm} CTAs/SM{per_element}"
         )
 
 
-def _cuobjdump() -> str:
+def _nvidia_tool(name: str) -> str:
+    """Triton's bundled ``cuobjdump``/``nvdisasm``, else the one on ``PATH``."""
     import triton
 
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return bundled if os.path.exists(bundled) else "cuobjdump"
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return bundled if os.path.exists(bundled) else name
+
+
+def _cuobjdump() -> str:
+    return _nvidia_tool("cuobjdump")
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")
+
+
+def sass_instructions(sass: str) -> list[tuple[int, str, int | None]]:
+    """``nvdisasm`` text -> ``[(address, instruction, branch target address or None)]`` in address order."""
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    rows: list[tuple[int, str, str | None]] = []
+    for line in sass.splitlines():
+        label = _LABEL.match(line.strip())
+        if label:
+            pending.append(label.group(1))
+        found = _SASS_LINE.search(line)
+        if found:
+            address = int(found.group(1), 16)
+            for name in pending:
+                labels[name] = address
+            pending = []
+            branch = _BRANCH.search(found.group(2))
+            rows.append((address, found.group(2).strip(), branch.group(1) if branch else None))
+    return [(a, text, labels.get(t) if t else None) for a, text, t in rows]
+
+
+def main_loop_instructions(sass: str) -> int:
+    """Instructions inside the outermost loops (backward branches' ranges, a branch to itself excluded),
+    summed; the whole kernel up to its last ``EXIT`` when it has no loop."""
+    rows = sass_instructions(sass)
+    loops = sorted({(t, a) for a, _, t in rows if t is not None and t < a}, key=lambda r: (r[0], -r[1]))
+    outer: list[tuple[int, int]] = []
+    for lo, hi in loops:
+        if not outer or lo > outer[-1][1]:
+            outer.append((lo, hi))
+    if outer:
+        return sum(sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in outer)
+    exits = [a for a, text, _ in rows if re.search(r"\bEXIT\b", text)]
+    return sum(1 for a, _, _ in rows if a <= max(exits, default=-1))
+
+
+def ctas_per_sm(arch: int, registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident CTAs per SM on sm_80/sm_90: 64 K registers allocated per warp in units of 256 (8 per
+    thread), at most 64 warps and 32 CTAs, and shared memory (164 KiB on sm_80, 228 KiB on sm_90, of
+    which 1 KiB per CTA is reserved)."""
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_registers = (65536 // per_warp) // num_warps
+    by_warps = 64 // num_warps
+    smem = (228 if arch >= 90 else 164) * 1024
+    by_shared = smem // (shared_bytes + 1024)
+    return max(0, min(by_registers, by_warps, 32, by_shared))
 
 
 COMPILED: list[CompileReport] = []  # every report made in this process, for the test session's summary
@@ -86,8 +170,20 @@ def _alignment_attrs(config: KernelConfig) -> dict:
     return attrs
 
 
+_REPORTS: dict[tuple, CompileReport] = {}  # (kernel, label, signature, arch, aligned) -> its report, once per process
+
+
 def compile_config(config: KernelConfig, arch: int, *, aligned: bool = False) -> CompileReport:
-    """Compile ``config`` for ``sm_<arch>`` and report its resources (raises if it does not build)."""
+    """Compile ``config`` for ``sm_<arch>`` and report its resources (raises if it does not build). A configuration
+    compiled before in this process is reported from memory (several tests read the same configurations)."""
+    key = (config.kernel, config.label, tuple(config.signature.items()), config.elements, arch, aligned)
+    if key not in _REPORTS:
+        _REPORTS[key] = _compile(config, arch, aligned)
+        COMPILED.append(_REPORTS[key])
+    return _REPORTS[key]
+
+
+def _compile(config: KernelConfig, arch: int, aligned: bool) -> CompileReport:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,21 +200,27 @@ def compile_config(config: KernelConfig, arch: int, *, aligned: bool = False) ->
         f.write(cubin)
         f.flush()
         usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
+    registers = int(regs.group(1)) if regs else -1
+    shared = int(compiled.metadata.shared)
     report = CompileReport(
         label=config.label,
         arch=arch,
         aligned=aligned,
-        registers=int(regs.group(1)) if regs else -1,
+        registers=registers,
         spill_bytes=(int(stack.group(1)) if stack else 0) + (int(local.group(1)) if local else 0),
-        shared_bytes=int(compiled.metadata.shared),
+        shared_bytes=shared,
         ptx_bytes=len(compiled.asm["ptx"]),
         cubin_bytes=len(cubin),
         widest_load_bytes=_widest_load_bytes(compiled.asm["ptx"]),
         async_copies=len(re.findall(r"\bcp\.async\b", compiled.asm["ptx"])),
         tensor_core_ops=len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\b", compiled.asm["ptx"])),
+        num_warps=config.num_warps,
+        loop_instructions=main_loop_instructions(sass),
+        elements_per_thread=config.elements / (32 * config.num_warps),
+        ctas_per_sm=ctas_per_sm(arch, registers, config.num_warps, shared),
     )
-    COMPILED.append(report)
     return report
