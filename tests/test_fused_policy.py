@@ -55,7 +55,8 @@ def _truth(x, options, upstream, dtype_cast, *, with_bias=True):
     ent_on = opts.get("entropy_coef", 0.0) != 0
     out = ref.linear_logprobs(h, w, x["labels"], bias=b, temperature=temperature, return_entropy=ent_on)
     logp, ent = out if ent_on else (out, None)
-    loss, metrics = ref.policy_loss(logp, x["old_logp"].to(logp.dtype), x["advantages"].to(logp.dtype), x["mask"],
+    old = logp.detach() if x["old_logp"] is None else x["old_logp"].to(logp.dtype)  # None: on-policy
+    loss, metrics = ref.policy_loss(logp, old, x["advantages"].to(logp.dtype), x["mask"],
                                     ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **opts)
     wrt = [h, w] + ([b] if with_bias else [])
     grads = torch.autograd.grad(loss * upstream, wrt)
@@ -256,6 +257,97 @@ def test_bad_input_names_the_argument(bad, match):
         (args if k in args else kwargs)[k] = v
     with pytest.raises((ValueError, TypeError), match=match):
         rlkernels.linear_policy_loss(*args.values(), **kwargs)
+
+
+# ---------------------------------------------------------------- on-policy: old_logp=None
+
+ON_POLICY_CASES = [  # every agg mode; GSPO; the KL and entropy terms on top of ratio 1
+    ("token-mean", dict()),
+    ("seq-mean-token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, temperature=0.7)),
+    ("seq-mean-token-sum", dict(ratio="sequence", kl_coef=0.05, kl_estimator="k1")),
+    ("seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, dual_clip=3.0)),
+]
+assert {agg for agg, _ in ON_POLICY_CASES} == set(AGGS)
+
+
+def _on_policy_check(x, agg, options, dtype, backend):
+    """linear_policy_loss(old_logp=None) against the float64 truth of policy_loss(logp, logp.detach(), ...) on
+    the rounded inputs, and against the two-op composition with linear_logprobs' own log-probs detached."""
+    x = dict(x, old_logp=None)
+    options = dict(options, agg=agg)
+    upstream = 1.0 if dtype == torch.bfloat16 else 1.3
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, backend)
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    torch.testing.assert_close(metrics["ratio_mean"], torch.tensor(1.0), rtol=0, atol=0)  # ratio 1 in value
+    assert float(metrics["clipfrac"]) == 0.0
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+    # the two-op path the trainer falls back to: policy_loss on linear_logprobs' output, old = it detached
+    h, w, b = (x[k].to(dtype).detach().requires_grad_() for k in ("hidden", "weight", "bias"))
+    temperature = options.pop("temperature", 1.0)
+    ent_on = options.get("entropy_coef", 0.0) != 0
+    with forced_backend(backend):
+        out = rlkernels.linear_logprobs(h, w, x["labels"], bias=b, temperature=temperature, return_entropy=ent_on)
+    logp, ent = out if ent_on else (out, None)
+    two_loss, _ = rlkernels.policy_loss(logp, logp.detach(), x["advantages"], x["mask"], ref_logp=x["ref_logp"],
+                                        entropy=ent, **options)
+    two = torch.autograd.grad(two_loss * upstream, (h, w, b))
+    torch.testing.assert_close(loss, two_loss.float(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, two):
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name} vs two-op")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg, options", ON_POLICY_CASES, ids=lambda o: o if isinstance(o, str) else
+                         ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_on_policy_old_logp_none(backend, agg, options, monkeypatch):
+    """old_logp=None: old = the op's own log-probs detached (several token chunks / whole-sequence chunks)."""
+    monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", 4 * 300 * 8)  # 8 tokens (or one sequence) a chunk
+    x = _inputs(4, 7, 16, 300, seed=zlib.crc32(f"on{agg}".encode()) % 1000,
+                adv_per_seq=options.get("ratio") == "sequence")
+    _on_policy_check(x, agg, options, torch.float32, backend)
+
+
+@pytest.mark.parametrize("dtype, case", [(torch.float32, 1), (torch.bfloat16, 2)], ids=["float32", "bfloat16"])
+def test_on_policy_old_logp_none_triton(dtype, case, monkeypatch):
+    """The Triton row (interpreter on CPU) with old_logp=None, two chunks."""
+    pytest.importorskip("triton")
+    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    agg, options = ON_POLICY_CASES[case]
+    x = _inputs(4, 5, 16, 200, seed=31, adv_per_seq=options.get("ratio") == "sequence")
+    _on_policy_check(x, agg, options, dtype, "triton")
+
+
+def test_on_policy_logits_policy_loss():
+    """logits_policy_loss(old_logp=None) against the float64 truth of policy_loss(logp, logp.detach(), ...)."""
+    x = _inputs(3, 6, 8, 500, seed=13, adv_per_seq=True)
+    logits = torch.randn(3, 6, 500, generator=_gen(14)) * 2  # [B, T, V]
+    options = dict(ratio="sequence", kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
+
+    def truth():
+        z = logits.double().requires_grad_()
+        logp, ent = ref.logprobs(z, x["labels"], temperature=0.9, return_entropy=True)
+        loss, _ = ref.policy_loss(logp, logp.detach(), x["advantages"].double(), x["mask"],
+                                  ref_logp=x["ref_logp"].double(), entropy=ent, **options)
+        return loss, torch.autograd.grad(loss, z)[0]
+
+    t_loss, t_grad = truth()
+    for backend in BACKENDS:
+        z = logits.clone().requires_grad_()
+        with forced_backend(backend):
+            loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
+                                                         ref_logp=x["ref_logp"], temperature=0.9, **options)
+            (grad,) = torch.autograd.grad(loss, z)
+        torch.testing.assert_close(loss.double(), t_loss, rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=backend)
+        assert float(metrics["ratio_mean"]) == 1.0
+        assert_close_to_truth(grad, t_grad, torch.float32, name=f"d_logits ({backend})")
 
 
 # ---------------------------------------------------------------- logits_policy_loss
