@@ -81,6 +81,7 @@ class FusedPolicyOptions:
 
     temperature: float  # > 0: divides the logits
     ignore_index: int  # labels equal to it give logp = entropy = 0 and no gradient (as in linear_logprobs)
+    return_entropy: bool  # the entropy (metric and token_entropy) also with entropy_coef 0, for logging
     clip_low: float
     clip_high: float
     dual_clip: float | None
@@ -101,14 +102,15 @@ class FusedPolicyOptions:
 
     @property
     def with_entropy(self) -> bool:
-        return self.entropy_coef != 0
+        """Whether the entropy is computed (and reported): in the loss, or asked for with ``return_entropy``."""
+        return self.entropy_coef != 0 or self.return_entropy
 
 
 # ---------------------------------------------------------------- validation
 
 
 def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantages, mask, ref_logp, temperature,
-              ignore_index, policy_kwargs, grads) -> FusedPolicyOptions:
+              ignore_index, return_entropy, policy_kwargs, grads) -> FusedPolicyOptions:
     """Checks the arguments of either op (each error names its argument); returns the options."""
     _checks.floating(head_input, head_name)
     _checks.rank(head_input, head_name, 3)
@@ -148,7 +150,7 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
     entropy_stand_in = stand_in if policy_kwargs["entropy_coef"] != 0 else None
     popt = losses._validate_policy(logp=stand_in, old_logp=stand_in, advantages=advantages, mask=mask,
                                    ref_logp=ref_logp, entropy=entropy_stand_in, **policy_kwargs)
-    return FusedPolicyOptions(_checks.positive(temperature, "temperature"), int(ignore_index),
+    return FusedPolicyOptions(_checks.positive(temperature, "temperature"), int(ignore_index), bool(return_entropy),
                               *dataclasses.astuple(popt), *grads)
 
 
@@ -183,7 +185,7 @@ def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
     run = _backend.implementation(losses._POLICY_IMPLS, lp)
     partials, g_logp, _g_ref, g_ent = run(lp, old, adv, m, ref, ent if opt.with_entropy else None, opt.policy)
     w = unit_w.unsqueeze(-1)  # [U, 1]
-    return partials, g_logp * w, (g_ent * w if opt.with_entropy else None)
+    return partials, g_logp * w, (g_ent * w if opt.entropy_coef != 0 else None)  # no entropy term: no dz work
 
 
 def _unit_layout(t0: int, t1: int, T: int, opt: FusedPolicyOptions):
@@ -834,14 +836,18 @@ _POLICY_DOC_ARGS = """
             set, the entropy of the same softmax enters the loss (as ``policy_loss(..., entropy=...)``).
         ignore_index: a label equal to it gives log-prob 0 and entropy 0 and no gradient, as in
             :func:`rlkernels.linear_logprobs` (mask such tokens out as well unless a log-prob of 0 is meant).
+        return_entropy: compute the entropy also when ``entropy_coef`` is 0, for logging only (the ``entropy``
+            metric and ``token_entropy``, as ``policy_loss(..., entropy=ent)`` reports it; no gradient term): one
+            more reduction over the logits tile, no extra GEMM.
 """
 
 _RETURNS_DOC = """
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar; ``metrics`` what :func:`rlkernels.policy_loss` reports
         (``clipfrac``, ``approx_kl``, ``ratio_mean``, ``kl`` with ``ref_logp``, ``entropy`` with
-        ``entropy_coef``) plus ``token_logp`` ``[B, T]`` float32, the detached per-token log-probs (and
-        ``token_entropy`` ``[B, T]`` with ``entropy_coef``), so logging needs no second pass.
+        ``entropy_coef`` or ``return_entropy``) plus ``token_logp`` ``[B, T]`` float32, the detached per-token log-probs
+        (and ``token_entropy`` ``[B, T]`` with ``entropy_coef`` or ``return_entropy``), so logging needs no second
+        pass.
 
     The backward only multiplies the gradients formed in the forward by the upstream scalar: a second
     backward (``retain_graph=True``) gives the same gradients; double backward (``create_graph=True``)
@@ -873,6 +879,7 @@ def linear_policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     ignore_index: int = -100,
+    return_entropy: bool = False,
     process_group=None,
     vocab_start: int | None = None,
 ):
@@ -907,7 +914,7 @@ def linear_policy_loss(
              grad_on and bias is not None and bias.requires_grad)
     opt = _validate(head_input=hidden, head_name="hidden", weight=weight, labels=labels, bias=bias,
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
-                    ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
+                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
     constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
     if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
         from rlkernels import vocab_parallel
@@ -942,6 +949,7 @@ def logits_policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     ignore_index: int = -100,
+    return_entropy: bool = False,
 ):
     """The PPO/GRPO policy loss from logits a caller already holds, with ``d_logits`` written in the forward.
 
@@ -961,7 +969,7 @@ def logits_policy_loss(
     grads = (torch.is_grad_enabled() and logits.requires_grad, False, False)
     opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
                     advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
-                    ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
+                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
     constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_LOGITS_IMPLS, logits):

@@ -191,8 +191,10 @@ def test_frozen_weight_and_no_grad_skip_work():
     (dh,) = torch.autograd.grad(loss, h)
     t_loss, _, t_grads, _ = _truth(x, {}, 1.0, lambda t: t.double(), with_bias=False)
     assert_close_to_truth(dh, t_grads[0], torch.float32)
-    opt = fused_policy.FusedPolicyOptions(1.0, -100, 0.2, 0.2, None, "token", 0.0, "k3", 0.0, "token-mean", None,
-                                          True, False, False)
+    opt = fused_policy.FusedPolicyOptions(
+        temperature=1.0, ignore_index=-100, return_entropy=False, clip_low=0.2, clip_high=0.2, dual_clip=None,
+        ratio="token", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, agg="token-mean", norm_length=None,
+        grad_input=True, grad_weight=False, grad_bias=False)
     out = fused_policy._linear_torch(x["hidden"], x["weight"], x["labels"], x["old_logp"], x["advantages"],
                                      x["mask"], None, None, opt)
     assert out[5].numel() == 0 and out[6].numel() == 0  # no d_weight, no d_bias formed
@@ -323,6 +325,36 @@ def test_on_policy_old_logp_none_triton(dtype, case, monkeypatch):
     agg, options = ON_POLICY_CASES[case]
     x = _inputs(4, 5, 16, 200, seed=31, adv_per_seq=options.get("ratio") == "sequence")
     _on_policy_check(x, agg, options, dtype, "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("triton",))
+def test_return_entropy_reports_it_without_a_loss_term(backend):
+    """return_entropy=True with entropy_coef=0: the entropy metric and token_entropy against the float64 truth
+    (what policy_loss(..., entropy=ent) reports), the loss and gradients those of the run without it."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x = _inputs(3, 5, 16, 200, seed=41)
+    options = dict(kl_coef=0.05, agg="seq-mean-token-mean", temperature=0.8)
+    _, t_metrics, _, _ = _truth(dict(x, old_logp=None), dict(options, entropy_coef=1e-30), 1.0,
+                                lambda t: t.double())  # a coefficient too small to count: the metric's truth
+    with torch.no_grad():
+        t_ent = ref.linear_logprobs(x["hidden"].double(), x["weight"].double(), x["labels"], bias=x["bias"].double(),
+                                    temperature=0.8, return_entropy=True)[1]  # [B, T]
+    plain_loss, plain_metrics, plain_grads = _fused(dict(x, old_logp=None), options, 1.0, torch.float32, backend)
+    loss, metrics, grads = _fused(dict(x, old_logp=None), dict(options, return_entropy=True), 1.0, torch.float32,
+                                  backend)
+    assert "entropy" not in plain_metrics and "token_entropy" not in plain_metrics
+    torch.testing.assert_close(metrics["entropy"].double(), t_metrics["entropy"], rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    assert_close_to_truth(metrics["token_entropy"], t_ent, torch.float32, name="token_entropy")
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
+    for g, p in zip(grads, plain_grads):
+        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-7)
+    z = (x["hidden"] @ x["weight"].T + x["bias"]).requires_grad_()  # [B, T, V]
+    with forced_backend("reference" if backend == "reference" else "torch"):
+        _, l_metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
+                                                    ref_logp=x["ref_logp"], return_entropy=True, **options)
+    torch.testing.assert_close(l_metrics["entropy"].double(), t_metrics["entropy"], rtol=SCALAR_RTOL,
+                               atol=SCALAR_ATOL)
 
 
 def test_on_policy_logits_policy_loss():
