@@ -216,12 +216,14 @@ def test_retain_graph_gives_same_gradients_and_double_backward_raises():
         torch.autograd.grad(loss, (h, w), create_graph=True)
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_compile_fullgraph(on_policy):
     x = _inputs(2, 4, 8, 64, seed=7)
+    old = None if on_policy else x["old_logp"]  # [B, T] or None
 
     def step(h, w):
-        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
-                                                     entropy_coef=0.01)
+        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], old, x["advantages"], x["mask"],
+                                                     entropy_coef=0.01, return_entropy=on_policy)
         return loss, metrics["clipfrac"]
 
     h = x["hidden"].clone().requires_grad_()
