@@ -165,8 +165,9 @@ def _head_policy_loss(model, hidden, labels, spec: dict, temperature: float, hea
     weight, bias = hf.lm_head(model)  # [V, H], [V] or None
     dtype = weight.dtype if head_dtype is None else head_dtype
     h = hidden[:, -T - 1:-1].to(weight.device).to(dtype)  # [B, T, H]: position t-1 predicts token t
-    loss, metrics = rlkernels.linear_policy_loss(h, weight.to(dtype), labels.to(weight.device), bias=(
-        None if bias is None else bias.to(dtype)), temperature=temperature, return_entropy=True, **spec)
+    b = None if bias is None else bias.to(dtype)  # [V] or None
+    loss, metrics = rlkernels.linear_policy_loss(h, weight.to(dtype), labels.to(weight.device), bias=b,
+                                                 temperature=temperature, return_entropy=True, **spec)
     mask = labels != -100  # [B, T]
     return FusedCausalLMOutput(loss=loss, log_probs=metrics["token_logp"], entropy=metrics["token_entropy"],
                                label_mask=mask)
