@@ -35,6 +35,9 @@ exists before a token's whole vocabulary row has been reduced). The gradients st
 scales them (one rounding to a 16-bit dtype); with an upstream gradient of exactly 1 the backward hands them out
 without a copy.
 
+``old_logp=None`` is the on-policy update (one epoch, one minibatch): each chunk's old log-probs are its own
+log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no separate log-prob pass.
+
 ``logits_policy_loss(logits, labels, old_logp, advantages, mask, ...)`` is the same for users who already hold
 ``[B, T, V]`` logits: it reads them once (the statistics and the loss) and writes ``d_logits`` once, in the forward.
 
@@ -78,6 +81,7 @@ class FusedPolicyOptions:
 
     temperature: float  # > 0: divides the logits
     ignore_index: int  # labels equal to it give logp = entropy = 0 and no gradient (as in linear_logprobs)
+    return_entropy: bool  # the entropy (metric and token_entropy) also with entropy_coef 0, for logging
     clip_low: float
     clip_high: float
     dual_clip: float | None
@@ -98,14 +102,15 @@ class FusedPolicyOptions:
 
     @property
     def with_entropy(self) -> bool:
-        return self.entropy_coef != 0
+        """Whether the entropy is computed (and reported): in the loss, or asked for with ``return_entropy``."""
+        return self.entropy_coef != 0 or self.return_entropy
 
 
 # ---------------------------------------------------------------- validation
 
 
 def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantages, mask, ref_logp, temperature,
-              ignore_index, policy_kwargs, grads) -> FusedPolicyOptions:
+              ignore_index, return_entropy, policy_kwargs, grads) -> FusedPolicyOptions:
     """Checks the arguments of either op (each error names its argument); returns the options."""
     _checks.floating(head_input, head_name)
     _checks.rank(head_input, head_name, 3)
@@ -113,9 +118,11 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
     _checks.integer(labels, "labels")
     if tuple(labels.shape) != (B, T):
         raise ValueError(f"labels must have shape {head_name}.shape[:2] = {(B, T)}, got {tuple(labels.shape)}")
-    _checks.floating(old_logp, "old_logp")
-    if tuple(old_logp.shape) != (B, T):
-        raise ValueError(f"old_logp must have shape {head_name}.shape[:2] = {(B, T)}, got {tuple(old_logp.shape)}")
+    if old_logp is not None:
+        _checks.floating(old_logp, "old_logp")
+        if tuple(old_logp.shape) != (B, T):
+            raise ValueError(f"old_logp must have shape {head_name}.shape[:2] = {(B, T)}, "
+                             f"got {tuple(old_logp.shape)}")
     if weight is not None:
         _checks.floating(weight, "weight")
         _checks.rank(weight, "weight", 2)
@@ -136,12 +143,14 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
         raise ValueError("logits must have at least one entry per token (V >= 1)")
     _checks.same_device((head_input, head_name), (weight, "weight"), (labels, "labels"), (bias, "bias"),
                         (old_logp, "old_logp"))
-    # the policy options and the per-token tensors are checked by policy_loss's own validation; old_logp stands
-    # in for the log-probs this op computes (same shape) and, when the entropy bonus is on, for the entropy
-    entropy_stand_in = old_logp if policy_kwargs["entropy_coef"] != 0 else None
-    popt = losses._validate_policy(logp=old_logp, old_logp=old_logp, advantages=advantages, mask=mask,
+    # the policy options and the per-token tensors are checked by policy_loss's own validation; a [B, T] stand-in
+    # takes the place of the log-probs this op computes, of old_logp when it is None (on-policy: old = the op's
+    # own log-probs) and, when the entropy bonus is on, of the entropy
+    stand_in = old_logp if old_logp is not None else head_input.new_empty((B, T), dtype=torch.float32)  # [B, T]
+    entropy_stand_in = stand_in if policy_kwargs["entropy_coef"] != 0 else None
+    popt = losses._validate_policy(logp=stand_in, old_logp=stand_in, advantages=advantages, mask=mask,
                                    ref_logp=ref_logp, entropy=entropy_stand_in, **policy_kwargs)
-    return FusedPolicyOptions(_checks.positive(temperature, "temperature"), int(ignore_index),
+    return FusedPolicyOptions(_checks.positive(temperature, "temperature"), int(ignore_index), bool(return_entropy),
                               *dataclasses.astuple(popt), *grads)
 
 
@@ -176,7 +185,7 @@ def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
     run = _backend.implementation(losses._POLICY_IMPLS, lp)
     partials, g_logp, _g_ref, g_ent = run(lp, old, adv, m, ref, ent if opt.with_entropy else None, opt.policy)
     w = unit_w.unsqueeze(-1)  # [U, 1]
-    return partials, g_logp * w, (g_ent * w if opt.with_entropy else None)
+    return partials, g_logp * w, (g_ent * w if opt.entropy_coef != 0 else None)  # no entropy term: no dz work
 
 
 def _unit_layout(t0: int, t1: int, T: int, opt: FusedPolicyOptions):
@@ -264,7 +273,8 @@ def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask
     divided by the temperature, of vocabulary columns ``[v0, v1)`` into ``out`` [n, v1 - v0]); the policy
     coefficients are formed; then the tile yields ``dz`` block by block and ``apply_fn(v0, v1, dz, resid)``
     consumes each (pass 2; ``resid`` [n]: the Triton row's float32 label residual for 16-bit inputs, else
-    None). Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
+    None). ``old_logp`` None (on-policy): each chunk's old log-probs are its own log-probs (ratio 1, gradient the
+    policy gradient). Returns ``(loss [], metrics [5], logp [N], entropy [N])``."""
     N = B * T
     dev = labels.device
     m_bt = mask != 0  # [B, T]
@@ -272,7 +282,8 @@ def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask
     w_b = reference.agg_weights(tokens, opt.agg, T, opt.norm_length).to(torch.float32)  # [B]
     w_tok = w_b.repeat_interleave(T)  # [N]: each token's sequence weight
     flat = lambda x: x.reshape(N) if x is not None else None  # noqa: E731
-    y, old, m = labels.reshape(N), flat(old_logp).float(), flat(mask)
+    y, m = labels.reshape(N), flat(mask)  # [N] each
+    old = None if old_logp is None else flat(old_logp).float()  # [N] or None (on-policy)
     adv = advantages.float()
     adv = (adv.unsqueeze(-1).expand(B, T) if adv.dim() == 1 else adv).reshape(N)  # [N]
     ref = None if ref_logp is None else flat(ref_logp).float()
@@ -287,7 +298,8 @@ def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask
         row_max, log_s, lp, ent = tile.stats(t0, t1, block_fn, y_c, opt.with_entropy, opt)  # [n] each
         logp_all[t0:t1], ent_all[t0:t1] = lp, ent
         unit_w = w_tok[t0:t1].reshape(U, L)[:, 0]  # [U]
-        partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), unit(old), unit(adv), unit(m),
+        old_c = lp.reshape(U, L) if old is None else unit(old)  # [U, L]: on-policy, old = this chunk's own logp
+        partials, c_lp, c_ent = _policy_chunk(lp.reshape(U, L), ent.reshape(U, L), old_c, unit(adv), unit(m),
                                               None if ref is None else unit(ref), unit_w, opt)
         parts.append((partials.sum(1) * unit_w.unsqueeze(-1), partials.sum(1)))  # weighted and raw [U, NSLOTS]
         if opt.grad_input or opt.grad_weight or opt.grad_bias:
@@ -646,9 +658,9 @@ _LOGITS_IMPLS = {"torch": _logits_torch}
 
 # ---------------------------------------------------------------- torch.library ops with autograd
 
-_LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor old_logp, Tensor advantages, Tensor mask, "
+_LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, "
                    "Tensor? ref_logp, Tensor? bias")
-_LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp"
+_LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp"
 
 
 @torch.library.custom_op("rlkernels::linear_policy_loss", mutates_args=(),
@@ -800,6 +812,7 @@ def _reference_logits(logits, labels, old_logp, advantages, mask, ref_logp, opt:
 
 def _reference_policy(out, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     logp, entropy = out if opt.with_entropy else (out, None)
+    old_logp = logp.detach() if old_logp is None else old_logp  # on-policy: old = the log-probs themselves
     loss, metrics = reference.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
                                           **dataclasses.asdict(opt.policy))
     metrics = dict(metrics)
@@ -810,7 +823,11 @@ def _reference_policy(out, old_logp, advantages, mask, ref_logp, opt: FusedPolic
 
 
 _POLICY_DOC_ARGS = """
-        old_logp: ``[B, T]`` log-probs of the sampled tokens under the policy that sampled them (a constant).
+        old_logp: ``[B, T]`` log-probs of the sampled tokens under the policy that sampled them (a constant), or
+            ``None`` for an on-policy update (one epoch, one minibatch): old = the op's own log-probs, detached,
+            as ``policy_loss(logp, logp.detach(), ...)`` -- every ratio is exactly 1 in value (nothing clipped)
+            and the gradient of ``exp(logp - sg(logp))`` is the policy gradient ``A·∇logp``; no separate
+            log-prob pass needed.
         advantages: ``[B, T]`` or ``[B]`` (a constant).
         mask: ``[B, T]`` bool or 0/1 float; 1 where a token counts.
         temperature: divides the logits (> 0).
@@ -819,14 +836,18 @@ _POLICY_DOC_ARGS = """
             set, the entropy of the same softmax enters the loss (as ``policy_loss(..., entropy=...)``).
         ignore_index: a label equal to it gives log-prob 0 and entropy 0 and no gradient, as in
             :func:`rlkernels.linear_logprobs` (mask such tokens out as well unless a log-prob of 0 is meant).
+        return_entropy: compute the entropy also when ``entropy_coef`` is 0, for logging only (the ``entropy``
+            metric and ``token_entropy``, as ``policy_loss(..., entropy=ent)`` reports it; no gradient term): one
+            more reduction over the logits tile, no extra GEMM.
 """
 
 _RETURNS_DOC = """
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar; ``metrics`` what :func:`rlkernels.policy_loss` reports
         (``clipfrac``, ``approx_kl``, ``ratio_mean``, ``kl`` with ``ref_logp``, ``entropy`` with
-        ``entropy_coef``) plus ``token_logp`` ``[B, T]`` float32, the detached per-token log-probs (and
-        ``token_entropy`` ``[B, T]`` with ``entropy_coef``), so logging needs no second pass.
+        ``entropy_coef`` or ``return_entropy``) plus ``token_logp`` ``[B, T]`` float32, the detached per-token log-probs
+        (and ``token_entropy`` ``[B, T]`` with ``entropy_coef`` or ``return_entropy``), so logging needs no second
+        pass.
 
     The backward only multiplies the gradients formed in the forward by the upstream scalar: a second
     backward (``retain_graph=True``) gives the same gradients; double backward (``create_graph=True``)
@@ -841,7 +862,7 @@ def linear_policy_loss(
     hidden: torch.Tensor,  # [B, T, H]
     weight: torch.Tensor,  # [V, H]
     labels: torch.Tensor,  # [B, T] int
-    old_logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor | None,  # [B, T], or None: on-policy (old = the op's own log-probs, detached)
     advantages: torch.Tensor,  # [B, T] or [B]
     mask: torch.Tensor,  # [B, T]
     *,
@@ -858,6 +879,7 @@ def linear_policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     ignore_index: int = -100,
+    return_entropy: bool = False,
     process_group=None,
     vocab_start: int | None = None,
 ):
@@ -892,8 +914,8 @@ def linear_policy_loss(
              grad_on and bias is not None and bias.requires_grad)
     opt = _validate(head_input=hidden, head_name="hidden", weight=weight, labels=labels, bias=bias,
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
-                    ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
-    constants = (old_logp.detach(), advantages.detach(), mask.detach(), None if ref_logp is None else ref_logp.detach())
+                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
+    constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
     if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
         from rlkernels import vocab_parallel
 
@@ -911,7 +933,7 @@ def linear_policy_loss(
 def logits_policy_loss(
     logits: torch.Tensor,  # [B, T, V]
     labels: torch.Tensor,  # [B, T] int
-    old_logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor | None,  # [B, T], or None: on-policy (old = the op's own log-probs, detached)
     advantages: torch.Tensor,  # [B, T] or [B]
     mask: torch.Tensor,  # [B, T]
     *,
@@ -927,6 +949,7 @@ def logits_policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     ignore_index: int = -100,
+    return_entropy: bool = False,
 ):
     """The PPO/GRPO policy loss from logits a caller already holds, with ``d_logits`` written in the forward.
 
@@ -946,8 +969,8 @@ def logits_policy_loss(
     grads = (torch.is_grad_enabled() and logits.requires_grad, False, False)
     opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
                     advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
-                    ignore_index=ignore_index, policy_kwargs=policy_kwargs, grads=grads)
-    constants = (old_logp.detach(), advantages.detach(), mask.detach(), None if ref_logp is None else ref_logp.detach())
+                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
+    constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_LOGITS_IMPLS, logits):
             return _reference_logits(logits, labels, *constants, opt)

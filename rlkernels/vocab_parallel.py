@@ -217,6 +217,7 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, ref_l
     lp_opt = fused_linear.LinearLogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
     logp, entropy = linear_logprobs(hidden, weight, labels, bias, lp_opt, process_group, vocab_start)  # [B, T] each
     ent = entropy if opt.with_entropy else None  # [B, T] or None
+    old_logp = logp.detach() if old_logp is None else old_logp  # on-policy (old_logp=None): ratio 1
     loss, metrics = losses.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
                                        **dataclasses.asdict(opt.policy))
     metrics = dict(metrics, token_logp=logp.detach().float())  # what the single-process op reports

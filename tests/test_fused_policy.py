@@ -55,7 +55,8 @@ def _truth(x, options, upstream, dtype_cast, *, with_bias=True):
     ent_on = opts.get("entropy_coef", 0.0) != 0
     out = ref.linear_logprobs(h, w, x["labels"], bias=b, temperature=temperature, return_entropy=ent_on)
     logp, ent = out if ent_on else (out, None)
-    loss, metrics = ref.policy_loss(logp, x["old_logp"].to(logp.dtype), x["advantages"].to(logp.dtype), x["mask"],
+    old = logp.detach() if x["old_logp"] is None else x["old_logp"].to(logp.dtype)  # None: on-policy
+    loss, metrics = ref.policy_loss(logp, old, x["advantages"].to(logp.dtype), x["mask"],
                                     ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **opts)
     wrt = [h, w] + ([b] if with_bias else [])
     grads = torch.autograd.grad(loss * upstream, wrt)
@@ -190,8 +191,10 @@ def test_frozen_weight_and_no_grad_skip_work():
     (dh,) = torch.autograd.grad(loss, h)
     t_loss, _, t_grads, _ = _truth(x, {}, 1.0, lambda t: t.double(), with_bias=False)
     assert_close_to_truth(dh, t_grads[0], torch.float32)
-    opt = fused_policy.FusedPolicyOptions(1.0, -100, 0.2, 0.2, None, "token", 0.0, "k3", 0.0, "token-mean", None,
-                                          True, False, False)
+    opt = fused_policy.FusedPolicyOptions(
+        temperature=1.0, ignore_index=-100, return_entropy=False, clip_low=0.2, clip_high=0.2, dual_clip=None,
+        ratio="token", kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, agg="token-mean", norm_length=None,
+        grad_input=True, grad_weight=False, grad_bias=False)
     out = fused_policy._linear_torch(x["hidden"], x["weight"], x["labels"], x["old_logp"], x["advantages"],
                                      x["mask"], None, None, opt)
     assert out[5].numel() == 0 and out[6].numel() == 0  # no d_weight, no d_bias formed
@@ -213,12 +216,14 @@ def test_retain_graph_gives_same_gradients_and_double_backward_raises():
         torch.autograd.grad(loss, (h, w), create_graph=True)
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_compile_fullgraph(on_policy):
     x = _inputs(2, 4, 8, 64, seed=7)
+    old = None if on_policy else x["old_logp"]  # [B, T] or None
 
     def step(h, w):
-        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
-                                                     entropy_coef=0.01)
+        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], old, x["advantages"], x["mask"],
+                                                     entropy_coef=0.01, return_entropy=on_policy)
         return loss, metrics["clipfrac"]
 
     h = x["hidden"].clone().requires_grad_()
@@ -256,6 +261,127 @@ def test_bad_input_names_the_argument(bad, match):
         (args if k in args else kwargs)[k] = v
     with pytest.raises((ValueError, TypeError), match=match):
         rlkernels.linear_policy_loss(*args.values(), **kwargs)
+
+
+# ---------------------------------------------------------------- on-policy: old_logp=None
+
+ON_POLICY_CASES = [  # every agg mode; GSPO; the KL and entropy terms on top of ratio 1
+    ("token-mean", dict()),
+    ("seq-mean-token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, temperature=0.7)),
+    ("seq-mean-token-sum", dict(ratio="sequence", kl_coef=0.05, kl_estimator="k1")),
+    ("seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, dual_clip=3.0)),
+]
+assert {agg for agg, _ in ON_POLICY_CASES} == set(AGGS)
+
+
+def _on_policy_check(x, agg, options, dtype, backend):
+    """linear_policy_loss(old_logp=None) against the float64 truth of policy_loss(logp, logp.detach(), ...) on
+    the rounded inputs, and against the two-op composition with linear_logprobs' own log-probs detached."""
+    x = dict(x, old_logp=None)
+    options = dict(options, agg=agg)
+    upstream = 1.0 if dtype == torch.bfloat16 else 1.3
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, backend)
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    torch.testing.assert_close(metrics["ratio_mean"], torch.tensor(1.0), rtol=0, atol=0)  # ratio 1 in value
+    assert float(metrics["clipfrac"]) == 0.0
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+    # the two-op path the trainer falls back to: policy_loss on linear_logprobs' output, old = it detached
+    h, w, b = (x[k].to(dtype).detach().requires_grad_() for k in ("hidden", "weight", "bias"))
+    temperature = options.pop("temperature", 1.0)
+    ent_on = options.get("entropy_coef", 0.0) != 0
+    with forced_backend(backend):
+        out = rlkernels.linear_logprobs(h, w, x["labels"], bias=b, temperature=temperature, return_entropy=ent_on)
+    logp, ent = out if ent_on else (out, None)
+    two_loss, _ = rlkernels.policy_loss(logp, logp.detach(), x["advantages"], x["mask"], ref_logp=x["ref_logp"],
+                                        entropy=ent, **options)
+    two = torch.autograd.grad(two_loss * upstream, (h, w, b))
+    torch.testing.assert_close(loss, two_loss.float(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, two):
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name} vs two-op")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg, options", ON_POLICY_CASES, ids=lambda o: o if isinstance(o, str) else
+                         ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_on_policy_old_logp_none(backend, agg, options, monkeypatch):
+    """old_logp=None: old = the op's own log-probs detached (several token chunks / whole-sequence chunks)."""
+    monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", 4 * 300 * 8)  # 8 tokens (or one sequence) a chunk
+    x = _inputs(4, 7, 16, 300, seed=zlib.crc32(f"on{agg}".encode()) % 1000,
+                adv_per_seq=options.get("ratio") == "sequence")
+    _on_policy_check(x, agg, options, torch.float32, backend)
+
+
+@pytest.mark.parametrize("dtype, case", [(torch.float32, 1), (torch.bfloat16, 2)], ids=["float32", "bfloat16"])
+def test_on_policy_old_logp_none_triton(dtype, case, monkeypatch):
+    """The Triton row (interpreter on CPU) with old_logp=None, two chunks."""
+    pytest.importorskip("triton")
+    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    agg, options = ON_POLICY_CASES[case]
+    x = _inputs(4, 5, 16, 200, seed=31, adv_per_seq=options.get("ratio") == "sequence")
+    _on_policy_check(x, agg, options, dtype, "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("triton",))
+def test_return_entropy_reports_it_without_a_loss_term(backend):
+    """return_entropy=True with entropy_coef=0: the entropy metric and token_entropy against the float64 truth
+    (what policy_loss(..., entropy=ent) reports), the loss and gradients those of the run without it."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x = _inputs(3, 5, 16, 200, seed=41)
+    options = dict(kl_coef=0.05, agg="seq-mean-token-mean", temperature=0.8)
+    _, t_metrics, _, _ = _truth(dict(x, old_logp=None), dict(options, entropy_coef=1e-30), 1.0,
+                                lambda t: t.double())  # a coefficient too small to count: the metric's truth
+    with torch.no_grad():
+        t_ent = ref.linear_logprobs(x["hidden"].double(), x["weight"].double(), x["labels"], bias=x["bias"].double(),
+                                    temperature=0.8, return_entropy=True)[1]  # [B, T]
+    plain_loss, plain_metrics, plain_grads = _fused(dict(x, old_logp=None), options, 1.0, torch.float32, backend)
+    loss, metrics, grads = _fused(dict(x, old_logp=None), dict(options, return_entropy=True), 1.0, torch.float32,
+                                  backend)
+    assert "entropy" not in plain_metrics and "token_entropy" not in plain_metrics
+    torch.testing.assert_close(metrics["entropy"].double(), t_metrics["entropy"], rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    assert_close_to_truth(metrics["token_entropy"], t_ent, torch.float32, name="token_entropy")
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
+    for g, p in zip(grads, plain_grads):
+        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-7)
+    z = (x["hidden"] @ x["weight"].T + x["bias"]).requires_grad_()  # [B, T, V]
+    with forced_backend("reference" if backend == "reference" else "torch"):
+        _, l_metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
+                                                    ref_logp=x["ref_logp"], return_entropy=True, **options)
+    torch.testing.assert_close(l_metrics["entropy"].double(), t_metrics["entropy"], rtol=SCALAR_RTOL,
+                               atol=SCALAR_ATOL)
+
+
+def test_on_policy_logits_policy_loss():
+    """logits_policy_loss(old_logp=None) against the float64 truth of policy_loss(logp, logp.detach(), ...)."""
+    x = _inputs(3, 6, 8, 500, seed=13, adv_per_seq=True)
+    logits = torch.randn(3, 6, 500, generator=_gen(14)) * 2  # [B, T, V]
+    options = dict(ratio="sequence", kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
+
+    def truth():
+        z = logits.double().requires_grad_()
+        logp, ent = ref.logprobs(z, x["labels"], temperature=0.9, return_entropy=True)
+        loss, _ = ref.policy_loss(logp, logp.detach(), x["advantages"].double(), x["mask"],
+                                  ref_logp=x["ref_logp"].double(), entropy=ent, **options)
+        return loss, torch.autograd.grad(loss, z)[0]
+
+    t_loss, t_grad = truth()
+    for backend in BACKENDS:
+        z = logits.clone().requires_grad_()
+        with forced_backend(backend):
+            loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
+                                                         ref_logp=x["ref_logp"], temperature=0.9, **options)
+            (grad,) = torch.autograd.grad(loss, z)
+        torch.testing.assert_close(loss.double(), t_loss, rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=backend)
+        assert float(metrics["ratio_mean"]) == 1.0
+        assert_close_to_truth(grad, t_grad, torch.float32, name=f"d_logits ({backend})")
 
 
 # ---------------------------------------------------------------- logits_policy_loss

@@ -22,6 +22,7 @@ if SMOLLM2 is None:
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import rlkernels  # noqa: E402
 from rlkernels.integrations.trl import (  # noqa: E402
     RLKernelsGRPOTrainer,
     UnsupportedGRPOOption,
@@ -170,6 +171,56 @@ def test_loss_and_grads_match_trl(case, tokenizer, base_model, dataset, tmp_path
         assert len(ours) == len(theirs) == 1, key
         assert ours[0] == pytest.approx(theirs[0], rel=1e-5, abs=1e-6), key
     assert set(our_tr._metrics["train"]) == set(ref_tr._metrics["train"])
+
+
+def _assert_same(ours, theirs, what):
+    (loss, grads), (t_loss, t_grads) = ours, theirs
+    torch.testing.assert_close(loss, t_loss, atol=LOSS_ATOL, rtol=LOSS_RTOL, msg=what)
+    assert grads.keys() == t_grads.keys()
+    for name, g_ref in t_grads.items():
+        scale = g_ref.abs().max().item()
+        diff = (grads[name] - g_ref).abs().max().item()
+        assert diff <= GRAD_RTOL * scale + 1e-9, f"{what} {name}: max|Δgrad|={diff:.3e} vs max|grad|={scale:.3e}"
+
+
+FUSED_CASES = {  # the settings the one-op path takes (no IS-corrected KL, no entropy bonus)
+    "grpo-token-emptyrow-onpolicy": (dict(loss_type="grpo"), True),
+    "grpo-sequence-kl-onpolicy": (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                                       use_bias_correction_kl=False), True),
+    "dr_grpo-kl-delta-temp": (CASES["dr_grpo-kl-delta-temp"], False),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_head_equals_two_op_and_trl(case, tokenizer, base_model, dataset, tmp_path, monkeypatch):
+    """The one-op path (rlkernels.linear_policy_loss from the hidden states; old_logp=None on-policy, where TRL
+    has no old log-probs) against the adapter's two-op path (linear_logprobs then policy_loss) and TRL's loss."""
+    overrides, on_policy = FUSED_CASES[case]
+    args = make_args(tmp_path, **overrides)
+    ref_tr = make_trainer(GRPOTrainer, copy.deepcopy(base_model), tokenizer, dataset, args)
+    our_tr = make_trainer(RLKernelsGRPOTrainer, copy.deepcopy(base_model), tokenizer, dataset,
+                          make_args(tmp_path, **overrides))
+    for tr in (ref_tr, our_tr):
+        tr.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    inputs = make_batch(ref_tr, tokenizer, empty_row=case.endswith("emptyrow"))
+    if on_policy:
+        del inputs["old_per_token_logps"]  # TRL then takes old = its own log-probs, detached
+    calls = []
+    fused_op = rlkernels.linear_policy_loss
+
+    def counted(*a, **kw):
+        calls.append(kw.get("old_logp", "positional") is None)
+        return fused_op(*a, **kw)
+
+    monkeypatch.setattr(rlkernels, "linear_policy_loss", counted)
+    fused = loss_and_grads(our_tr, inputs)
+    assert calls == [on_policy], calls  # the one-op path ran, with old_logp=None exactly when on-policy
+    monkeypatch.setattr(type(our_tr), "_rlkernels_fused_head", lambda self, inputs, extra: False)
+    two_op = loss_and_grads(our_tr, inputs)
+    assert len(calls) == 1  # the two-op path did not call it
+    trl_out = loss_and_grads(ref_tr, inputs)
+    _assert_same(fused, two_op, "fused vs two-op")
+    _assert_same(fused, trl_out, "fused vs TRL")
 
 
 def test_apply_to_existing_trainer(tokenizer, base_model, dataset, tmp_path):

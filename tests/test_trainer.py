@@ -688,22 +688,26 @@ def test_plot_panels_have_data_labels_and_legends(tmp_path, algo, kl_key):
 # ------------------------------------------------------------------ issue 12: the fused policy head
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_fused_policy_head_equals_two_op(tmp_path, algo):
+@pytest.mark.parametrize("algo, epochs", [("grpo", 2), ("ppo", 2), ("grpo", 1)])
+def test_fused_policy_head_equals_two_op(tmp_path, algo, epochs):
     """policy_head='fused' (rlkernels.linear_policy_loss from the hidden states) against 'two-op'
     (linear_logprobs then policy_loss) on the tiny model: the same loss, metrics and gradients of one minibatch,
-    and the same parameters after one update (two AdamW steps), to float32 rounding."""
+    and the same parameters after one update (``epochs`` AdamW steps), to float32 rounding. epochs=1 is the
+    on-policy GRPO update (no old log-probs: the op takes old_logp=None)."""
     import dataclasses
 
     from rlkernels.trainer.loop import minibatch_loss, uses_fused_head
 
     out = {}
     for head in ("fused", "two-op"):
-        tr = Trainer(tiny(tmp_path / head, losses="fused", algo=algo, epochs=2, kl_coef=0.05, entropy_coef=0.01,
+        tr = Trainer(tiny(tmp_path / head, losses="fused", algo=algo, epochs=epochs, kl_coef=0.05,
+                          entropy_coef=0.01 if epochs > 1 else 0.0,  # on-policy: the entropy logged, not in the loss
                           clip_high=0.28, agg="seq-mean-token-mean", policy_head=head))
         batch = tr.advantages(tr.score_tokens(_designed_batch(tr)))
-        noise = 0.3 * torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(5))  # [B, R]
-        batch = dataclasses.replace(batch, old_logp=batch.old_logp + noise * batch.mask)  # ratios off 1: clipping
+        assert (batch.old_logp is None) == (epochs == 1)  # on-policy: no separate log-prob pass
+        if batch.old_logp is not None:
+            noise = 0.3 * torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(5))  # [B, R]
+            batch = dataclasses.replace(batch, old_logp=batch.old_logp + noise * batch.mask)  # ratios off 1: clipping
         assert uses_fused_head(tr.cfg, batch) == (head == "fused")
         loss, metrics = minibatch_loss(tr.cfg, tr.ops, tr.policy_lp, tr.critic, batch)
         loss.backward()
@@ -713,9 +717,12 @@ def test_fused_policy_head_equals_two_op(tmp_path, algo):
         tr.update(batch, 1)
         out[head] = (loss.detach(), metrics, grads, [p.detach().clone() for p in _trained(tr)])
     (f_loss, f_metrics, f_grads, f_params), (t_loss, t_metrics, t_grads, t_params) = out["fused"], out["two-op"]
-    assert f_metrics["policy/clipfrac"] > 0  # the clip is exercised
+    if epochs > 1:
+        assert f_metrics["policy/clipfrac"] > 0  # the clip is exercised
+    else:
+        assert f_metrics["policy/ratio_mean"] == 1.0 and f_metrics["policy/clipfrac"] == 0.0  # on-policy: ratio 1
     torch.testing.assert_close(f_loss, t_loss, rtol=1e-5, atol=1e-7)
-    assert set(f_metrics) == set(t_metrics)
+    assert set(f_metrics) == set(t_metrics) and "policy/entropy" in f_metrics
     for key in t_metrics:
         torch.testing.assert_close(torch.tensor(f_metrics[key]), torch.tensor(t_metrics[key]), rtol=1e-5, atol=1e-7,
                                    msg=key)

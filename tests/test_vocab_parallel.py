@@ -166,15 +166,18 @@ def _check_policy_loss(rank, P):
     group = dist.group.WORLD
     cases = [dict(entropy_coef=0.01, ref_logp=ref_lp, kl_coef=0.1, agg="seq-mean-token-mean", temperature=0.8,
                   dual_clip=3.0),
-             dict(ratio="sequence", agg="token-mean", clip_low=0.1)]
+             dict(ratio="sequence", agg="token-mean", clip_low=0.1),
+             dict(old_logp=None, agg="seq-mean-token-sum", entropy_coef=0.01)]  # on-policy: old = own logp
     for kw in cases:
+        kw = dict(kw)
+        old_c = kw.pop("old_logp", old)  # [B, T] or None
         h, w, b = _leaf(hidden), _leaf(weight[sl]), _leaf(bias[sl])
-        loss, metrics = rlkernels.linear_policy_loss(h, w, labels, old, adv, mask, bias=b, process_group=group,
+        loss, metrics = rlkernels.linear_policy_loss(h, w, labels, old_c, adv, mask, bias=b, process_group=group,
                                                      vocab_start=start, **kw)
         loss.backward()
         h1, w1, b1 = _leaf(hidden), _leaf(weight), _leaf(bias)
         with forced_backend("torch"):
-            loss1, metrics1 = rlkernels.linear_policy_loss(h1, w1, labels, old, adv, mask, bias=b1, **kw)
+            loss1, metrics1 = rlkernels.linear_policy_loss(h1, w1, labels, old_c, adv, mask, bias=b1, **kw)
         loss1.backward()
         _close(loss.detach(), loss1.detach(), f"loss {kw}")
         assert metrics.keys() == metrics1.keys(), (sorted(metrics), sorted(metrics1))

@@ -83,12 +83,11 @@ class Rollout:
 
 def uses_fused_head(cfg: TrainConfig, mb: Rollout) -> bool:
     """Whether the policy loss comes from the hidden states through ``rlkernels.linear_policy_loss`` (issue 12):
-    ``policy_head='fused'`` with ``losses='fused'``, and old log-probs from a separate pass (without them the
-    update is on-policy, old = the log-probs being trained, which the fused op does not take; those updates
-    run linear_logprobs then policy_loss), and not under ``shard='fsdp'`` (the gathered head weight lives only
-    inside the sharded root's forward; the op runs after it). It reports the entropy only with ``entropy_coef`` > 0."""
-    return (cfg.policy_head == "fused" and cfg.losses == "fused" and mb.old_logp is not None
-            and cfg.shard != "fsdp")
+    ``policy_head='fused'`` with ``losses='fused'``, on- or off-policy (``mb.old_logp`` None, the on-policy update
+    of epochs = minibatches = 1, is passed as ``old_logp=None``: old = the op's own log-probs detached), and not
+    under ``shard='fsdp'`` (the gathered head weight lives only inside the sharded root's forward; the op runs
+    after it). It reports the entropy as the two-op path does, also with ``entropy_coef`` 0 (``return_entropy``)."""
+    return cfg.policy_head == "fused" and cfg.losses == "fused" and cfg.shard != "fsdp"
 
 
 def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_scale: float = 1.0,
@@ -112,8 +111,9 @@ def minibatch_loss(cfg: TrainConfig, ops, policy, critic, mb: Rollout, token_sca
     if uses_fused_head(cfg, mb):  # --- issue 12 ---
         hidden, weight, bias = policy(mb.ids, mb.attention_mask, mb.labels, head_inputs=True)  # [b, R, H], [V, H]
         loss, metrics = ops.linear_policy_loss(hidden, weight, mb.labels, mb.old_logp, mb.advantages, mb.mask,
-                                               bias=bias, temperature=cfg.temperature, **options)
-        logp, old = metrics["token_logp"], mb.old_logp  # [b, R] x2 (detached)
+                                               bias=bias, temperature=cfg.temperature, return_entropy=True, **options)
+        logp = metrics["token_logp"]  # [b, R] (detached)
+        old = mb.old_logp if mb.old_logp is not None else logp  # [b, R]
         metrics = {k: v for k, v in metrics.items() if not k.startswith("token_")}  # per-token tensors: not logged
     else:
         logp, entropy = policy(mb.ids, mb.attention_mask, mb.labels)  # [b, R] x2

@@ -16,6 +16,12 @@ built; the clipped surrogate, the two-sided clip (``delta``) and the KL term go 
 ``rlkernels.policy_loss`` / ``rlkernels.kl_penalty``. Everything else (generation, rewards,
 advantages, logging, the optimizer) is TRL's own code.
 
+Where the loss is a plain clipped surrogate (no ``use_bias_correction_kl`` with ``beta`` != 0, no
+entropy bonus, no multimodal inputs), the policy's loss runs as ONE op from the hidden states:
+``rlkernels.linear_policy_loss`` (three GEMMs, the head's gradient formed in the forward), with
+``old_logp=None`` when TRL has no old log-probs (on-policy). The others (whose extra loss terms need
+the log-probs' own gradient) run ``linear_logprobs`` then ``policy_loss``. Both give the same loss.
+
 The loss reproduces TRL's ``GRPOTrainer._compute_loss`` (TRL 1.x) for ``loss_type`` in
 ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, with ``epsilon``/``epsilon_high``, ``delta``,
 ``beta`` (TRL's k3 estimator, with or without ``use_bias_correction_kl``),
@@ -126,7 +132,7 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
     def _rlkernels_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
-                           num_items_in_batch=None, **kwargs):
+                           num_items_in_batch=None, rlkernels_policy_loss=None, **kwargs):
         if not fused_lm_head:
             for key, value in (("labels", labels), ("shift_labels", shift_labels),
                                ("num_items_in_batch", num_items_in_batch)):
@@ -134,6 +140,8 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
                     kwargs[key] = value
             return inner_forward(*args, **kwargs)
         hidden = hf.final_hidden(hf.backbone(self), *args, **kwargs)  # [B, L, H]
+        if rlkernels_policy_loss is not None:  # the loss itself, from the hidden states (_fused_policy_loss)
+            return _head_policy_loss(self, hidden, labels, rlkernels_policy_loss, temperature, head_dtype)
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]  # [B, L-1, H], [B, L-1]: t-1 predicts token t
         else:
@@ -147,6 +155,22 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
 
     model.forward = types.MethodType(_rlkernels_forward, model)
     model._rlkernels_lm_head = True
+
+
+def _head_policy_loss(model, hidden, labels, spec: dict, temperature: float, head_dtype):
+    """``rlkernels.linear_policy_loss`` on the last ``T`` predicting positions: ``hidden`` ``[B, L, H]``, ``labels``
+    ``[B, T]`` the completion tokens (-100 at padding), ``spec`` the op's per-token tensors and options. Returns
+    a ``FusedCausalLMOutput`` whose ``loss`` is the policy loss, ``log_probs``/``entropy`` ``[B, T]`` detached."""
+    T = labels.shape[1]
+    weight, bias = hf.lm_head(model)  # [V, H], [V] or None
+    dtype = weight.dtype if head_dtype is None else head_dtype
+    h = hidden[:, -T - 1:-1].to(weight.device).to(dtype)  # [B, T, H]: position t-1 predicts token t
+    b = None if bias is None else bias.to(dtype)  # [V] or None
+    loss, metrics = rlkernels.linear_policy_loss(h, weight.to(dtype), labels.to(weight.device), bias=b,
+                                                 temperature=temperature, return_entropy=True, **spec)
+    mask = labels != -100  # [B, T]
+    return FusedCausalLMOutput(loss=loss, log_probs=metrics["token_logp"], entropy=metrics["token_entropy"],
+                               label_mask=mask)
 
 
 # ---------------------------------------------------------------- the loss
@@ -173,6 +197,13 @@ class RLKernelsGRPOMixin:
             return loss * mask.sum().clamp(min=1.0)
         return loss
 
+    def _rlkernels_fused_head(self, inputs, extra) -> bool:
+        """Whether the policy loss runs as one ``linear_policy_loss`` from the hidden states: not with the
+        IS-corrected KL or TRL's entropy bonus (extra terms on the log-probs and entropies, which need their
+        gradient), nor with multimodal inputs (TRL's helper slices those per sub-batch)."""
+        bias_corrected = self.beta != 0.0 and self.args.use_bias_correction_kl
+        return not bias_corrected and not self._entropy_bonus_enabled and all(v is None for v in extra.values())
+
     def _compute_loss(self, model, inputs):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -184,14 +215,8 @@ class RLKernelsGRPOMixin:
         extra = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                                             "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                                             "mm_token_type_ids", "image_position_ids")}
-        # TRL's own helper: it calls model(..., fused_lm_head=True), which the patch routes to linear_logprobs
-        logp, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **extra
-        )  # [B, T], [B, T]
-
         advantages = inputs["advantages"]
-        old = inputs.get("old_per_token_logps")
-        old = logp.detach() if old is None else old  # [B, T]
+        old_in = inputs.get("old_per_token_logps")  # [B, T] or None (on-policy)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         m = mask.to(torch.float32)
@@ -201,16 +226,30 @@ class RLKernelsGRPOMixin:
 
         bias_corrected = self.beta != 0.0 and self.args.use_bias_correction_kl
         ref = inputs["ref_per_token_logps"] if self.beta != 0.0 else None
-        agg = _AGG[self.loss_type]
-        loss, _ = rlkernels.policy_loss(
-            logp, old, advantages, mask,
+        options = dict(
             clip_low=self.epsilon_low, clip_high=self.epsilon_high, dual_clip=self.args.delta, ratio=ratio_level,
             ref_logp=None if bias_corrected else ref, kl_coef=0.0 if bias_corrected else self.beta,
-            kl_estimator="k3", agg=agg,
-            # entropy rides along with coef 0 (TRL's bonus is a separate token mean, added below)
-            entropy=entropies, entropy_coef=0.0,
+            kl_estimator="k3", agg=_AGG[self.loss_type],
             norm_length=self.max_completion_length if self.loss_type == "dr_grpo" else None,
         )
+        if self._rlkernels_fused_head(inputs, extra):
+            # one op from the hidden states, called through the model (a DDP wrapper sees the forward)
+            labels = completion_ids.masked_fill(completion_mask == 0, -100)  # [B, T]
+            spec = dict(old_logp=old_in, advantages=advantages, mask=mask, **options)
+            with self.accelerator.autocast():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True,
+                            rlkernels_policy_loss=spec)
+            loss, logp, entropies = out.loss, out.log_probs, out.entropy  # [], [B, T] x2 (detached)
+        else:
+            # TRL's own helper: it calls model(..., fused_lm_head=True), which the patch routes to linear_logprobs
+            logp, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **extra
+            )  # [B, T], [B, T]
+            old = logp.detach() if old_in is None else old_in  # [B, T]
+            # entropy rides along with coef 0 (TRL's bonus is a separate token mean, added below)
+            loss, _ = rlkernels.policy_loss(logp, old, advantages, mask, entropy=entropies, entropy_coef=0.0,
+                                            **options)
+        old = logp.detach() if old_in is None else old_in  # [B, T]
 
         # Ratios [B, T] or [B, 1], cheap; for the IS-corrected KL and the clip metrics TRL logs.
         log_ratio = logp - old
