@@ -205,12 +205,16 @@ class _Tile:
     (:func:`rlkernels.fused_linear._dz_tile`, recomputing ``exp`` rather than storing it), block by block, each
     handed to the caller's GEMMs while it is in cache. So the chunk holds ONE float32 ``[n, V]`` tile."""
 
-    def __init__(self, n_max: int, V: int, cdt: torch.dtype, device):
+    def __init__(self, n_max: int, V: int, cdt: torch.dtype, device, buf: torch.Tensor | None = None):
         self.V = V
         self.vb = _vblock(n_max, V)
         self.spans = [(v0, min(V, v0 + self.vb)) for v0 in range(0, V, self.vb)]
         S = len(self.spans)
-        self.buf = torch.empty(n_max * V, dtype=cdt, device=device)  # the tile, [n, V] in blocks
+        # the tile, [n, V] in blocks; ``buf`` (n_max·V elements of cdt): memory the caller lends, which it may
+        # overwrite from the front while pass 2 runs (:func:`_tile_in_weight_grad`), so pass 2 then hands out
+        # every dz from the scratch buffer, never from the tile
+        self.lent = buf is not None
+        self.buf = torch.empty(n_max * V, dtype=cdt, device=device) if buf is None else buf
         self.scratch = torch.empty(n_max * self.vb, dtype=cdt, device=device)  # one block's exp
         self.part = torch.empty(4, S, n_max, dtype=cdt, device=device)  # per block: max, Σ e, Σ e·d, label's z
 
@@ -262,7 +266,10 @@ class _Tile:
         for j, ((v0, v1), d) in enumerate(zip(self.spans, self.blocks(n))):
             shift = (row_max - self._m_blocks[j]).unsqueeze(1)  # [n, 1]: d_block - shift = z - row max
             k0, k1 = starts[j], starts[j + 1]
-            yield v0, v1, _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent), None
+            dz = _fl._dz_tile(d, shift, coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)  # [n, vb_j]
+            if self.lent and dz.data_ptr() != self.scratch.data_ptr():  # without the entropy term dz is in d
+                dz = self.scratch[:dz.numel()].view_as(dz).copy_(dz)
+            yield v0, v1, dz, None
 
 
 def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions,
@@ -317,46 +324,83 @@ def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask
     return loss, losses._masked_means(totals, losses._POLICY_METRIC_SLOTS), logp_all, ent_all
 
 
+def _tile_in_weight_grad(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> bool:
+    """Whether the torch row runs all ``N`` tokens as ONE chunk whose compute-dtype ``[N, V]`` logits tile lives in
+    the tail of ``d_weight``'s own ``[V, H]`` buffer (CPU, ``d_weight`` wanted, the tile no larger than that buffer:
+    ``N·c <= H·w`` bytes, ``c``/``w`` the compute and weight itemsizes -- ``N <= H`` for float32, ``N <= H/2`` for
+    16-bit weights). Then no tile is allocated, GEMMs 1 and 2 run over all ``N`` tokens at once, and each
+    ``d_weight`` block is written once (``dzᵀ·h`` over every token, in the compute dtype, rounded once to the
+    weight's dtype): so for 16-bit weights ``d_weight`` is returned in their dtype (no float32 ``[V, H]``
+    accumulator). Pass 2 writes ``d_weight``'s block ``[v0, v1)`` over bytes ``[v0·H·w, v1·H·w)``; the tile's
+    blocks not yet read start at ``V·H·w - N·V·c + v1·N·c``, which is past that since ``(V - v1)(H·w - N·c) >= 0``
+    (the block being read is first moved to the scratch buffer, :class:`_Tile`). The register_fake row and the
+    Triton row follow the same rule for ``d_weight``'s dtype."""
+    N, H = hidden.shape[0] * hidden.shape[1], hidden.shape[2]  # hidden [B, T, H]
+    c = reference.compute_dtype(hidden).itemsize
+    return (hidden.device.type == "cpu" and opt.grad_weight and N > 0
+            and N * c <= H * weight.dtype.itemsize)
+
+
 def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     """Three GEMMs over chunks of tokens, each chunk over vocabulary blocks (:class:`_Tile`); returns ``(loss,
     metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0], d_bias [V] or
-    [0])``, the gradients in float32 (float64 for float64 inputs)."""
+    [0])``, the gradients in float32 (float64 for float64 inputs), but ``d_weight`` in the weight's dtype when
+    :func:`_tile_in_weight_grad` holds."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
+    dev = hidden.device
     cdt = reference.compute_dtype(hidden)  # float32 (float64 for float64 inputs)
     h = hidden.reshape(N, H)  # [N, H]
     inv_t = 1.0 / opt.temperature
     b = None if bias is None else bias.to(cdt) * inv_t  # [V]
+    in_grad = _tile_in_weight_grad(hidden, weight, opt)
     # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
-    # a 16-bit dtype, not two); d_hidden is O(N·H) float32, d_weight the float32 accumulator the module notes
-    d_hidden = torch.empty(N, H, dtype=cdt, device=hidden.device) if opt.grad_input else None  # [N, H]
-    d_weight = torch.zeros(V, H, dtype=cdt, device=hidden.device) if opt.grad_weight else None  # [V, H]
-    d_bias = torch.zeros(V, dtype=cdt, device=hidden.device) if opt.grad_bias else None  # [V]
+    # a 16-bit dtype, not two), but for a one-chunk d_weight (in_grad: written once, in the weight's dtype);
+    # d_hidden is O(N·H) float32; d_weight is written by the first chunk (no zero fill), then accumulated
+    d_hidden = torch.empty(N, H, dtype=cdt, device=dev) if opt.grad_input else None  # [N, H]
+    d_weight = (torch.empty(V, H, dtype=weight.dtype if in_grad else cdt, device=dev)
+                if opt.grad_weight else None)  # [V, H]
+    d_bias = torch.zeros(V, dtype=cdt, device=dev) if opt.grad_bias else None  # [V]
+    chunks = [(0, N)] if in_grad else _chunks(B, T, V, opt.ratio, H)
+    n_max = max((t1 - t0 for t0, t1 in chunks), default=0)
+    tile_buf = None
+    if in_grad:  # the tile: the last N·V compute-dtype elements' worth of d_weight's buffer
+        flat = d_weight.view(-1)  # [V·H]
+        tile_buf = flat[flat.numel() - N * V * cdt.itemsize // weight.dtype.itemsize:].view(cdt)  # [N·V]
+    tile = _Tile(n_max, V, cdt, dev, buf=tile_buf)
+    # a 16-bit d_weight block is formed in the compute dtype here, then rounded once into d_weight
+    dw_buf = (torch.empty(tile.vb * H, dtype=cdt, device=dev)
+              if d_weight is not None and d_weight.dtype != cdt else None)  # [vb·H]
 
     def chunk(t0, t1):
         h_c = h[t0:t1].to(cdt)  # [n, H]
-        dh_c = None if d_hidden is None else d_hidden[t0:t1].zero_()  # [n, H], summed over the blocks
+        dh_c = None if d_hidden is None else d_hidden[t0:t1]  # [n, H], summed over the blocks
+        first_chunk = t0 == chunks[0][0]
 
         def block(v0, v1, out):  # GEMM 1; a 16-bit weight is widened one block at a time (a view for float32)
             _fl._logits_into(out, h_c, weight[v0:v1].to(cdt), None if b is None else b[v0:v1], inv_t)
 
         def apply(v0, v1, dz, _resid):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
             w_j = weight[v0:v1].to(cdt)  # [vb, H]
-            if dh_c is not None:
-                dh_c.addmm_(dz, w_j)  # GEMM 2
-            if d_weight is not None:
-                d_weight[v0:v1].addmm_(dz.T, h_c)  # GEMM 3
+            if dh_c is not None:  # GEMM 2; the first block writes (no zero fill)
+                torch.addmm(dh_c, dz, w_j, beta=0 if v0 == 0 else 1, out=dh_c)
+            if d_weight is not None:  # GEMM 3; the first chunk writes (no zero fill)
+                dw = d_weight[v0:v1]  # [vb, H]
+                if dw_buf is not None:  # one chunk, 16-bit: the block over all tokens, rounded once
+                    dw.copy_(torch.mm(dz.T, h_c, out=dw_buf[:dw.numel()].view(dw.shape)))
+                else:
+                    torch.addmm(dw, dz.T, h_c, beta=0 if first_chunk else 1, out=dw)
             if d_bias is not None:
                 d_bias[v0:v1] += dz.sum(0)
 
         return block, apply
 
-    chunks = _chunks(B, T, V, opt.ratio, H)
-    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, hidden.device)
     loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
                                            opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh [0] per output: outputs may not alias)
+    if d_weight is not None and not chunks:  # no tokens: no chunk wrote it
+        d_weight.zero_()
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
             empty() if d_weight is None else d_weight,
@@ -644,6 +688,8 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
                                            ref_logp, opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
+    if d_weight is not None and _tile_in_weight_grad(hidden, weight, opt):  # the interpreter on a CPU: the
+        d_weight = d_weight.to(weight.dtype)  # dtype the torch row (and the op's fake) gives there
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
             empty() if d_weight is None else d_weight,
@@ -685,7 +731,8 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
     return (hidden.new_empty((), **f32), hidden.new_empty((len(losses.POLICY_METRICS),), **f32),
             hidden.new_empty((B, T), **f32), hidden.new_empty((B, T), **f32),
             hidden.new_empty((B, T, H), dtype=cdt) if opt.grad_input else hidden.new_empty(0),
-            weight.new_empty(weight.shape, dtype=cdt) if opt.grad_weight else hidden.new_empty(0),
+            weight.new_empty(weight.shape, dtype=weight.dtype if _tile_in_weight_grad(hidden, weight, opt) else cdt)
+            if opt.grad_weight else hidden.new_empty(0),
             hidden.new_empty(bias.shape, dtype=cdt) if opt.grad_bias and bias is not None else hidden.new_empty(0))
 
 
@@ -725,12 +772,15 @@ def _upstream_is_one(d_loss: torch.Tensor) -> bool:
 
 def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
     """A stored gradient ``g`` (compute dtype) times the upstream scalar, in ``dtype``, rounded once (the product
-    is formed in ``g``'s dtype and written straight into the output). ``[0]``: not computed -> None."""
+    is formed in ``g``'s dtype and written straight into the output); a one-chunk 16-bit ``d_weight``
+    (:func:`_tile_in_weight_grad`) is stored in ``dtype`` already, so an upstream other than 1 rounds it a second
+    time. ``[0]``: not computed -> None."""
     if g.numel() == 0 and g.dim() == 1:
         return None
     if one:
         return g if g.dtype == dtype else g.to(dtype)
-    return torch.mul(g, d_loss.to(g.dtype), out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    # d_loss a float32 0-dim tensor: it does not promote g, and the product of a 16-bit g is formed in float32
+    return torch.mul(g, d_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
 
 
 def _linear_setup(ctx, inputs, output):
