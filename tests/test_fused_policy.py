@@ -480,3 +480,68 @@ def test_aot_compiles_every_config_without_spills(arch):
         if config.kernel is fused_policy._stats_store_kernel and config.signature["h_ptr"] != "*fp32":
             assert report.tensor_core_ops > 0, str(report)
     assert not spilled, "configs that spill registers:\n" + "\n".join(spilled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.02], ids=["no-entropy", "entropy"])
+def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, monkeypatch):
+    """N·c <= H·w: one chunk whose logits tile lives in the tail of d_weight's buffer, d_weight written block by
+    block over it (16-bit: rounded once, returned in the weight's dtype). Blocks of 50 columns, so the blocks
+    d_weight is written over are read first (without the entropy term dz is moved out of the tile before
+    GEMM 3); an upstream other than 1; against the float64 truth and the two-op path."""
+    monkeypatch.setattr(fused_policy, "_VBLOCK_MIN", 16)
+    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 18 * 50)  # 18 tokens: blocks of 50 columns, the last 17
+    x = _inputs(3, 6, 40, 317, seed=17)  # N = 18 <= H/2 = 20
+    options = dict(kl_coef=0.05, entropy_coef=entropy_coef, temperature=0.9, agg="token-mean")
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
+                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"],
+                                 ref_logp=x["ref_logp"], temperature=0.9, ignore_index=-100, return_entropy=False,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                    kl_coef=0.05, kl_estimator="k3", entropy_coef=entropy_coef,
+                                                    agg="token-mean", norm_length=None),
+                                 grads=(True, True, True))
+    assert fused_policy._tile_in_weight_grad(h, w, opt)
+    assert not fused_policy._tile_in_weight_grad(h.detach().repeat(3, 1, 1), w, opt)  # N = 54 > H: chunked
+    upstream = -0.6
+    _, _, t_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, _, grads = _fused(x, options, upstream, dtype, "torch")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+    # the chunked path (many chunks, the tile its own buffer) on the same inputs gives the same gradients
+    monkeypatch.setattr(fused_policy, "_tile_in_weight_grad", lambda *a: False)
+    monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", 4 * 317 * 5)  # 5 tokens a chunk
+    c_loss, _, c_grads = _fused(x, options, upstream, dtype, "torch")
+    torch.testing.assert_close(loss, c_loss, rtol=1e-6, atol=1e-7)
+    for g, c in zip(grads, c_grads):
+        torch.testing.assert_close(g.float(), c.float(), **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)))
+
+
+def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
+    """16-bit weights, N <= H/2: no float32 [V, H] d_weight accumulator (nor a tile: it lives in d_weight), so
+    linear_policy_loss's fwd+bwd allocates less than linear_logprobs + policy_loss's (measured the same way;
+    vocabulary blocks of 512 columns, as at a real vocabulary's size)."""
+    from rlkernels.testing import memory as _memory
+
+    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 64 * 512)
+
+    B, T, H, V = 2, 32, 160, 4096
+    x = _inputs(B, T, H, V, seed=3)
+    h, w = (x[k].to(torch.bfloat16).requires_grad_() for k in ("hidden", "weight"))
+    args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
+
+    def fused():
+        loss, _ = rlkernels.linear_policy_loss(h, w, *args, ref_logp=x["ref_logp"], entropy_coef=0.01)
+        return torch.autograd.grad(loss, (h, w))
+
+    def two_op():
+        logp, ent = rlkernels.linear_logprobs(h, w, x["labels"], return_entropy=True)
+        loss, _ = rlkernels.policy_loss(logp, *args[1:], ref_logp=x["ref_logp"], entropy=ent, entropy_coef=0.01)
+        return torch.autograd.grad(loss, (h, w))
+
+    fused(), two_op()  # warm
+    ours, theirs = _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
+    assert ours.largest_bytes < 4 * V * H  # no float32 [V, H] buffer
+    assert ours.peak_bytes <= theirs.peak_bytes, (ours, theirs)
