@@ -2,6 +2,7 @@
 reference.policy_loss, in float64), forward and backward, every option, and against the two-op path."""
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -217,8 +218,10 @@ def test_retain_graph_gives_same_gradients_and_double_backward_raises():
 
 
 @pytest.mark.parametrize("on_policy", [False, True])
-def test_compile_fullgraph(on_policy):
-    x = _inputs(2, 4, 8, 64, seed=7)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_fullgraph(on_policy, dtype):
+    """H = 16, N = 8: the one-chunk row (d_weight in the weight's dtype for bf16, as the op's fake says)."""
+    x = _inputs(2, 4, 16, 64, seed=7)
     old = None if on_policy else x["old_logp"]  # [B, T] or None
 
     def step(h, w):
@@ -226,8 +229,8 @@ def test_compile_fullgraph(on_policy):
                                                      entropy_coef=0.01, return_entropy=on_policy)
         return loss, metrics["clipfrac"]
 
-    h = x["hidden"].clone().requires_grad_()
-    w = x["weight"].clone().requires_grad_()
+    h = x["hidden"].to(dtype).requires_grad_()
+    w = x["weight"].to(dtype).requires_grad_()
     eager_loss, _ = step(h, w)
     eager = torch.autograd.grad(eager_loss, (h, w))
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -545,3 +548,23 @@ def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
     ours, theirs = _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
     assert ours.largest_bytes < 4 * V * H  # no float32 [V, H] buffer
     assert ours.peak_bytes <= theirs.peak_bytes, (ours, theirs)
+
+
+@pytest.mark.parametrize("dtype, H", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 8)],
+                         ids=["float32-one-chunk", "bfloat16-one-chunk", "bfloat16-chunked"])
+def test_fake_matches_the_torch_row(dtype, H):
+    """The op's fake row gives d_weight the dtype the torch row returns (the weight's for a one-chunk bf16 call,
+    float32 otherwise): torch.compile plans its graph from it."""
+    x = _inputs(2, 4, H, 64, seed=7)
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
+                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
+                                 temperature=1.0, ignore_index=-100, return_entropy=False,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+                                                    agg="token-mean", norm_length=None),
+                                 grads=(True, True, False))
+    args = (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+    torch.library.opcheck(fused_policy._linear_op, args, test_utils=("test_schema", "test_faketensor"))
+    d_weight = fused_policy._linear_op(*args)[5]
+    assert d_weight.dtype == (dtype if H == 16 else torch.float32)
