@@ -72,6 +72,13 @@ _CHUNK_BYTES = 8 << 20
 # matched the two-op path there.
 _BLOCK_ELEMS = 1 << 19
 _VBLOCK_MIN = 256
+# The one-chunk row (_tile_in_weight_grad: no tile of its own, the scratch block its only block-sized buffer) takes
+# blocks this many times wider (8 MiB float32: 8192 columns at N = 256): fewer, larger ops. Side by side at N = 256
+# fp32 under load 12 (two threads on 2 cores): 2 MiB blocks 10.1 s, 8 MiB 4.5 s per fwd+bwd (1 MiB: 16.9 s).
+_ONE_CHUNK_BLOCK_SCALE = 4
+# Rows of a 16-bit weight widened to float32 at a time (and of d_weight formed in float32 before its one rounding)
+# by the torch row's GEMMs: [_WIDEN_ROWS, H] float32 buffers, whatever the block width
+_WIDEN_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -171,10 +178,10 @@ def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0, budget: int | None =
     return [(t0, min(N, t0 + step)) for t0 in range(0, N, max(step, 1))]
 
 
-def _vblock(n: int, V: int) -> int:
+def _vblock(n: int, V: int, scale: int = 1) -> int:
     """Width of one vocabulary block of an ``n``-token tile: about ``_BLOCK_ELEMS`` elements (a core's L2), so
     each pass over a block (and the GEMMs that read it right after) finds it in cache."""
-    return min(V, max(_VBLOCK_MIN, _BLOCK_ELEMS // max(n, 1)))
+    return min(V, max(_VBLOCK_MIN, scale * _BLOCK_ELEMS // max(n, 1)))
 
 
 def _policy_chunk(lp, ent, old, adv, m, ref, unit_w, opt: FusedPolicyOptions):
@@ -207,7 +214,7 @@ class _Tile:
 
     def __init__(self, n_max: int, V: int, cdt: torch.dtype, device, buf: torch.Tensor | None = None):
         self.V = V
-        self.vb = _vblock(n_max, V)
+        self.vb = _vblock(n_max, V, _ONE_CHUNK_BLOCK_SCALE if buf is not None else 1)
         self.spans = [(v0, min(V, v0 + self.vb)) for v0 in range(0, V, self.vb)]
         S = len(self.spans)
         # the tile, [n, V] in blocks; ``buf`` (n_max·V elements of cdt): memory the caller lends, which it may
@@ -369,28 +376,38 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
         flat = d_weight.view(-1)  # [V·H]
         tile_buf = flat[flat.numel() - N * V * cdt.itemsize // weight.dtype.itemsize:].view(cdt)  # [N·V]
     tile = _Tile(n_max, V, cdt, dev, buf=tile_buf)
-    # a 16-bit d_weight block is formed in the compute dtype here, then rounded once into d_weight
-    dw_buf = (torch.empty(tile.vb * H, dtype=cdt, device=dev)
-              if d_weight is not None and d_weight.dtype != cdt else None)  # [vb·H]
+    # a 16-bit weight is widened _WIDEN_ROWS rows at a time (never a float32 copy of the weight; a view for
+    # float32), and a one-chunk 16-bit d_weight formed that many rows at a time in float32, then rounded once
+    wide = weight.dtype != cdt
+    dw_buf = (torch.empty(_WIDEN_ROWS * H, dtype=cdt, device=dev)
+              if d_weight is not None and d_weight.dtype != cdt else None)  # [_WIDEN_ROWS·H]
+
+    def rows(v0, v1):  # yields (c0, c1, weight rows [c1 - c0, H] in cdt) covering the block [v0, v1), one at a time
+        step = _WIDEN_ROWS if wide else v1 - v0
+        for c0 in range(v0, v1, step):
+            c1 = min(v1, c0 + step)
+            yield c0, c1, weight[c0:c1].to(cdt)
 
     def chunk(t0, t1):
         h_c = h[t0:t1].to(cdt)  # [n, H]
         dh_c = None if d_hidden is None else d_hidden[t0:t1]  # [n, H], summed over the blocks
         first_chunk = t0 == chunks[0][0]
 
-        def block(v0, v1, out):  # GEMM 1; a 16-bit weight is widened one block at a time (a view for float32)
-            _fl._logits_into(out, h_c, weight[v0:v1].to(cdt), None if b is None else b[v0:v1], inv_t)
+        def block(v0, v1, out):  # GEMM 1 into out [n, v1 - v0]
+            for c0, c1, w_c in rows(v0, v1):
+                _fl._logits_into(out[:, c0 - v0:c1 - v0], h_c, w_c, None if b is None else b[c0:c1], inv_t)
 
         def apply(v0, v1, dz, _resid):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
-            w_j = weight[v0:v1].to(cdt)  # [vb, H]
-            if dh_c is not None:  # GEMM 2; the first block writes (no zero fill)
-                torch.addmm(dh_c, dz, w_j, beta=0 if v0 == 0 else 1, out=dh_c)
-            if d_weight is not None:  # GEMM 3; the first chunk writes (no zero fill)
-                dw = d_weight[v0:v1]  # [vb, H]
-                if dw_buf is not None:  # one chunk, 16-bit: the block over all tokens, rounded once
-                    dw.copy_(torch.mm(dz.T, h_c, out=dw_buf[:dw.numel()].view(dw.shape)))
-                else:
-                    torch.addmm(dw, dz.T, h_c, beta=0 if first_chunk else 1, out=dw)
+            for c0, c1, w_c in rows(v0, v1):
+                dz_c = dz[:, c0 - v0:c1 - v0]  # [n, c1 - c0]
+                if dh_c is not None:  # GEMM 2; the first block writes (no zero fill)
+                    torch.addmm(dh_c, dz_c, w_c, beta=0 if c0 == 0 else 1, out=dh_c)
+                if d_weight is not None:  # GEMM 3; the first chunk writes (no zero fill)
+                    dw = d_weight[c0:c1]  # [c1 - c0, H]
+                    if dw_buf is not None:  # one chunk, 16-bit: the rows over all tokens, rounded once
+                        dw.copy_(torch.mm(dz_c.T, h_c, out=dw_buf[:dw.numel()].view(dw.shape)))
+                    else:
+                        torch.addmm(dw, dz_c.T, h_c, beta=0 if first_chunk else 1, out=dw)
             if d_bias is not None:
                 d_bias[v0:v1] += dz.sum(0)
 
