@@ -21,19 +21,29 @@ Chunks. With ``ratio="token"`` every token's loss term depends on that token alo
 weights), so chunks are runs of tokens of any length, sized to a byte budget (``_CHUNK_BYTES``), and the policy
 implementation sees each token as a row of one. With ``ratio="sequence"`` (GSPO) a token's gradient depends on its
 whole sequence's ratio, so chunks are whole sequences (as many as fit the budget, at least one: a single sequence
-longer than the budget still takes one chunk, ``T·V`` floats).
+longer than the budget still takes one chunk, ``T·V`` floats). The torch row's one-chunk layout (below) takes every
+token at once, so every sequence is whole there.
 
-Torch row, per chunk (CPU): ONE float32 ``[chunk, V]`` logits tile (``_CHUNK_BYTES``, or the float32 ``[N, H]``
-size when larger), held as vocabulary blocks of ~2 MiB (:class:`_Tile`). Pass 1 fills each block (GEMM 1; a 16-bit
-weight widened one block at a time, never a float32 copy of the weight) and reduces it while it is in cache; pass 2
-re-centres each block on the row max, turns it into ``dz`` in place (``exp`` recomputed rather than stored) and runs
-GEMMs 2 and 3 on it right away. Memory beyond the gradients: the tile, one block of scratch and O(N) per-token
-vectors; ``d_hidden`` is float32 ``[N, H]``; ``d_weight`` accumulates over the token chunks in float32 ``[V, H]``
-(for a float32 weight that is the gradient itself; for 16-bit weights it is a weight-sized float32 buffer, which the
-two-op path avoids when N < V by running its backward vocabulary-outer -- a three-GEMM order cannot, since no dz
-exists before a token's whole vocabulary row has been reduced). The gradients stay in float32 until the backward
-scales them (one rounding to a 16-bit dtype); with an upstream gradient of exactly 1 the backward hands them out
-without a copy.
+Torch row, per chunk (CPU): ONE compute-dtype ``[chunk, V]`` logits tile, held as vocabulary blocks (:class:`_Tile`).
+Pass 1 fills each block (GEMM 1; a 16-bit weight widened ``_WIDEN_ROWS`` rows at a time, never a float32 copy of
+the weight) and reduces it while it is in cache; pass 2 re-centres each block on the row max, turns it into ``dz``
+(``exp`` recomputed rather than stored) and runs GEMMs 2 and 3 on it right away. Two layouts:
+
+- one chunk (:func:`_tile_in_weight_grad`: CPU, ``d_weight`` wanted, ``N <= H`` for float32, ``N <= H/2`` for
+  16-bit weights -- a GRPO minibatch of a few sequences on a small model): all ``N`` tokens at once, the tile held
+  in the tail of ``d_weight``'s own buffer, which pass 2 overwrites from the front block by block (each block's
+  ``d_weight`` rows formed over every token and written once: rounded once to a 16-bit weight's dtype, so no float32
+  ``[V, H]`` buffer exists). Memory beyond the gradients: one scratch block (8 MiB float32) and ``[_WIDEN_ROWS, H]``
+  float32 buffers for 16-bit weights; the GEMMs run at ``M = N`` (not a 42-token chunk);
+- otherwise chunks of tokens with a tile of their own (``_CHUNK_BYTES``, or the float32 ``[N, H]`` size when
+  larger) in ~2 MiB blocks, ``d_weight`` accumulated over the chunks in float32 ``[V, H]`` (for a float32 weight
+  that is the gradient itself; for 16-bit weights it is a weight-sized float32 buffer, which the two-op path avoids
+  when N < V by running its backward vocabulary-outer -- a three-GEMM order cannot, since no dz exists before a
+  token's whole vocabulary row has been reduced, and a tile of all N tokens would then be larger than that buffer).
+
+``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
+a 16-bit dtype), except a one-chunk 16-bit ``d_weight``, rounded in the forward (an upstream gradient other than 1
+rounds it a second time); with an upstream gradient of exactly 1 the backward hands them out without a copy.
 
 ``old_logp=None`` is the on-policy update (one epoch, one minibatch): each chunk's old log-probs are its own
 log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no separate log-prob pass.
