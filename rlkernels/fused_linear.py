@@ -16,7 +16,7 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   apart: one float32 ``lse = m + log s`` would carry ulp(m) into every log p)
   and ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
   ``p log p`` counts 0 where ``p = 0`` (a ``-inf`` logit, e.g. a masked bias entry).
-- Backward, 3 GEMMs, over chunks of tokens: ``_dz_kernel`` recomputes each logits
+- Backward, 3 GEMMs, over chunks: ``_dz_kernel`` recomputes each logits
   tile (GEMM 2) with the forward's ``BLOCK_K`` (so bit for bit the forward's logits),
   forms ``log p = (z - m) - log s`` and writes ``dz = dL/dz`` for the chunk, formed in float32 as
   ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
@@ -26,13 +26,18 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   float32 (``[chunk]``) and added back after the GEMMs as ``r · W[y]`` and
   ``r · hidden`` (O(N·H); into ``d_weight`` as a sorted segment sum per label, no atomics, so
   the gradients are the same bits run to run), which keeps the gradients as close to the float64
-  truth as an all-float32 eager computation. Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
-  ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
-  float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
-  likewise. The workspace is bounded by ``chunk × V`` (the chunk is sized to a
-  fixed byte budget), never by ``N × V``. A single fused backward kernel would
-  need atomics on ``d_weight`` (nondeterministic) or recompute the logits once
-  per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
+  truth as an all-float32 eager computation. Then cuBLAS does GEMM 3 (``dz @ W``) and GEMM 4 (``dz.T @ hidden``),
+  in one of two orders (:func:`_vocab_outer`), whichever keeps the float32 accumulator the smaller of ``[N, H]``
+  and ``[V, H]``. With fewer tokens than vocabulary entries (RL batches against 128k-256k vocabularies) the
+  vocabulary is the outer loop: per vocabulary chunk, ``dz`` of all the tokens, ``d_hidden += dz @ W[chunk]``
+  into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` formed in float32 and written
+  once in the weight's dtype, so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096). Otherwise
+  the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @ hidden[chunk]``
+  into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end; ``d_bias`` likewise.
+  The workspace (``dz`` and, vocabulary outer, the float32 ``d_weight`` slice) is sized to a fixed byte budget
+  (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
+  run. A single fused backward kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the
+  logits once per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
@@ -121,6 +126,27 @@ def _logits_tile(
 
 
 @jit
+def _online_update(z, cols, col_ok, label, m, s, u, zy):
+    """Folds one float32 logits tile ``z`` [BLOCK_N, BLOCK_V] (vocabulary ids ``cols`` [BLOCK_V]; a column past V,
+    ``col_ok`` False, counts as a -inf logit) into each row's online statistics, [BLOCK_N] float32 each: running max
+    ``m``, ``s = Σ exp(z - m)``, ``u = Σ exp(z - m)(z - m)`` and ``zy``, the logit of the row's ``label`` (read from
+    the float32 tile). Returns the updated ``(m, s, u, zy)``. ``linear_logprobs``' forward and ``fused_policy``'s
+    statistics kernel both fold their tiles with it (Triton inlines it)."""
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+    alpha = tl.exp(m - m_new)
+    d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+    e = tl.exp(d)
+    # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
+    # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
+    ed = e * tl.where(d == float("-inf"), 0.0, d)
+    u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+    s = alpha * s + block_sum(e, 1)
+    zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+    return m_new, s, u, zy
+
+
+@jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
@@ -147,18 +173,7 @@ def _fwd_kernel(
             z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
                              stride_hn, stride_wv, temperature,
                              HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
-            # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
-            ed = e * tl.where(d == float("-inf"), 0.0, d)
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
+            m, s, u, zy = _online_update(z, cols, col_ok, label, m, s, u, zy)
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
@@ -975,9 +990,10 @@ def linear_logprobs(
     ``rlkernels.logprobs(hidden @ weight.T + bias, labels, ...)`` but never holds the
     ``[N, V]`` logits (nor their gradient): the product is tiled over tokens and
     vocabulary, reduced on the fly with an online log-sum-exp, and recomputed in
-    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (plus a
-    float32 ``[V, H]`` accumulator for ``weight``'s gradient when the tokens take
-    more than one chunk).
+    backward. Extra memory is O(N) forward and O(N·H + chunk) backward beyond the
+    gradients themselves (the chunk is a bounded workspace; with at least as many
+    tokens as vocabulary entries the Triton backward accumulates ``weight``'s
+    gradient in a float32 ``[V, H]`` buffer, then no larger than O(N·H)).
 
     Args:
         hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.
