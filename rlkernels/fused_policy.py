@@ -493,8 +493,10 @@ def _dz_from_tile_kernel(
 # recomputed).
 _DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
-_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=8, split_tiles=64, num_warps=8,
-                                          num_stages=2),
+# float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16), one stage: two stages spill 32 B on
+# sm_90 with Triton 3.9 at 255 registers; one stage holds 176-192 registers and spills nothing on 3.6 and 3.9
+_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8,
+                                          num_stages=1),
                 torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
 # the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
 _TRITON_CHUNK_BYTES = 1 << 30
