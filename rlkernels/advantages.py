@@ -429,10 +429,12 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 
 # ---------------------------------------------------------------- launchers: Triton
 
-# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. Every block is
-# 2048 tokens, _GAE_VEC = 16 per thread of 4 warps (more tokens per thread amortise the scan across chunks;
-# 4 warps keep the cross-warp part short and 3 CTAs resident per SM at ~150 registers).
-_GAE_CONFIGS = ((32, 64, 4), (8, 256, 4), (1, 2048, 4))
+# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. VEC = 16 tokens per
+# thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Short rows lie inside
+# one warp, so their scans need no cross-warp step; long rows take 1024-token blocks of 2 warps: sm_90 aligned,
+# 36-38, 38-40 and 44-45 SASS per token, 7 CTAs per SM for the last (1 x 2048 in 4 warps: 45.5-47.1;
+# 4 x 512 in 4 warps: 40.8-42.6, but a quarter of the programs; for `make gpu` to settle).
+_GAE_CONFIGS = ((32, 64, 4), (8, 256, 4), (1, 1024, 2))
 _GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
 _GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
 # _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
