@@ -23,54 +23,28 @@ namespace {
 // GAE by the reverse recursion. On a CPU the sequential loop is the work-optimal scan; parallelism comes
 // from the rows. One row alone is latency-bound (each token's advantage waits on the previous one's
 // multiply-add), so a task walks kRows rows side by side: kRows independent dependency chains per time step,
-// written without branches (a select per state), which the core overlaps. Rows whose tokens are contiguous
-// (the usual case) are read through per-row pointers with unit steps (kContig): no stride multiply per load.
-constexpr int64_t kRows = 8;
+// written without branches (a select per state), which the core overlaps.
+constexpr int64_t kRows = 4;
 
-template <typename scalar_t, int64_t R, bool kContig>
+template <typename scalar_t, int64_t R>
 void gae_row_tile(const scalar_t* r, const scalar_t* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
                   int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl) {
-  const scalar_t* rr[R];  // each row's start
-  const scalar_t* vr[R];
-  const bool* mr[R];
-  float* ar[R];
-  float* tr[R];
   float next_value[R], next_adv[R];  // the value and advantage of each row's next valid token (0 past the end)
-  for (int64_t i = 0; i < R; ++i) {
-    rr[i] = r + (b0 + i) * rs0, vr[i] = v + (b0 + i) * vs0, mr[i] = m + (b0 + i) * ms0;
-    ar[i] = a_out + (b0 + i) * T, tr[i] = r_out + (b0 + i) * T;
-    next_value[i] = next_adv[i] = 0.f;
-  }
+  for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
   for (int64_t t = T - 1; t >= 0; --t) {
     for (int64_t i = 0; i < R; ++i) {
-      const float vt = static_cast<float>(vr[i][kContig ? t : t * vs1]);
-      const float rt = static_cast<float>(rr[i][kContig ? t : t * rs1]);
-      const bool valid = mr[i][kContig ? t : t * ms1];
+      const int64_t b = b0 + i;
+      const float vt = static_cast<float>(v[b * vs0 + t * vs1]);
+      const float rt = static_cast<float>(r[b * rs0 + t * rs1]);
+      const bool valid = m[b * ms0 + t * ms1];
       const float step = (rt + gamma * next_value[i] - vt) + gl * next_adv[i];
       const float a = valid ? step : 0.f;
       next_value[i] = valid ? vt : next_value[i];
       next_adv[i] = valid ? step : next_adv[i];
-      ar[i][t] = a;
-      tr[i][t] = a + vt;
+      a_out[b * T + t] = a;
+      r_out[b * T + t] = a + vt;
     }
   }
-}
-
-template <typename scalar_t, bool kContig>
-void gae_rows_strided(const scalar_t* r, const scalar_t* v, const bool* m, float* a_out, float* r_out, int64_t B, int64_t T,
-                      int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl) {
-  const int64_t tiles = (B + kRows - 1) / kRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t b0 = tile * kRows;
-      if (b0 + kRows <= B) {
-        gae_row_tile<scalar_t, kRows, kContig>(r, v, m, a_out, r_out, b0, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
-      } else {
-        for (int64_t b = b0; b < B; ++b)  // the last rows, one at a time
-          gae_row_tile<scalar_t, 1, kContig>(r, v, m, a_out, r_out, b, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
-      }
-    }
-  });
 }
 
 template <typename scalar_t>
@@ -86,11 +60,18 @@ void gae_rows(const at::Tensor& rewards, const at::Tensor& values, const at::Ten
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1);
   const int64_t ms0 = mask.stride(0), ms1 = mask.stride(1);
   const float gl = gamma * lam;
-  if (rs1 == 1 && vs1 == 1 && ms1 == 1) {
-    gae_rows_strided<scalar_t, true>(r, v, m, a_out, r_out, B, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
-  } else {
-    gae_rows_strided<scalar_t, false>(r, v, m, a_out, r_out, B, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
-  }
+  const int64_t tiles = (B + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t b0 = tile * kRows;
+      if (b0 + kRows <= B) {
+        gae_row_tile<scalar_t, kRows>(r, v, m, a_out, r_out, b0, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
+      } else {
+        for (int64_t b = b0; b < B; ++b)  // the last rows, one at a time
+          gae_row_tile<scalar_t, 1>(r, v, m, a_out, r_out, b, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
+      }
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask,
