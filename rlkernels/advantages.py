@@ -430,11 +430,12 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 # ---------------------------------------------------------------- launchers: Triton
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. VEC = 16 tokens per
-# thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Short rows lie inside
-# one warp, so their scans need no cross-warp step; long rows take 1024-token blocks of 2 warps: sm_90 aligned,
-# 36-38, 38-40 and 44-45 SASS per token, 7 CTAs per SM for the last (1 x 2048 in 4 warps: 45.5-47.1;
-# 4 x 512 in 4 warps: 40.8-42.6, but a quarter of the programs; for `make gpu` to settle).
-_GAE_CONFIGS = ((32, 64, 4), (8, 256, 4), (1, 1024, 2))
+# thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Up to 256 tokens a
+# row lies inside one warp (no cross-warp step in its scans); longer rows take 1024-token blocks of 2 warps.
+# sm_90 aligned: 39-41 and 44-45 SASS per token, 7-8 CTAs per SM. Rejected: 32 x 64 and 8 x 256 in 4 warps
+# (36-40 aligned, but the unaligned specialisation spills), 1 x 2048 in 4 warps (45.5-47.1), 4 x 512 in 4 warps
+# (40.8-42.6 with a quarter of the programs; `make gpu` may prefer it).
+_GAE_CONFIGS = ((4, 256, 2), (1, 1024, 2))
 _GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
 _GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
 # _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
@@ -445,11 +446,7 @@ _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
-    if T <= 64:
-        return _GAE_CONFIGS[0]
-    if T <= 256:
-        return _GAE_CONFIGS[1]
-    return _GAE_CONFIGS[2]
+    return _GAE_CONFIGS[0] if T <= 256 else _GAE_CONFIGS[1]
 
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

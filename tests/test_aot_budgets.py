@@ -29,7 +29,7 @@ BUDGETS: dict[str, float] = {
     "_logprobs_fwd_kernel": 10.0,
     "_logprobs_bwd_kernel": 16.0,
     "_group_tile_kernel": 40.0,  # contiguous groups of <= 1024 (index-given groups: _group_kernel, not yet)
-    # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the budget (36-47 today)
+    # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the budget (39-45 today)
     "_gae_kernel": 48.0,
 }
 
