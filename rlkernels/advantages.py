@@ -86,9 +86,9 @@ def _xor(a, b):
 
 @jit
 def _flip_vec(x, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
-    """``x`` ``[BLOCK_B, NCH, 16]`` with its last axis reversed (``tl.flip``'s xor swaps, written out: a kernel
-    interpreted per call cannot call Triton's library ``@jit`` functions). The axis lies in one thread, so the
-    compiled swaps are register renames (no instruction)."""
+    """``x`` ``[BLOCK_B, NCH, 16]`` (float32 or 8-bit) with its last axis reversed (``tl.flip``'s xor swaps,
+    written out: a kernel interpreted per call cannot call Triton's library ``@jit`` functions). The axis lies in
+    one thread, so the compiled swaps are register renames (no instruction)."""
     bits = x.to(tl.int32, bitcast=True) if x.dtype.primitive_bitwidth == 32 else x.to(tl.int8, bitcast=True)
     y = tl.reshape(bits, [BLOCK_B, NCH, 2, 2, 2, 2])
     y = y ^ tl.reduce(y, 2, _xor, keep_dims=True)
@@ -114,6 +114,7 @@ def _gae_kernel(
     # 2. a scan over the chunks of [identity, chunk map] pairs: the even entries are the exclusive prefixes, the
     #    maps of every later token of the block; applied to the carry they give each chunk's incoming state;
     # 3. each token's A from its in-chunk prefix and the chunk's incoming state.
+    tl.static_assert(VEC == 16, "_flip_vec is written for 16 tokens per thread")
     NCH: tl.constexpr = BLOCK_T // VEC
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
     row_ok = (rows < B)[:, None, None]  # [BLOCK_B, 1, 1]
