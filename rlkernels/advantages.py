@@ -74,48 +74,116 @@ def _compose(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
 
 
 @jit
+def _take_last(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
+    """A reduction that keeps its last operand: along a thread's own elements, the last element."""
+    return a2, b2, c2, z2, e2
+
+
+@jit
+def _xor(a, b):
+    return a ^ b
+
+
+@jit
+def _flip_vec(x, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """``x`` ``[BLOCK_B, NCH, 16]`` (float32 or 8-bit) with its last axis reversed (``tl.flip``'s xor swaps,
+    written out: a kernel interpreted per call cannot call Triton's library ``@jit`` functions). The axis lies in
+    one thread, so the compiled swaps are register renames (no instruction)."""
+    bits = x.to(tl.int32, bitcast=True) if x.dtype.primitive_bitwidth == 32 else x.to(tl.int8, bitcast=True)
+    y = tl.reshape(bits, [BLOCK_B, NCH, 2, 2, 2, 2])
+    y = y ^ tl.reduce(y, 2, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 3, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 4, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 5, _xor, keep_dims=True)
+    return tl.reshape(y, [BLOCK_B, NCH, 16]).to(x.dtype, bitcast=True)
+
+
+@jit
 def _gae_kernel(
     r_ptr, v_ptr, m_ptr,  # [B, T] inputs (strided), m: uint8
     adv_ptr, ret_ptr,  # [B, T] float32 outputs (contiguous)
     B, T,
     stride_rb, stride_rt, stride_vb, stride_vt, stride_mb, stride_mt,
     gamma, lam,
-    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr,
 ):
+    # Each thread owns a chunk of VEC consecutive tokens, read time ascending (vector loads), flipped in
+    # registers. Scan order: chunk 0 is the last chunk of the block, and inside a chunk the last token comes
+    # first, so forward scans walk backwards in time (no reverse=True: triton issue #4362).
+    # 1. in-thread scan of each chunk's token maps; its last element is the chunk's whole map;
+    # 2. a scan over the chunks of [identity, chunk map] pairs: the even entries are the exclusive prefixes, the
+    #    maps of every later token of the block; applied to the carry they give each chunk's incoming state;
+    # 3. each token's A from its in-chunk prefix and the chunk's incoming state.
+    tl.static_assert(VEC == 16, "_flip_vec is written for 16 tokens per thread")
+    NCH: tl.constexpr = BLOCK_T // VEC
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
-    row_ok = rows < B
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_T)  # [BLOCK_T]; column j of a block is token (end - 1 - j)
+    row_ok = (rows < B)[:, None, None]  # [BLOCK_B, 1, 1]
+    rows64 = rows.to(tl.int64)[:, None, None]  # [BLOCK_B, 1, 1]
+    r_row = r_ptr + rows64 * stride_rb  # [BLOCK_B, 1, 1] row starts
+    v_row = v_ptr + rows64 * stride_vb
+    m_row = m_ptr + rows64 * stride_mb
+    adv_row = adv_ptr + rows64 * T
+    ret_row = ret_ptr + rows64 * T
+    ch = tl.arange(0, NCH)  # [NCH] chunks in scan order
+    rel = (((NCH - 1 - ch) * VEC)[:, None] + tl.arange(0, VEC)[None, :])[None, :, :]  # [1, NCH, VEC] ascending
     gl = gamma * lam
+    one = tl.full([BLOCK_B, NCH], 1.0, tl.float32)
+    zero = tl.full([BLOCK_B, NCH], 0.0, tl.float32)
     carry_a = tl.full([BLOCK_B], 0.0, tl.float32)  # A of the next valid token (0 past the end)
     carry_v = tl.full([BLOCK_B], 0.0, tl.float32)  # V of the next valid token (0 past the end)
-    for start in range(0, T, BLOCK_T):
-        t = T - 1 - start - cols  # [BLOCK_T], descending: a forward scan walks backwards in time
-        inb = row_ok[:, None] & (t >= 0)[None, :]  # [BLOCK_B, BLOCK_T]
-        t64 = t.to(tl.int64)
-        r = tl.load(r_ptr + rows64[:, None] * stride_rb + t64[None, :] * stride_rt, mask=inb, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows64[:, None] * stride_vb + t64[None, :] * stride_vt, mask=inb, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + rows64[:, None] * stride_mb + t64[None, :] * stride_mt, mask=inb, other=0)
-        valid = inb & (m != 0)  # [BLOCK_B, BLOCK_T]
-        one = tl.full([BLOCK_B, BLOCK_T], 1.0, tl.float32)
-        zero = tl.full([BLOCK_B, BLOCK_T], 0.0, tl.float32)
-        # a masked or out-of-range token is the identity map (1, 0, 0, 1, 0)
-        al = tl.where(valid, one * gl, one)
-        be = tl.where(valid, one * gamma, zero)
-        c = tl.where(valid, r - v, zero)
-        ze = tl.where(valid, zero, one)
-        e = tl.where(valid, v, zero)
-        al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 1, _compose)
-        a_out = al * carry_a[:, None] + be * carry_v[:, None] + c  # [BLOCK_B, BLOCK_T]
-        v_out = ze * carry_v[:, None] + e  # [BLOCK_B, BLOCK_T]
-        adv = tl.where(valid, a_out, zero)
-        offs = rows64[:, None] * T + t64[None, :]
-        tl.store(adv_ptr + offs, adv, mask=inb)
-        tl.store(ret_ptr + offs, adv + v, mask=inb)
-        # the last column composes the whole block (out-of-range columns are identities)
-        last = (cols == BLOCK_T - 1)[None, :]
-        carry_a = block_sum(tl.where(last, a_out, zero), 1)  # [BLOCK_B]
-        carry_v = block_sum(tl.where(last, v_out, zero), 1)  # [BLOCK_B]
+    nb = (T + BLOCK_T - 1) // BLOCK_T
+    for i in range(0, nb):
+        t = (nb - 1 - i) * BLOCK_T + rel  # [1, NCH, VEC] int32 tokens (T < 2**31)
+        inb = row_ok & (t < T)  # [BLOCK_B, NCH, VEC]
+        r = tl.load(r_row + t * stride_rt, mask=inb, other=0.0).to(tl.float32)  # [BLOCK_B, NCH, VEC]
+        v = tl.load(v_row + t * stride_vt, mask=inb, other=0.0).to(tl.float32)
+        m = tl.load(m_row + t * stride_mt, mask=inb, other=0)  # out of range: 0, not valid
+        fv = _flip_vec(v, BLOCK_B, NCH)  # [BLOCK_B, NCH, VEC] in scan order
+        fd = _flip_vec(r, BLOCK_B, NCH) - fv
+        valid = _flip_vec(m, BLOCK_B, NCH) != 0
+        # a token's map: valid (γλ, γ, r - v, 0, v), masked or out of range the identity (1, 0, 0, 1, 0)
+        al = tl.where(valid, gl, 1.0)
+        be = tl.where(valid, gamma, 0.0)
+        c = tl.where(valid, fd, 0.0)
+        ze = tl.where(valid, 0.0, 1.0)
+        e = tl.where(valid, fv, 0.0)
+        al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 2, _compose)  # in-chunk prefixes
+        sa, sb, sc, sz, se = tl.reduce((al, be, c, ze, e), 2, _take_last)  # [BLOCK_B, NCH] chunk maps
+        pa = _exclusive_pairs(one, sa, BLOCK_B, NCH)  # [BLOCK_B, 2 NCH]
+        pb = _exclusive_pairs(zero, sb, BLOCK_B, NCH)
+        pc = _exclusive_pairs(zero, sc, BLOCK_B, NCH)
+        pz = _exclusive_pairs(one, sz, BLOCK_B, NCH)
+        pe = _exclusive_pairs(zero, se, BLOCK_B, NCH)
+        pa, pb, pc, pz, pe = tl.associative_scan((pa, pb, pc, pz, pe), 1, _compose)  # [BLOCK_B, 2 NCH]
+        ea, sa = _split_pairs(pa, BLOCK_B, NCH)  # [BLOCK_B, NCH]: later chunks of the block, and those and this
+        eb, sb = _split_pairs(pb, BLOCK_B, NCH)
+        ec, sc = _split_pairs(pc, BLOCK_B, NCH)
+        ez, sz = _split_pairs(pz, BLOCK_B, NCH)
+        ee, se = _split_pairs(pe, BLOCK_B, NCH)
+        a_in = ea * carry_a[:, None] + eb * carry_v[:, None] + ec  # [BLOCK_B, NCH]: state entering each chunk
+        v_in = ez * carry_v[:, None] + ee
+        a_tok = al * a_in[:, :, None] + be * v_in[:, :, None] + c  # [BLOCK_B, NCH, VEC]
+        adv = _flip_vec(tl.where(valid, a_tok, 0.0), BLOCK_B, NCH)  # [BLOCK_B, NCH, VEC] time ascending
+        tl.store(adv_row + t, adv, mask=inb)
+        tl.store(ret_row + t, adv + v, mask=inb)
+        # the block's first chunk (the last in scan order) composes the whole block: the next block's carry
+        last = (ch == NCH - 1)[None, :]  # [1, NCH]
+        a_out = tl.where(last, sa * carry_a[:, None] + sb * carry_v[:, None] + sc, 0.0)  # [BLOCK_B, NCH]
+        v_out = tl.where(last, sz * carry_v[:, None] + se, 0.0)
+        carry_a, carry_v = tl.split(block_sum(tl.join(a_out, v_out), 1))  # [BLOCK_B] x2
+
+
+@jit
+def _exclusive_pairs(first, second, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """``[BLOCK_B, NCH]`` x2 -> ``[BLOCK_B, 2 NCH]`` interleaved ``(first, second)`` per chunk: with ``first`` the
+    identity, entry ``2k`` of an inclusive scan is the exclusive prefix of chunk ``k``."""
+    return tl.reshape(tl.join(first, second), [BLOCK_B, 2 * NCH])
+
+
+@jit
+def _split_pairs(x, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """Inverse of :func:`_exclusive_pairs`: ``(x[:, 0::2], x[:, 1::2])``."""
+    return tl.split(tl.reshape(x, [BLOCK_B, NCH, 2]))
 
 
 @jit
@@ -362,8 +430,14 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 
 # ---------------------------------------------------------------- launchers: Triton
 
-# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
-_GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
+# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. VEC = 16 tokens per
+# thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Up to 256 tokens a
+# row lies inside one warp (no cross-warp step in its scans); longer rows take 1024-token blocks of 2 warps.
+# sm_90 aligned: 39-41 and 44-45 SASS per token, 7-8 CTAs per SM. Rejected: 32 x 64 and 8 x 256 in 4 warps
+# (36-40 aligned, but the unaligned specialisation spills), 1 x 2048 in 4 warps (45.5-47.1), 4 x 512 in 4 warps
+# (40.8-42.6 with a quarter of the programs; `make gpu` may prefer it).
+_GAE_CONFIGS = ((4, 256, 2), (1, 1024, 2))
+_GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
 _GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
 # _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
 # stays small), _GROUP_TILE scores per program in _GROUP_TILE_WARPS warps (16 per thread)
@@ -373,11 +447,7 @@ _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
-    if T <= 64:
-        return _GAE_CONFIGS[0]
-    if T <= 256:
-        return _GAE_CONFIGS[1]
-    return _GAE_CONFIGS[2]
+    return _GAE_CONFIGS[0] if T <= 256 else _GAE_CONFIGS[1]
 
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -403,7 +473,7 @@ def _gae_triton(rewards, values, mask, gamma, lam):
     _gae_kernel.launch(
         (cdiv(B, block_b),), r, v, m, adv, ret, B, T,
         r.stride(0), r.stride(1), v.stride(0), v.stride(1), m.stride(0), m.stride(1),
-        float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, **kwargs,
+        float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, VEC=_GAE_VEC, **kwargs,
     )
     return adv, ret
 
@@ -483,14 +553,15 @@ def aot_configs():
     for name in _host.TRITON_DTYPE_NAMES.values():
         ty = "*" + name
         for block_b, block_t, warps in _GAE_CONFIGS:
+            # the token strides as real launches of contiguous rows get them: specialised to the constant 1
             sig = {
                 "r_ptr": ty, "v_ptr": ty, "m_ptr": "*u8", "adv_ptr": "*fp32", "ret_ptr": "*fp32", "B": "i32", "T": "i32",
-                "stride_rb": "i32", "stride_rt": "i32", "stride_vb": "i32", "stride_vt": "i32",
-                "stride_mb": "i32", "stride_mt": "i32", "gamma": "fp32", "lam": "fp32",
-                "BLOCK_B": "constexpr", "BLOCK_T": "constexpr",
+                "stride_rb": "i32", "stride_rt": "constexpr", "stride_vb": "i32", "stride_vt": "constexpr",
+                "stride_mb": "i32", "stride_mt": "constexpr", "gamma": "fp32", "lam": "fp32",
+                "BLOCK_B": "constexpr", "BLOCK_T": "constexpr", "VEC": "constexpr",
             }
-            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps,
-                                        elements=block_b * block_t))
+            consts = {"BLOCK_B": block_b, "BLOCK_T": block_t, "VEC": _GAE_VEC, "stride_rt": 1, "stride_vt": 1, "stride_mt": 1}
+            configs.append(KernelConfig(_gae_kernel, sig, consts, num_warps=warps, elements=block_b * block_t))
         sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
         configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
                                     elements=_WHITEN_BLOCK))

@@ -140,6 +140,29 @@ def test_gae_long_rows(backend, csrc_ops):
     check_gae(backend, r, v, m, 0.999, 0.95, 1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+def test_gae_masked_runs_across_chunks_and_blocks(backend, csrc_ops):
+    # The Triton kernel scans 16-token chunks inside 1024-token blocks (several rows per program when T is
+    # short), the CUDA kernel 8-token items inside 2048-token tiles: masked runs that cover whole chunks
+    # and cross block boundaries (1024 and 2048 here) must carry (A, V) through unchanged, and so must a block
+    # with no valid token.
+    gen = torch.Generator().manual_seed(11)
+    B, T = 2, 2048 + 48
+    r, v = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    m = torch.zeros(B, T, dtype=torch.bool)
+    m[0, :11] = m[0, 2080:] = True  # row 0: a hole from token 11 across the block boundary at 2048 to 2080
+    m[1, :40] = True  # row 1: the last block has no valid token at all
+    m[1, 1000:1003] = True
+    r[~m] = float("nan")
+    check_gae(backend, r, v, m, 0.99, 0.95, REL_TOL[torch.float32])
+    # several rows per program: 9 rows of 200 tokens, runs of 17-40 masked tokens
+    B, T = 9, 200
+    r, v = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    m = ((torch.arange(T)[None, :] + 7 * torch.arange(B)[:, None]) // 17 % 3 != 1) | (torch.arange(T) < 3)
+    r[~m] = float("nan")
+    check_gae(backend, r, v, m, 0.9, 0.8, REL_TOL[torch.float32])
+
+
 def test_gae_transparency_and_zero_rows(csrc_ops):
     # inserting masked tokens anywhere must not change the advantages of the valid ones
     gen = torch.Generator().manual_seed(6)

@@ -9,9 +9,8 @@ iteration. Every memory-bound kernel must also keep at least 2 CTAs resident per
 reductions and barriers overlap another's loads.
 
 A budget is listed here only once its kernel meets it; the report (``build/aot-report.txt``) prints the
-figure of every kernel. Not yet listed (over budget today, sm_90 aligned): ``_gae_kernel`` (176-270 per
-token against 48), ``_group_kernel`` (groups given by ``index`` or larger than 1024: 68-239 per score
-against 40).
+figure of every kernel. Not yet listed (over budget today, sm_90 aligned): ``_group_kernel`` (groups given by
+``index`` or larger than 1024: 68-239 per score against 40).
 """
 import importlib
 
@@ -30,6 +29,8 @@ BUDGETS: dict[str, float] = {
     "_logprobs_fwd_kernel": 10.0,
     "_logprobs_bwd_kernel": 16.0,
     "_group_tile_kernel": 40.0,  # contiguous groups of <= 1024 (index-given groups: _group_kernel, not yet)
+    # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the issue's budget (39-45 today)
+    "_gae_kernel": 48.0,
 }
 
 
