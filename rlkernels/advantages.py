@@ -219,46 +219,74 @@ def _first_set(flags, SIZE: tl.constexpr):
 
 
 @jit
+def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan et al.'s merge of two shares' (count, mean, M2) into the union's; a share may be empty (count 0).
+    Elementwise, and a ``tl.reduce`` combine function."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / tl.maximum(n, 1.0)
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@jit
+def _chan_pivoted(n_a, k_a, mean_a, m2_a, n_b, k_b, mean_b, m2_b):
+    """:func:`_chan` of two shares whose means are relative to their own pivots ``k``: the union keeps the
+    first non-empty share's pivot (``k_b - k_a`` is a difference of two values near the data: exact or nearly
+    so). A ``tl.reduce`` combine function over ``(count, pivot, mean - pivot, M2)``."""
+    k = tl.where(n_a > 0, k_a, k_b)
+    mean_b = tl.where(n_b > 0, (k_b - k) + mean_b, 0.0)
+    n, mean, m2 = _chan(n_a, tl.where(n_a > 0, mean_a, 0.0), m2_a, n_b, mean_b, m2_b)
+    return n, k, mean, m2
+
+
+@jit
 def _whiten_partial_kernel(
-    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
+    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8 0/1)
     part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
     N,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of a tile
+    THREADS: tl.constexpr,  # threads of a program (32 · warps): one run of VEC elements each per row
+    VEC: tl.constexpr,  # contiguous elements per thread per row (16: one 16-byte load of the uint8 mask)
 ):
-    # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
-    # around it (and Chan merges of such means) carry that error into M2 and the output.
-    # Everything is therefore kept relative to a pivot K, the program's first masked-in
-    # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
-    # no rounding of K + ..., and a shift of all data only shifts K.
+    """One pass over the program's tiles of ``ROWS·THREADS·VEC`` contiguous elements (tile i, i + P, ...), as
+    ``[ROWS, THREADS, VEC]``: each thread's ``ROWS·VEC`` elements of a tile give their count, mean and centred
+    M2 from its registers, merged (Chan) into the thread's running statistics; the threads merge once, at the
+    end (``tl.reduce`` with :func:`_chan_pivoted`): no block-wide reduction per tile, no division per element.
+
+    Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations around it (and
+    merges of such means) would carry that error into M2 and the output. Each thread keeps its statistics
+    relative to a pivot K near its data: the float32 mean of the first tile where it has a masked-in value
+    (before that K = 0). Then x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with no
+    rounding of K + ..., and a shift of all data only shifts K. A tile's M2 is centred on the tile's own mean
+    (corrected two-pass: Σd² - (Σd)²/c), never Σy² - (Σy)²/n, so a pivot far from the data costs no
+    cancellation either."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)  # [BLOCK]
-    cnt = 0.0
-    piv = 0.0
-    mean = 0.0  # of (x - piv)
-    m2 = 0.0
-    for start in range(pid * BLOCK, N, nprog * BLOCK):
-        i = start + offs  # [BLOCK]
+    TILE: tl.constexpr = ROWS * THREADS * VEC
+    r = tl.arange(0, ROWS)[:, None, None] * (THREADS * VEC)  # [ROWS, 1, 1]
+    t = tl.arange(0, THREADS)[None, :, None] * VEC  # [1, THREADS, 1]
+    offs = r + t + tl.arange(0, VEC)[None, None, :]  # [ROWS, THREADS, VEC]
+    cnt = tl.full([THREADS], 0.0, tl.float32)  # [THREADS] per thread: count, pivot K, mean of (x - K), M2
+    piv = tl.full([THREADS], 0.0, tl.float32)
+    mean = tl.full([THREADS], 0.0, tl.float32)
+    m2 = tl.full([THREADS], 0.0, tl.float32)
+    for start in range(pid * TILE, N, tl.num_programs(0) * TILE):
+        i = start + offs  # [ROWS, THREADS, VEC]
         ok = i < N
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-        w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
-        if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
-            first = _first_set(w, BLOCK)
-            piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
-        y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
-        c_b, s_b = _sum2(w.to(tl.float32), y)
-        mean_b = s_b / tl.maximum(c_b, 1.0)
-        d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
-        sd, sdd = _sum2(d, d * d)
-        # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
-        m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
-        # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
-        total = cnt + c_b
-        delta = mean_b - mean
-        frac = c_b / tl.maximum(total, 1.0)
-        mean = mean + delta * frac
-        m2 = m2 + m2_b + delta * delta * cnt * frac
-        cnt = total
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [ROWS, THREADS, VEC]
+        keep = tl.load(m_ptr + i, mask=ok, other=0) != 0  # [ROWS, THREADS, VEC]
+        w = tl.where(keep, 1.0, 0.0)  # [ROWS, THREADS, VEC]
+        y = tl.where(keep, x - piv[None, :, None], 0.0)  # where, not a product: masked-out NaN/inf stay out
+        c_t = block_sum(block_sum(w, 2), 0)  # [THREADS]: in-thread sums
+        inv_c = 1.0 / tl.maximum(c_t, 1.0)  # [THREADS]
+        mean_t = block_sum(block_sum(y, 2), 0) * inv_c  # [THREADS]
+        d = y - mean_t[None, :, None] * w  # [ROWS, THREADS, VEC]: 0 where masked out
+        s_d = block_sum(block_sum(d, 2), 0)  # [THREADS]: what the rounding of mean_t left
+        m2_t = block_sum(block_sum(d * d, 2), 0) - s_d * s_d * inv_c  # [THREADS]
+        new_piv = (cnt == 0.0) & (c_t > 0.0)  # [THREADS]: the thread's first data: its pivot is their mean
+        piv = tl.where(new_piv, mean_t, piv)
+        mean_t = tl.where(new_piv, 0.0, mean_t) + s_d * inv_c
+        cnt, mean, m2 = _chan(cnt, mean, m2, c_t, mean_t, m2_t)
+    cnt, piv, mean, m2 = tl.reduce((cnt, piv, mean, m2), 0, _chan_pivoted)
     tl.store(part_ptr + pid * 4 + 0, cnt)
     tl.store(part_ptr + pid * 4 + 1, piv)
     tl.store(part_ptr + pid * 4 + 2, mean)
@@ -370,6 +398,9 @@ _GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): gr
 _GROUP_TILE_GS = (16, 64, 256, 1024)
 _GROUP_TILE, _GROUP_TILE_WARPS = 2048, 4
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
+# _whiten_partial_kernel's tile: _WHITEN_ROWS rows of 16 contiguous elements per thread (one 16-byte mask load;
+# the same layout for the x load), 4 warps: a thread's share of a tile stays in its registers
+_WHITEN_ROWS, _WHITEN_VEC, _WHITEN_PARTIAL_WARPS = 2, 16, 4
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
@@ -462,12 +493,14 @@ def _whiten_triton(x, mask, shift_mean, eps):
     out = torch.empty(N, dtype=torch.float32, device=x.device)  # [N]
     if N == 0:
         return out.view(x.shape)
-    blocks = cdiv(N, _WHITEN_BLOCK)
+    threads = 32 * _WHITEN_PARTIAL_WARPS
+    tiles = cdiv(N, _WHITEN_ROWS * threads * _WHITEN_VEC)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
-    P = min(blocks, _WHITEN_P_BLOCK if x.is_cuda else 4)
+    P = min(tiles, _WHITEN_P_BLOCK if x.is_cuda else 4)
     part = torch.empty(P, 4, dtype=torch.float32, device=x.device)  # [P, 4]: count, pivot, mean - pivot, M2
+    _whiten_partial_kernel.launch((P,), xf, m, part, N, ROWS=_WHITEN_ROWS, THREADS=threads, VEC=_WHITEN_VEC,
+                                  **({"num_warps": _WHITEN_PARTIAL_WARPS} if x.is_cuda else {}))
     kwargs = {"num_warps": _WHITEN_WARPS} if x.is_cuda else {}
-    _whiten_partial_kernel.launch((P,), xf, m, part, N, BLOCK=_WHITEN_BLOCK, **kwargs)
     _whiten_apply_kernel.launch(
         (P,), xf, out, part, N, P, float(eps),
         SHIFT_MEAN=bool(shift_mean), BLOCK=_WHITEN_BLOCK, P_BLOCK=_WHITEN_P_BLOCK, **kwargs,
@@ -491,9 +524,12 @@ def aot_configs():
             }
             configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps,
                                         elements=block_b * block_t))
-        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
-        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
-                                    elements=_WHITEN_BLOCK))
+        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "ROWS": "constexpr", "THREADS": "constexpr",
+               "VEC": "constexpr"}
+        threads = 32 * _WHITEN_PARTIAL_WARPS
+        consts = {"ROWS": _WHITEN_ROWS, "THREADS": threads, "VEC": _WHITEN_VEC}
+        configs.append(KernelConfig(_whiten_partial_kernel, sig, consts, num_warps=_WHITEN_PARTIAL_WARPS,
+                                    elements=_WHITEN_ROWS * threads * _WHITEN_VEC))
         for shift in (True, False):
             sig = {
                 "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",

@@ -229,6 +229,36 @@ def test_masked_whiten(device, backend, dtype, shift_mean, csrc_ops):
         assert err <= REL_TOL[torch.float32] * (1 if shift_mean else 0.1), f"{backend}: rel. error {err:.2e}"
 
 
+@pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
+@pytest.mark.parametrize("case", ["offset 1e6", "offset -3e5, empty prefix", "outlier first"])
+def test_masked_whiten_shifted_data_over_many_tiles(device, backend, case, csrc_ops):
+    """Float32 data far from 0 relative to its spread (1e6 + N(0, 1): a float32 mean is only known to ~0.03):
+    every backend whitens it as the float64 truth does, over enough elements for several tiles and programs
+    (and their merge); also with the first rows masked out (the first tiles hold no data) and with a masked-in
+    outlier first (a pivot far from the rest of the data). (Not the reference backend: its eager formulas in
+    float32 are off by ~5% at an offset of 1e6, which is why the kernels keep a pivot.)"""
+    gen = torch.Generator().manual_seed(15)
+    B, T = 40, 700  # 28000 elements: 7 tiles of the Triton whitening kernel, merged across 4 programs on CPU
+    noise = torch.randn(B, T, generator=gen, dtype=torch.float64)  # [B, T]
+    mask = torch.rand(B, T, generator=gen) < 0.8  # [B, T]
+    if case == "offset 1e6":
+        x = (1e6 + noise).float()
+    elif case == "offset -3e5, empty prefix":
+        x = (-3e5 + 0.5 * noise).float()
+        mask[:12] = False  # the first 8400 elements: two whole tiles
+    else:
+        x = (5.0 + noise).float()
+        x[0, 0], mask[0, 0] = 1e6, True
+    x[~mask] = float("nan")  # masked-out entries do not enter the statistics
+    # (with the outlier, shift_mean=False adds back a mean of ~45 to values that vary by ~1e-4: float32 output
+    # rounding, not the statistics, sets the error there)
+    for shift_mean in (True, False) if case != "outlier first" else (True,):
+        truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [B, T]
+        out = run_on(device, backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)  # [B, T]
+        err = rel_error(out[mask], truth[mask])
+        assert err <= REL_TOL[torch.float32], f"{backend} {case} shift_mean={shift_mean}: rel. error {err:.2e}"
+
+
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 def test_masked_whiten_degenerate(device, backend, csrc_ops):
     x = torch.randn(4, 5)

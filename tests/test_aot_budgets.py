@@ -30,6 +30,12 @@ BUDGETS: dict[str, float] = {
     "_logprobs_fwd_kernel": 10.0,
     "_logprobs_bwd_kernel": 16.0,
     "_group_tile_kernel": 40.0,  # contiguous groups of <= 1024 (index-given groups: _group_kernel, not yet)
+    # masked_whiten's statistics pass reads x and a uint8 mask: 3 B per element for bf16 x -> 30, 2x headroom
+    "_whiten_partial_kernel": 15.0,
+    # its apply pass reads x and writes float32: at least 6 B per element -> 60, 2x headroom
+    "_whiten_apply_kernel": 30.0,
+    # the losses' backward reads a float32 gradient and writes it in the input's dtype: >= 6 B per token -> 60
+    "_scale_rows_kernel": 30.0,
 }
 
 
