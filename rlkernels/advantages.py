@@ -6,9 +6,10 @@ Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
   ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
   across chunks);
-- ``triton``: Triton kernels (interpreted on CPU tensors); contiguous groups of up to 1024
-  take ``_group_tile_kernel`` (many groups per program, one register-resident pass),
-  index-given and larger groups ``_group_kernel`` (one program per group);
+- ``triton``: Triton kernels (interpreted on CPU tensors); groups of one size up to 4096,
+  contiguous or given by an index (sorted into equal runs once on the host), take
+  ``_group_tile_kernel`` (many groups per program, one register-resident pass); index-given
+  groups of unequal sizes and larger groups ``_group_kernel`` (one program per group, three passes);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
 Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run
@@ -174,26 +175,30 @@ def _group_kernel(
 @jit
 def _group_tile_kernel(
     s_ptr, out_ptr,  # [N] float32, N = G * group_size
+    perm_ptr,  # [N] int32 (read with HAS_INDEX): group g holds s[perm[g·group_size : (g + 1)·group_size]]
     G, group_size, eps,
     MODE,  # the position of the mode in GROUP_MODES (a run-time value: one compiled kernel serves every mode)
+    HAS_INDEX: tl.constexpr,  # groups given by an index (sorted into equal runs of perm), else contiguous
     GS: tl.constexpr,  # a power of two >= group_size: the columns of the tile
     GROUPS: tl.constexpr,  # groups per program: the rows of the tile
 ):
-    """Contiguous groups, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
-    read, each group's mean and Σ(s - mean)² from the registers (two passes over registers, none over
-    memory), one write."""
+    """Groups of one size, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
+    read (gathered through ``perm`` for index-given groups), each group's mean and Σ(s - mean)² from the
+    registers (two passes over registers, none over memory), one write (scattered back through ``perm``)."""
     g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
     j = tl.arange(0, GS)  # [GS]
     ok = (g < G)[:, None] & (j < group_size)[None, :]  # [GROUPS, GS]
     idx = g[:, None] * group_size + j[None, :]  # [GROUPS, GS] (the launcher checks N < 2**31)
-    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
+    if HAS_INDEX:
+        idx = tl.load(perm_ptr + idx, mask=ok, other=0)  # [GROUPS, GS]
     n = group_size.to(tl.float32)
+    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
     mean = block_sum(x, 1) / n  # [GROUPS]
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
-    hi = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
-    lo = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
+    top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
+    bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
-    constant = (((hi == lo) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
+    constant = (((top == bottom) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
     d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
     ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
     grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps)  # [GROUPS]
@@ -392,11 +397,20 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
 _GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
-_GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
-# _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
-# stays small), _GROUP_TILE scores per program in _GROUP_TILE_WARPS warps (16 per thread)
-_GROUP_TILE_GS = (16, 64, 256, 1024)
-_GROUP_TILE, _GROUP_TILE_WARPS = 2048, 4
+# _group_kernel (one program per group): index-given groups of unequal sizes, groups of > 4096
+_GROUP_BLOCK, _GROUP_WARPS = 256, 4
+# _group_tile_kernel: groups of one size padded to GS columns (the powers of two it is compiled for, so the AOT
+# set stays small), max(GS, _GROUP_TILE) scores per program: 16 per thread (4 warps up to GS = 2048, 8 above)
+_GROUP_TILE_GS = (16, 64, 256, 1024, 2048, 4096)
+_GROUP_TILE = 2048
+
+
+def _group_tile_config(gs: int, has_index: bool) -> tuple[int, int]:
+    """``(groups per program, warps)`` of the tile kernel for groups padded to ``gs`` columns: 16 scores per
+    thread, 32 for index-given groups (their gather and scatter cost more per program, less per score)."""
+    tile, per_thread = (2 * _GROUP_TILE, 32) if has_index else (_GROUP_TILE, 16)
+    groups = max(1, tile // gs)
+    return groups, max(4, groups * gs // (32 * per_thread))
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 # _whiten_partial_kernel's tile: _WHITEN_ROWS rows of 16 contiguous elements per thread (one 16-byte mask load;
 # the same layout for the x load), 4 warps: a thread's share of a tile stays in its registers
@@ -440,7 +454,8 @@ def _gae_triton(rewards, values, mask, gamma, lam):
 
 
 def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None):
-    """``(perm, starts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``.
+    """``(perm, starts, counts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``, ``counts``
+    [G] members (None for contiguous groups: all have ``group_size``).
 
     Contiguous groups need no permutation (``perm`` is empty). Arbitrary ids are
     mapped to 0..G-1 (``torch.unique``) and sorted stably, so each group is one
@@ -451,12 +466,12 @@ def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Ten
     if index is None:
         G = N // group_size
         starts = torch.arange(G + 1, device=device, dtype=torch.int64) * group_size  # [G + 1]
-        return torch.empty(0, dtype=torch.int64, device=device), starts
+        return torch.empty(0, dtype=torch.int64, device=device), starts, None
     _, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)  # [N], [G]
     perm = torch.argsort(inverse, stable=True)  # [N]
     starts = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=device)  # [G + 1]
     torch.cumsum(counts, 0, out=starts[1:])
-    return perm, starts
+    return perm, starts, counts
 
 
 def _group_triton(scores, group_size, index, mode, eps):
@@ -467,14 +482,20 @@ def _group_triton(scores, group_size, index, mode, eps):
     out = torch.empty_like(s)  # [N]
     if N == 0:
         return out
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, counts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1], [G] or None
     G = starts.numel() - 1
-    if index is None and group_size <= _GROUP_TILE_GS[-1]:
-        gs = next(c for c in _GROUP_TILE_GS if c >= group_size)
-        kwargs = {"num_warps": _GROUP_TILE_WARPS} if s.is_cuda else {}
+    if counts is None:
+        smallest = largest = group_size
+    else:  # one read of both on the host (torch.unique has synchronised already)
+        smallest, largest = (int(c) for c in torch.stack(torch.aminmax(counts)).tolist())
+    if smallest == largest <= _GROUP_TILE_GS[-1]:  # groups of one size: contiguous, or equal runs of perm
+        gs = next(c for c in _GROUP_TILE_GS if c >= largest)
+        groups, warps = _group_tile_config(gs, index is not None)
+        # int32 positions: the same 16-byte layout as the scores' (an int64 load would go through shared memory)
+        perm32 = perm.to(torch.int32) if index is not None else s  # [N] (never read without an index)
         _group_tile_kernel.launch(
-            (cdiv(G, _GROUP_TILE // gs),), s, out, G, group_size, float(eps), GROUP_MODES.index(mode),
-            GS=gs, GROUPS=_GROUP_TILE // gs, **kwargs,
+            (cdiv(G, groups),), s, out, perm32, G, largest, float(eps), GROUP_MODES.index(mode),
+            HAS_INDEX=index is not None, GS=gs, GROUPS=groups, **({"num_warps": warps} if s.is_cuda else {}),
         )
         return out
     kwargs = {"num_warps": _GROUP_WARPS} if s.is_cuda else {}
@@ -538,10 +559,12 @@ def aot_configs():
             consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
             configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
     for gs in _GROUP_TILE_GS:
-        sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "G": "i32", "group_size": "i32", "eps": "fp32", "MODE": "i32",
-               "GS": "constexpr", "GROUPS": "constexpr"}
-        consts = {"GS": gs, "GROUPS": _GROUP_TILE // gs}
-        configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=_GROUP_TILE_WARPS, elements=_GROUP_TILE))
+        for has_index in (False, True):
+            sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "perm_ptr": "*i32", "G": "i32", "group_size": "i32",
+                   "eps": "fp32", "MODE": "i32", "HAS_INDEX": "constexpr", "GS": "constexpr", "GROUPS": "constexpr"}
+            groups, warps = _group_tile_config(gs, has_index)
+            consts = {"HAS_INDEX": has_index, "GS": gs, "GROUPS": groups}
+            configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=warps, elements=groups * gs))
     for mode in GROUP_MODES:
         for has_index in (False, True):
             sig = {
@@ -702,7 +725,7 @@ def _gae_csrc(rewards, values, mask, gamma, lam):
 
 def _group_csrc(scores, group_size, index, mode, eps):
     s = scores.float().contiguous()  # [N]
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, _ = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
     return _csrc_ops().group_advantages(s, perm, starts, GROUP_MODES.index(mode), float(eps))
 
 
@@ -1106,7 +1129,7 @@ def _process_triton(step_rewards, step_ends, step_mask, T, group_size, index, mo
         raise ValueError(f"step_rewards has {B} rows; the Triton kernel indexes rows with int32 (fewer than 2**31)")
     e = step_ends.long()  # [B, S]
     m = _host.mask_u8(step_mask) if step_mask is not None else torch.ones(B, S, dtype=torch.uint8, device=r.device)  # [B, S]
-    perm, starts = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
+    perm, starts, _ = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
     block_r, block_s, block_t, warps = _process_config(S)
     kwargs = {"num_warps": warps} if r.is_cuda else {}
     _process_kernel.launch(
