@@ -362,7 +362,7 @@ def _value_kernel(
 
 # the agg mode a reduction computes: its index in AGG_MODES (the AGG constexpr)
 AGG_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_MEAN = (_constexpr(AGG_MODES.index(n)) for n in ("token-mean", "seq-mean-token-mean"))
-BLOCK_ROWS = 64  # rows per step of the reduction kernel: [64, NSLOTS] partial sums per tile
+BLOCK_ROWS = 32  # rows per step of the reduction kernel: [32, NSLOTS] partial sums per tile
 BLOCK_SCALE = 1024  # tokens per program of the backward's scaling kernel (8 fp32 per thread at 4 warps)
 
 
@@ -428,9 +428,8 @@ def _reduce_kernel(
         acc += w * _slot(rows, SLOT_LOSS)
     tl.store(loss_ptr, block_sum(acc, 0))
     means = totals / tl.maximum(count, 1.0)  # [NSLOTS]
-    j = (slots - M_FIRST) // M_STEP  # [NSLOTS]: the metric a slot is, where it is one
-    is_metric = (slots >= M_FIRST) & ((slots - M_FIRST) % M_STEP == 0) & (j < N_METRICS)
-    tl.store(metrics_ptr + j, means, mask=is_metric)
+    for j in tl.static_range(N_METRICS):  # metric j is the masked mean of slot M_FIRST + j·M_STEP
+        tl.store(metrics_ptr + j, block_sum(tl.where(slots == M_FIRST + j * M_STEP, means, 0.0), 0))
 
 
 @jit
