@@ -6,9 +6,10 @@ Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
   ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
   across chunks);
-- ``triton``: Triton kernels (interpreted on CPU tensors); contiguous groups of up to 1024
-  take ``_group_tile_kernel`` (many groups per program, one register-resident pass),
-  index-given and larger groups ``_group_kernel`` (one program per group);
+- ``triton``: Triton kernels (interpreted on CPU tensors); groups of one size up to 4096,
+  contiguous or given by an index (sorted into equal runs once on the host), take
+  ``_group_tile_kernel`` (many groups per program, one register-resident pass); index-given
+  groups of unequal sizes and larger groups ``_group_kernel`` (one program per group, three passes);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
 Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run
@@ -242,26 +243,30 @@ def _group_kernel(
 @jit
 def _group_tile_kernel(
     s_ptr, out_ptr,  # [N] float32, N = G * group_size
+    perm_ptr,  # [N] int32 (read with HAS_INDEX): group g holds s[perm[g·group_size : (g + 1)·group_size]]
     G, group_size, eps,
     MODE,  # the position of the mode in GROUP_MODES (a run-time value: one compiled kernel serves every mode)
+    HAS_INDEX: tl.constexpr,  # groups given by an index (sorted into equal runs of perm), else contiguous
     GS: tl.constexpr,  # a power of two >= group_size: the columns of the tile
     GROUPS: tl.constexpr,  # groups per program: the rows of the tile
 ):
-    """Contiguous groups, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
-    read, each group's mean and Σ(s - mean)² from the registers (two passes over registers, none over
-    memory), one write."""
+    """Groups of one size, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
+    read (gathered through ``perm`` for index-given groups), each group's mean and Σ(s - mean)² from the
+    registers (two passes over registers, none over memory), one write (scattered back through ``perm``)."""
     g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
     j = tl.arange(0, GS)  # [GS]
     ok = (g < G)[:, None] & (j < group_size)[None, :]  # [GROUPS, GS]
     idx = g[:, None] * group_size + j[None, :]  # [GROUPS, GS] (the launcher checks N < 2**31)
-    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
+    if HAS_INDEX:
+        idx = tl.load(perm_ptr + idx, mask=ok, other=0)  # [GROUPS, GS]
     n = group_size.to(tl.float32)
+    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
     mean = block_sum(x, 1) / n  # [GROUPS]
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
-    hi = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
-    lo = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
+    top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
+    bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
-    constant = (((hi == lo) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
+    constant = (((top == bottom) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
     d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
     ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
     grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps)  # [GROUPS]
@@ -287,46 +292,74 @@ def _first_set(flags, SIZE: tl.constexpr):
 
 
 @jit
+def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan et al.'s merge of two shares' (count, mean, M2) into the union's; a share may be empty (count 0).
+    Elementwise, and a ``tl.reduce`` combine function."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / tl.maximum(n, 1.0)
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@jit
+def _chan_pivoted(n_a, k_a, mean_a, m2_a, n_b, k_b, mean_b, m2_b):
+    """:func:`_chan` of two shares whose means are relative to their own pivots ``k``: the union keeps the
+    first non-empty share's pivot (``k_b - k_a`` is a difference of two values near the data: exact or nearly
+    so). A ``tl.reduce`` combine function over ``(count, pivot, mean - pivot, M2)``."""
+    k = tl.where(n_a > 0, k_a, k_b)
+    mean_b = tl.where(n_b > 0, (k_b - k) + mean_b, 0.0)
+    n, mean, m2 = _chan(n_a, tl.where(n_a > 0, mean_a, 0.0), m2_a, n_b, mean_b, m2_b)
+    return n, k, mean, m2
+
+
+@jit
 def _whiten_partial_kernel(
-    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
+    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8 0/1)
     part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
     N,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of a tile
+    THREADS: tl.constexpr,  # threads of a program (32 · warps): one run of VEC elements each per row
+    VEC: tl.constexpr,  # contiguous elements per thread per row (16: one 16-byte load of the uint8 mask)
 ):
-    # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
-    # around it (and Chan merges of such means) carry that error into M2 and the output.
-    # Everything is therefore kept relative to a pivot K, the program's first masked-in
-    # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
-    # no rounding of K + ..., and a shift of all data only shifts K.
+    """One pass over the program's tiles of ``ROWS·THREADS·VEC`` contiguous elements (tile i, i + P, ...), as
+    ``[ROWS, THREADS, VEC]``: each thread's ``ROWS·VEC`` elements of a tile give their count, mean and centred
+    M2 from its registers, merged (Chan) into the thread's running statistics; the threads merge once, at the
+    end (``tl.reduce`` with :func:`_chan_pivoted`): no block-wide reduction per tile, no division per element.
+
+    Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations around it (and
+    merges of such means) would carry that error into M2 and the output. Each thread keeps its statistics
+    relative to a pivot K near its data: the float32 mean of the first tile where it has a masked-in value
+    (before that K = 0). Then x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with no
+    rounding of K + ..., and a shift of all data only shifts K. A tile's M2 is centred on the tile's own mean
+    (corrected two-pass: Σd² - (Σd)²/c), never Σy² - (Σy)²/n, so a pivot far from the data costs no
+    cancellation either."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)  # [BLOCK]
-    cnt = 0.0
-    piv = 0.0
-    mean = 0.0  # of (x - piv)
-    m2 = 0.0
-    for start in range(pid * BLOCK, N, nprog * BLOCK):
-        i = start + offs  # [BLOCK]
+    TILE: tl.constexpr = ROWS * THREADS * VEC
+    r = tl.arange(0, ROWS)[:, None, None] * (THREADS * VEC)  # [ROWS, 1, 1]
+    t = tl.arange(0, THREADS)[None, :, None] * VEC  # [1, THREADS, 1]
+    offs = r + t + tl.arange(0, VEC)[None, None, :]  # [ROWS, THREADS, VEC]
+    cnt = tl.full([THREADS], 0.0, tl.float32)  # [THREADS] per thread: count, pivot K, mean of (x - K), M2
+    piv = tl.full([THREADS], 0.0, tl.float32)
+    mean = tl.full([THREADS], 0.0, tl.float32)
+    m2 = tl.full([THREADS], 0.0, tl.float32)
+    for start in range(pid * TILE, N, tl.num_programs(0) * TILE):
+        i = start + offs  # [ROWS, THREADS, VEC]
         ok = i < N
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-        w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
-        if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
-            first = _first_set(w, BLOCK)
-            piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
-        y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
-        c_b, s_b = _sum2(w.to(tl.float32), y)
-        mean_b = s_b / tl.maximum(c_b, 1.0)
-        d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
-        sd, sdd = _sum2(d, d * d)
-        # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
-        m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
-        # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
-        total = cnt + c_b
-        delta = mean_b - mean
-        frac = c_b / tl.maximum(total, 1.0)
-        mean = mean + delta * frac
-        m2 = m2 + m2_b + delta * delta * cnt * frac
-        cnt = total
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [ROWS, THREADS, VEC]
+        keep = tl.load(m_ptr + i, mask=ok, other=0) != 0  # [ROWS, THREADS, VEC]
+        w = tl.where(keep, 1.0, 0.0)  # [ROWS, THREADS, VEC]
+        y = tl.where(keep, x - piv[None, :, None], 0.0)  # where, not a product: masked-out NaN/inf stay out
+        c_t = block_sum(block_sum(w, 2), 0)  # [THREADS]: in-thread sums
+        inv_c = 1.0 / tl.maximum(c_t, 1.0)  # [THREADS]
+        mean_t = block_sum(block_sum(y, 2), 0) * inv_c  # [THREADS]
+        d = y - mean_t[None, :, None] * w  # [ROWS, THREADS, VEC]: 0 where masked out
+        s_d = block_sum(block_sum(d, 2), 0)  # [THREADS]: what the rounding of mean_t left
+        m2_t = block_sum(block_sum(d * d, 2), 0) - s_d * s_d * inv_c  # [THREADS]
+        new_piv = (cnt == 0.0) & (c_t > 0.0)  # [THREADS]: the thread's first data: its pivot is their mean
+        piv = tl.where(new_piv, mean_t, piv)
+        mean_t = tl.where(new_piv, 0.0, mean_t) + s_d * inv_c
+        cnt, mean, m2 = _chan(cnt, mean, m2, c_t, mean_t, m2_t)
+    cnt, piv, mean, m2 = tl.reduce((cnt, piv, mean, m2), 0, _chan_pivoted)
     tl.store(part_ptr + pid * 4 + 0, cnt)
     tl.store(part_ptr + pid * 4 + 1, piv)
     tl.store(part_ptr + pid * 4 + 2, mean)
@@ -438,12 +471,26 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 # (40.8-42.6 with a quarter of the programs; `make gpu` may prefer it).
 _GAE_CONFIGS = ((4, 256, 2), (1, 1024, 2))
 _GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
-_GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
-# _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
-# stays small), _GROUP_TILE scores per program in _GROUP_TILE_WARPS warps (16 per thread)
-_GROUP_TILE_GS = (16, 64, 256, 1024)
-_GROUP_TILE, _GROUP_TILE_WARPS = 2048, 4
+# _group_kernel (one program per group): index-given groups of unequal sizes, groups of > 4096
+_GROUP_BLOCK, _GROUP_WARPS = 256, 4
+# _group_tile_kernel: groups of one size padded to GS columns (the powers of two it is compiled for, so the AOT
+# set stays small), max(GS, _GROUP_TILE) scores per program: 16 per thread (4 warps up to GS = 2048, 8 above)
+_GROUP_TILE_GS = (16, 64, 256, 1024, 2048, 4096)
+_GROUP_TILE = 2048
+
+
+def _group_tile_config(gs: int, has_index: bool) -> tuple[int, int]:
+    """``(groups per program, warps)`` of the tile kernel for groups padded to ``gs`` columns: 16 scores per
+    thread, 32 for index-given groups (their gather and scatter cost more per program, less per score)."""
+    tile, per_thread = (2 * _GROUP_TILE, 32) if has_index else (_GROUP_TILE, 16)
+    groups = max(1, tile // gs)
+    return groups, max(4, groups * gs // (32 * per_thread))
+
+
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
+# _whiten_partial_kernel's tile: _WHITEN_ROWS rows of 16 contiguous elements per thread (one 16-byte mask load;
+# the same layout for the x load), 4 warps: a thread's share of a tile stays in its registers
+_WHITEN_ROWS, _WHITEN_VEC, _WHITEN_PARTIAL_WARPS = 2, 16, 4
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
@@ -479,7 +526,8 @@ def _gae_triton(rewards, values, mask, gamma, lam):
 
 
 def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None):
-    """``(perm, starts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``.
+    """``(perm, starts, counts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``, ``counts``
+    [G] members (None for contiguous groups: all have ``group_size``).
 
     Contiguous groups need no permutation (``perm`` is empty). Arbitrary ids are
     mapped to 0..G-1 (``torch.unique``) and sorted stably, so each group is one
@@ -490,12 +538,12 @@ def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Ten
     if index is None:
         G = N // group_size
         starts = torch.arange(G + 1, device=device, dtype=torch.int64) * group_size  # [G + 1]
-        return torch.empty(0, dtype=torch.int64, device=device), starts
+        return torch.empty(0, dtype=torch.int64, device=device), starts, None
     _, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)  # [N], [G]
     perm = torch.argsort(inverse, stable=True)  # [N]
     starts = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=device)  # [G + 1]
     torch.cumsum(counts, 0, out=starts[1:])
-    return perm, starts
+    return perm, starts, counts
 
 
 def _group_triton(scores, group_size, index, mode, eps):
@@ -506,14 +554,20 @@ def _group_triton(scores, group_size, index, mode, eps):
     out = torch.empty_like(s)  # [N]
     if N == 0:
         return out
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, counts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1], [G] or None
     G = starts.numel() - 1
-    if index is None and group_size <= _GROUP_TILE_GS[-1]:
-        gs = next(c for c in _GROUP_TILE_GS if c >= group_size)
-        kwargs = {"num_warps": _GROUP_TILE_WARPS} if s.is_cuda else {}
+    if counts is None:
+        smallest = largest = group_size
+    else:  # one read of both on the host (torch.unique has synchronised already)
+        smallest, largest = (int(c) for c in torch.stack(torch.aminmax(counts)).tolist())
+    if smallest == largest <= _GROUP_TILE_GS[-1]:  # groups of one size: contiguous, or equal runs of perm
+        gs = next(c for c in _GROUP_TILE_GS if c >= largest)
+        groups, warps = _group_tile_config(gs, index is not None)
+        # int32 positions: the same 16-byte layout as the scores' (an int64 load would go through shared memory)
+        perm32 = perm.to(torch.int32) if index is not None else s  # [N] (never read without an index)
         _group_tile_kernel.launch(
-            (cdiv(G, _GROUP_TILE // gs),), s, out, G, group_size, float(eps), GROUP_MODES.index(mode),
-            GS=gs, GROUPS=_GROUP_TILE // gs, **kwargs,
+            (cdiv(G, groups),), s, out, perm32, G, largest, float(eps), GROUP_MODES.index(mode),
+            HAS_INDEX=index is not None, GS=gs, GROUPS=groups, **({"num_warps": warps} if s.is_cuda else {}),
         )
         return out
     kwargs = {"num_warps": _GROUP_WARPS} if s.is_cuda else {}
@@ -532,12 +586,14 @@ def _whiten_triton(x, mask, shift_mean, eps):
     out = torch.empty(N, dtype=torch.float32, device=x.device)  # [N]
     if N == 0:
         return out.view(x.shape)
-    blocks = cdiv(N, _WHITEN_BLOCK)
+    threads = 32 * _WHITEN_PARTIAL_WARPS
+    tiles = cdiv(N, _WHITEN_ROWS * threads * _WHITEN_VEC)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
-    P = min(blocks, _WHITEN_P_BLOCK if x.is_cuda else 4)
+    P = min(tiles, _WHITEN_P_BLOCK if x.is_cuda else 4)
     part = torch.empty(P, 4, dtype=torch.float32, device=x.device)  # [P, 4]: count, pivot, mean - pivot, M2
+    _whiten_partial_kernel.launch((P,), xf, m, part, N, ROWS=_WHITEN_ROWS, THREADS=threads, VEC=_WHITEN_VEC,
+                                  **({"num_warps": _WHITEN_PARTIAL_WARPS} if x.is_cuda else {}))
     kwargs = {"num_warps": _WHITEN_WARPS} if x.is_cuda else {}
-    _whiten_partial_kernel.launch((P,), xf, m, part, N, BLOCK=_WHITEN_BLOCK, **kwargs)
     _whiten_apply_kernel.launch(
         (P,), xf, out, part, N, P, float(eps),
         SHIFT_MEAN=bool(shift_mean), BLOCK=_WHITEN_BLOCK, P_BLOCK=_WHITEN_P_BLOCK, **kwargs,
@@ -562,9 +618,12 @@ def aot_configs():
             }
             consts = {"BLOCK_B": block_b, "BLOCK_T": block_t, "VEC": _GAE_VEC, "stride_rt": 1, "stride_vt": 1, "stride_mt": 1}
             configs.append(KernelConfig(_gae_kernel, sig, consts, num_warps=warps, elements=block_b * block_t))
-        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
-        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
-                                    elements=_WHITEN_BLOCK))
+        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "ROWS": "constexpr", "THREADS": "constexpr",
+               "VEC": "constexpr"}
+        threads = 32 * _WHITEN_PARTIAL_WARPS
+        consts = {"ROWS": _WHITEN_ROWS, "THREADS": threads, "VEC": _WHITEN_VEC}
+        configs.append(KernelConfig(_whiten_partial_kernel, sig, consts, num_warps=_WHITEN_PARTIAL_WARPS,
+                                    elements=_WHITEN_ROWS * threads * _WHITEN_VEC))
         for shift in (True, False):
             sig = {
                 "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",
@@ -573,10 +632,12 @@ def aot_configs():
             consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
             configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
     for gs in _GROUP_TILE_GS:
-        sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "G": "i32", "group_size": "i32", "eps": "fp32", "MODE": "i32",
-               "GS": "constexpr", "GROUPS": "constexpr"}
-        consts = {"GS": gs, "GROUPS": _GROUP_TILE // gs}
-        configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=_GROUP_TILE_WARPS, elements=_GROUP_TILE))
+        for has_index in (False, True):
+            sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "perm_ptr": "*i32", "G": "i32", "group_size": "i32",
+                   "eps": "fp32", "MODE": "i32", "HAS_INDEX": "constexpr", "GS": "constexpr", "GROUPS": "constexpr"}
+            groups, warps = _group_tile_config(gs, has_index)
+            consts = {"HAS_INDEX": has_index, "GS": gs, "GROUPS": groups}
+            configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=warps, elements=groups * gs))
     for mode in GROUP_MODES:
         for has_index in (False, True):
             sig = {
@@ -737,7 +798,7 @@ def _gae_csrc(rewards, values, mask, gamma, lam):
 
 def _group_csrc(scores, group_size, index, mode, eps):
     s = scores.float().contiguous()  # [N]
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, _ = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
     return _csrc_ops().group_advantages(s, perm, starts, GROUP_MODES.index(mode), float(eps))
 
 
@@ -1141,7 +1202,7 @@ def _process_triton(step_rewards, step_ends, step_mask, T, group_size, index, mo
         raise ValueError(f"step_rewards has {B} rows; the Triton kernel indexes rows with int32 (fewer than 2**31)")
     e = step_ends.long()  # [B, S]
     m = _host.mask_u8(step_mask) if step_mask is not None else torch.ones(B, S, dtype=torch.uint8, device=r.device)  # [B, S]
-    perm, starts = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
+    perm, starts, _ = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
     block_r, block_s, block_t, warps = _process_config(S)
     kwargs = {"num_warps": warps} if r.is_cuda else {}
     _process_kernel.launch(
