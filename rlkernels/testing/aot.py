@@ -45,6 +45,7 @@ class KernelConfig:
     # elements (tokens, scores, logits) one program handles per iteration of its main loop, or per program
     # when the kernel has no loop; 0: no per-element instruction count for this configuration
     elements: int = 0
+    archs: tuple = (80, 90)  # the targets the launcher may run it on (a Hopper-only kernel lists 90 only)
 
     @property
     def label(self) -> str:
