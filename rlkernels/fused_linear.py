@@ -187,73 +187,69 @@ def _fwd_kernel_tma(
     N, V, H, inv_t,  # inv_t = 1 / temperature, multiplied
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    GROUP_N: tl.constexpr,
+    GROUP_N: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """The Hopper forward: ``_fwd_kernel``'s math and partials over a persistent grid (``P`` programs, about one
     per SM).
 
-    Program ``pid`` takes the work items ``pid, pid + P, ...`` (:func:`_tma_work_item`); an item is one
-    token block x one split of ``SPLIT_TILES`` vocabulary tiles. All of a program's (item, tile, K step) triples are
-    ONE flat loop, so the software pipeliner keeps the next tiles' TMA loads (``num_stages`` deep) in flight across
-    the log-sum-exp epilogue at the end of each tile and across item boundaries. A split past ``V`` (only the last
-    one) reads zero-filled boxes whose columns are masked to -inf: it adds nothing (at most ``SPLIT_TILES - 1``
-    tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros from the descriptors."""
+    Program ``pid`` takes the work items ``pid, pid + P, ...`` (:func:`_tma_work_item`); an item is one token block x
+    one split of ``SPLIT_TILES`` vocabulary tiles, walked tile by tile, each tile a K loop of TMA loads and wgmma.
+    ``FLATTEN``: the compiler flattens the (tile, K step) loops into one pipelined loop, so the next tile's first
+    TMA loads (``num_stages - 1`` steps ahead) are in flight during this tile's log-sum-exp epilogue; the price (sm_90
+    SASS, triton 3.9) is a wgmma wait(0) every K step instead of one group kept in flight. Without it each tile's K
+    loop keeps a wgmma group in flight and drains (and refills its loads) at the tile's end. A split past ``V``
+    (only the last one) reads zero-filled boxes whose columns are masked to -inf: it adds nothing (at most
+    ``SPLIT_TILES - 1`` tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     n_splits = tl.cdiv(V, SPLIT_TILES * BLOCK_V)
-    k_tiles = tl.cdiv(H, BLOCK_K)
-    per_item = SPLIT_TILES * k_tiles  # loop steps per work item
     my_items = tl.cdiv(n_blocks * n_splits - pid, P)
-    acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
     m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max of z (finite start: no 0 * inf)
     s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
     u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
     zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # z of the label
-    for step in range(0, my_items * per_item):
-        j = step // per_item  # this program's j-th item
-        r = step - j * per_item
-        t = r // k_tiles  # vocabulary tile within the split
-        kk = r - t * k_tiles  # K step
+    for step in tl.range(0, my_items * SPLIT_TILES, flatten=FLATTEN):
+        j = step // SPLIT_TILES  # this program's j-th item
+        t = step - j * SPLIT_TILES  # vocabulary tile within the split
         blk_n, split = _tma_work_item(pid + j * P, n_blocks, n_splits, GROUP_N)
         row0 = blk_n * BLOCK_N
         col0 = (split * SPLIT_TILES + t) * BLOCK_V
-        a = h_desc.load([row0, kk * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-        w = w_desc.load([col0, kk * BLOCK_K])  # [BLOCK_V, BLOCK_K]
-        if DOT_F32:  # interpreter only: see _logits_tile
-            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
-            acc = acc + block_sum(prod, 2)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-        if kk == k_tiles - 1:  # the tile is complete: fold it into the rows' statistics
-            rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            col_ok = cols < V
-            if HAS_BIAS:
-                acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))  # [BLOCK_N, BLOCK_V]
-            label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
-            acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)
-            if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
-                out = split.to(tl.int64) * N + rows  # [BLOCK_N]
-                row_ok = rows < N
-                tl.store(m_ptr + out, m, mask=row_ok)
-                tl.store(s_ptr + out, s, mask=row_ok)
-                tl.store(u_ptr + out, u, mask=row_ok)
-                tl.store(zy_ptr + out, zy, mask=row_ok)
-                m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)
-                s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
-                u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
-                zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
+        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
+        for k0 in range(0, H, BLOCK_K):
+            a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
+            w = w_desc.load([col0, k0])  # [BLOCK_V, BLOCK_K]
+            if DOT_F32:  # interpreter only: see _logits_tile
+                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+                acc = acc + block_sum(prod, 2)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        col_ok = cols < V
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))  # [BLOCK_N, BLOCK_V]
+        label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
+        m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+        alpha = tl.exp(m - m_new)
+        d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+        e = tl.exp(d)
+        ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
+        u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+        s = alpha * s + block_sum(e, 1)
+        zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+        m = m_new
+        if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
+            out = split.to(tl.int64) * N + rows  # [BLOCK_N]
+            row_ok = rows < N
+            tl.store(m_ptr + out, m, mask=row_ok)
+            tl.store(s_ptr + out, s, mask=row_ok)
+            tl.store(u_ptr + out, u, mask=row_ok)
+            tl.store(zy_ptr + out, zy, mask=row_ok)
+            # s and u restart by themselves: the next tile's alpha = exp(-1e30 - m_new) is 0
+            m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)
+            zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
 
 
 @jit
@@ -386,17 +382,19 @@ _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, s
 @dataclass(frozen=True)
 class _PersistentTiles(_Tiles):
     group_n: int = 16  # token blocks an item group runs over fastest (_tma_work_item)
+    flatten: bool = True  # one flattened (tile, K) loop: loads overlap the epilogue (see _fwd_kernel_tma)
 
 
 # The Hopper forward (_fwd_kernel_tma, 16-bit inputs): 128x128 tiles on 8 warps, so each of the two warpgroups issues
-# wgmma m64n128k16 (N >= 128: half the shared-memory operand traffic per FLOP of the 16-warp m64n64 split), K steps of
-# 64 (one 128-byte TMA box row, the widest swizzle), 4 stages of (16 + 16) KiB in flight. Compiled for sm_90 with
-# 252 registers and no spill (aot_configs; tests/test_fused_linear.py asserts the SASS). Splits of 16 tiles (2048
+# wgmma m64n128k16 (N >= 128: per 128x128x16 step the warpgroups read 12 KiB of shared-memory operands, against 16
+# KiB for the 16-warp kernel's four m64n64 pieces), K steps of
+# 64 (one 128-byte TMA box row, the widest swizzle), 4 stages of (16 + 16) KiB in flight. Compiled for sm_90 (triton 3.9):
+# 194-230 registers, no spill, 1 CTA per SM (131 KB shared; tests/test_fused_linear.py asserts the SASS). Splits of 16 tiles (2048
 # columns: 63 splits at V = 128256) give 64 x 63 items at N = 8192 (31 per SM on 132 SMs: < 4 % tail); groups of 16
 # token blocks keep 16 MiB of hidden rows in L2 (50 MB on H100) while a wave of 132 items covers ~8 splits,
 # so the weight is streamed from HBM once per group: N / 2048 times (4 x 1.05 GB at N = 8192, against ~8.6 TFLOP).
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
-                              group_n=16)
+                              group_n=16, flatten=True)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
@@ -464,7 +462,7 @@ def _tma_aot_configs() -> list[KernelConfig]:
     for ty in ("bf16", "fp16"):
         for has_bias in (False, True):
             consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v,
-                      "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n}
+                      "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n, "FLATTEN": t.flatten}
             sig = {"h_desc": f"tensordesc<{ty}[{t.block_n}, {t.block_k}]>",
                    "w_desc": f"tensordesc<{ty}[{t.block_v}, {t.block_k}]>",
                    "b_ptr": f"*{ty}", "labels_ptr": "*i64",
@@ -536,7 +534,7 @@ def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptio
         (min(items, programs),), h_desc, w_desc, bias if bias is not None else weight, labels,
         part[0], part[1], part[2], part[3], N, V, hidden.shape[1], 1.0 / opt.temperature,
         HAS_BIAS=bias is not None, DOT_F32=_dot_f32(hidden), BLOCK_N=t.block_n, BLOCK_V=t.block_v,
-        BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, num_warps=t.num_warps,
+        BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
 
