@@ -67,3 +67,20 @@ def test_kernel_facts_are_the_launchers():
     assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
     assert model.TMA_GROUP_N == tma.group_n
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
+
+
+def test_gpu_record_puts_the_prediction_next_to_the_measurement():
+    """bench/gpu.py: the model at a run's measured ceilings, rendered beside the measured rows of the same shape."""
+    from bench import gpu
+
+    preds = gpu.model_at_ceilings({"device": "NVIDIA H200", "matmul_tflops": 788.0, "copy_gbps": 4300.0})
+    assert [p["V"] for p in preds] == list(model.VOCABS) and "H200" in preds[0]["device"]
+    shape = f"N={model.N_TOKENS} H={model.HIDDEN} V={model.VOCABS[0]} bfloat16"
+    rows = [{"op": "linear_logprobs fwd", "shape": shape, "provider": "rlkernels fwd tma", "median_ms": 12.345},
+            {"op": "linear_logprobs fwd+bwd", "shape": shape, "provider": "rlkernels", "median_ms": 54.321}]
+    lines = gpu._model_lines({"model": preds, "bench": {"rows": rows}})
+    tma = next(line for line in lines if line.startswith(f"| {shape} | forward tma |"))
+    assert tma.endswith(f"| {preds[0]['forward_ms']['tma']:.2f} | 12.35 |")
+    both = next(line for line in lines if line.startswith(f"| {shape} | fwd+bwd"))
+    assert both.endswith("| 54.32 |")
+    assert gpu._model_lines({}) == []
