@@ -191,7 +191,9 @@ def backward_s(N: int, H: int, V: int, device: Device) -> dict[str, float]:
     gemm = one_gemm_s(N, H, V, device)
     dh = max(gemm, (dz_bytes + chunks * weight + N * H * BYTES_F32) / device.hbm_bps)
     acc = V * H * BYTES_F32
-    dw_bytes = dz_bytes + hidden + chunks * 2 * acc - acc + acc + weight  # first chunk writes, the rest RMW; cast
+    # the first chunk writes the accumulator, every later one reads and writes it, the cast reads it once more and
+    # writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
+    dw_bytes = dz_bytes + hidden + 2 * chunks * acc + weight
     dw = max(gemm, dw_bytes / device.hbm_bps)
     return {"dz": dz, "dh": dh, "dW": dw}
 

@@ -199,7 +199,11 @@ def _fwd_kernel_tma(
     SASS, triton 3.9) is a wgmma wait(0) every K step instead of one group kept in flight. Without it each tile's K
     loop keeps a wgmma group in flight and drains (and refills its loads) at the tile's end. A split past ``V``
     (only the last one) reads zero-filled boxes whose columns are masked to -inf: it adds nothing (at most
-    ``SPLIT_TILES - 1`` tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros."""
+    ``SPLIT_TILES - 1`` tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros.
+
+    ``1/T`` is multiplied, while ``_logits_tile`` (the backward's recomputation) divides by ``T``: a logit here may
+    differ from the backward's by one float32 ulp. This kernel takes only 16-bit inputs, whose rounding moves a
+    logit by ~2^-8 relative, far more; float32 inputs keep ``_fwd_kernel`` (bit-identical logits)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
