@@ -121,8 +121,8 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
 
 
 def _forward_kernel(name: str):
-    """rlkernels' forward alone with the forward kernel ``name`` (fused_linear.FWD_KERNELS, or "tma nested": the
-    Hopper kernel's unflattened schedule), set for the call only."""
+    """rlkernels' forward alone with the forward kernel ``name`` (fused_linear.FWD_KERNELS, or "tma flat": the
+    Hopper kernel's flattened schedule), set for the call only."""
     import dataclasses
     import os
 
@@ -131,8 +131,8 @@ def _forward_kernel(name: str):
     def step(hidden, weight, labels, g_logp, g_ent):
         old_env, old_tiles = os.environ.get(fused_linear.FWD_KERNEL_ENV), fused_linear._TMA_TILES
         os.environ[fused_linear.FWD_KERNEL_ENV] = name.split()[0]
-        if name == "tma nested":
-            fused_linear._TMA_TILES = dataclasses.replace(old_tiles, flatten=False)
+        if name == "tma flat":
+            fused_linear._TMA_TILES = dataclasses.replace(old_tiles, flatten=True)
         try:
             return _rlkernels(hidden, weight, labels)
         finally:
@@ -157,7 +157,7 @@ def _forward_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.devi
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     providers = {"one GEMM (cuBLAS)": lambda hidden, weight, labels, g_logp, g_ent: hidden @ weight.T}
-    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma nested", "cublas")})
+    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "cublas")})
     return Case(
         op="linear_logprobs fwd",
         shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",

@@ -28,11 +28,11 @@ Assumptions (sources; each a constant below):
 - an epilogue costs its SASS instructions per logit, read off the aligned bf16 sm_90 SASS (triton 3.9, this
   repository's AOT compile; the GPU machines run triton 3.6): the kernel's loop over tiles minus its K loop, per
   logit one thread handles: 27 for _fwd_kernel (920 - 60 instructions, 32 logits per thread), 28 for
-  _fwd_kernel_tma (FLATTEN=False: 1875 - 88, 64 per thread), 47 for _dz_kernel (the whole kernel, 1584, minus its
+  _fwd_kernel_tma (the default FLATTEN=False: 1875 - 88, 64 per thread), 47 for _dz_kernel (the whole kernel, 1584, minus its
   K loop, 63; 32 per thread); issued at 4 warp-instructions per clock per SM, at the clock where 132 SMs of 4096
   dense bf16 FLOP per clock give the peak (1.83 GHz);
-- a tile's K-loop overhead: a kernel that drains its K pipeline at every tile (``split``, ``dz``, ``tma nested``)
-  pays a refill, assumed 2000 clocks (~1.1 µs: TMA / cp.async latency times the stages); the flattened ``tma``
+- a tile's K-loop overhead: a kernel that drains its K pipeline at every tile (``split``, ``dz``, ``tma``)
+  pays a refill, assumed 2000 clocks (~1.1 µs: TMA / cp.async latency times the stages); the flattened ``tma flat``
   keeps the next tile's loads in flight during the epilogue, but its sm_90 SASS waits for each wgmma group
   (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at every K step, assumed 64 clocks per step. Both are guesses until
   ``make gpu`` measures.
@@ -107,8 +107,8 @@ class Kernel:
 
 KERNELS = {
     "split": Kernel("_fwd_kernel", 128, 128, 32, 64, EPILOGUE_SASS_SPLIT, True, False),
-    "tma": Kernel("_fwd_kernel_tma", 128, 128, 64, 128, EPILOGUE_SASS_TMA, False, True),
-    "tma nested": Kernel("_fwd_kernel_tma FLATTEN=False", 128, 128, 64, 128, EPILOGUE_SASS_TMA, True, False),
+    "tma": Kernel("_fwd_kernel_tma", 128, 128, 64, 128, EPILOGUE_SASS_TMA, True, False),
+    "tma flat": Kernel("_fwd_kernel_tma FLATTEN=True", 128, 128, 64, 128, EPILOGUE_SASS_TMA, False, True),
     "dz": Kernel("_dz_kernel", 64, 128, 32, 64, EPILOGUE_SASS_DZ, True, False),
 }
 
@@ -202,7 +202,7 @@ def predict(device: Device, N: int = N_TOKENS, H: int = HIDDEN, V: int = VOCABS[
     """Every phase's predicted time (ms) at one size, each forward kernel, and the ratios to four GEMMs."""
     gemm_ms = one_gemm_s(N, H, V, device) * 1e3
     bwd = {k: v * 1e3 for k, v in backward_s(N, H, V, device).items()}
-    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in ("split", "tma", "tma nested", "cublas")}
+    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in ("split", "tma", "tma flat", "cublas")}
     total = {kind: t + sum(bwd.values()) for kind, t in fwd.items()}
     return {
         "device": device.name, "N": N, "H": H, "V": V,

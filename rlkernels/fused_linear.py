@@ -184,7 +184,7 @@ def _fwd_kernel_tma(
     h_desc, w_desc,  # TMA descriptors: hidden [N, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
     b_ptr, labels_ptr,  # [V], [N] int64
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32, as _fwd_kernel writes them
-    N, V, H, inv_t,  # inv_t = 1 / temperature, multiplied
+    N, V, H, temperature,  # divides the logits, as in _logits_tile (see below)
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
     GROUP_N: tl.constexpr, FLATTEN: tl.constexpr,
@@ -201,9 +201,10 @@ def _fwd_kernel_tma(
     (only the last one) reads zero-filled boxes whose columns are masked to -inf: it adds nothing (at most
     ``SPLIT_TILES - 1`` tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros.
 
-    ``1/T`` is multiplied, while ``_logits_tile`` (the backward's recomputation) divides by ``T``: a logit here may
-    differ from the backward's by one float32 ulp. This kernel takes only 16-bit inputs, whose rounding moves a
-    logit by ~2^-8 relative, far more; float32 inputs keep ``_fwd_kernel`` (bit-identical logits)."""
+    The logits are divided by ``T``, not multiplied by ``1/T`` (issue 13 asks for the multiply): the backward's
+    recomputation (``_logits_tile``) divides, and a logit one float32 ulp away from the backward's moved the
+    gradients at T = 1e-3 to twice eager's error (bf16, d_hidden 4.9e-3 against eager's 2.3e-3, under the
+    interpreter). Multiply here once ``_logits_tile`` multiplies too: both, or neither."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -233,7 +234,7 @@ def _fwd_kernel_tma(
         col_ok = cols < V
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))  # [BLOCK_N, BLOCK_V]
+        z = tl.where(col_ok[None, :], acc / temperature, float("-inf"))  # [BLOCK_N, BLOCK_V]
         label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
         m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
         alpha = tl.exp(m - m_new)
@@ -386,19 +387,25 @@ _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, s
 @dataclass(frozen=True)
 class _PersistentTiles(_Tiles):
     group_n: int = 16  # token blocks an item group runs over fastest (_tma_work_item)
-    flatten: bool = True  # one flattened (tile, K) loop: loads overlap the epilogue (see _fwd_kernel_tma)
+    flatten: bool = False  # True: one flattened (tile, K) loop, the loads overlapping the epilogue (_fwd_kernel_tma)
 
 
 # The Hopper forward (_fwd_kernel_tma, 16-bit inputs): 128x128 tiles on 8 warps, so each of the two warpgroups issues
 # wgmma m64n128k16 (N >= 128: per 128x128x16 step the warpgroups read 12 KiB of shared-memory operands, against 16
-# KiB for the 16-warp kernel's four m64n64 pieces), K steps of
-# 64 (one 128-byte TMA box row, the widest swizzle), 4 stages of (16 + 16) KiB in flight. Compiled for sm_90 (triton 3.9):
-# 194-230 registers, no spill, 1 CTA per SM (131 KB shared; tests/test_fused_linear.py asserts the SASS). Splits of 16 tiles (2048
-# columns: 63 splits at V = 128256) give 64 x 63 items at N = 8192 (31 per SM on 132 SMs: < 4 % tail); groups of 16
-# token blocks keep 16 MiB of hidden rows in L2 (50 MB on H100) while a wave of 132 items covers ~8 splits,
-# so the weight is streamed from HBM once per group: N / 2048 times (4 x 1.05 GB at N = 8192, against ~8.6 TFLOP).
+# KiB for the 16-warp kernel's four m64n64 pieces), K steps of 64 (one 128-byte TMA box row, the widest swizzle),
+# 4 stages of (16 + 16) KiB in flight. Splits of 16 tiles (2048 columns: 63 splits at V = 128256) give 64 x 63
+# items at N = 8192 (31 per SM on 132 SMs: < 4 % tail); groups of 16 token blocks keep 16 MiB of hidden rows in L2
+# (50 MB on H100) while a wave of 132 items covers ~8 splits, so the weight is streamed from HBM once per group:
+# N / 2048 times (4 x 1.05 GB at N = 8192, against ~8.6 TFLOP).
+# Schedule: tile by tile (flatten=False), read off the sm_90 SASS (triton 3.9): 150-228 registers, no spill, 1 CTA
+# per SM (131 KB shared), a wgmma group kept in flight through the K loop (WARPGROUP.DEPBAR.LE gsb0, 0x1), the
+# pipeline drained and refilled at each tile's end. flatten=True (issue 13's "next tile's loads overlap the
+# epilogue") compiles to one loop that does overlap them, but waits for every K step's wgmma (DEPBAR.LE gsb0, 0x0)
+# and needs 254-255 registers (8 B spilled in the unaligned specialization without bias): not the default until
+# `make gpu` measures both (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts the
+# tile-by-tile schedule ~5 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
-                              group_n=16, flatten=True)
+                              group_n=16, flatten=False)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
@@ -471,7 +478,7 @@ def _tma_aot_configs() -> list[KernelConfig]:
                    "w_desc": f"tensordesc<{ty}[{t.block_v}, {t.block_k}]>",
                    "b_ptr": f"*{ty}", "labels_ptr": "*i64",
                    "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32",
-                   "N": "i32", "V": "i32", "H": "i32", "inv_t": "fp32", **dict.fromkeys(consts, "constexpr")}
+                   "N": "i32", "V": "i32", "H": "i32", "temperature": "fp32", **dict.fromkeys(consts, "constexpr")}
             configs.append(KernelConfig(_fwd_kernel_tma, sig, consts, t.num_warps, t.num_stages, archs=(90,)))
     return configs
 
@@ -536,7 +543,7 @@ def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptio
     w_desc = TensorDescriptor.from_tensor(weight, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
     _fwd_kernel_tma.launch(
         (min(items, programs),), h_desc, w_desc, bias if bias is not None else weight, labels,
-        part[0], part[1], part[2], part[3], N, V, hidden.shape[1], 1.0 / opt.temperature,
+        part[0], part[1], part[2], part[3], N, V, hidden.shape[1], opt.temperature,
         HAS_BIAS=bias is not None, DOT_F32=_dot_f32(hidden), BLOCK_N=t.block_n, BLOCK_V=t.block_v,
         BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, num_warps=t.num_warps,
         num_stages=t.num_stages,

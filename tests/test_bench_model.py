@@ -14,7 +14,7 @@ def test_prints_every_device_and_size(capsys):
     for device in model.DEVICES.values():
         for V in model.VOCABS:
             assert f"{device.name}  N={model.N_TOKENS} H={model.HIDDEN} V={V} bf16" in out
-    assert out.count("  forward ") == 4 * len(model.DEVICES) * len(model.VOCABS)  # split, tma, tma nested, cublas
+    assert out.count("  forward ") == 4 * len(model.DEVICES) * len(model.VOCABS)  # split, tma, tma flat, cublas
 
 
 @pytest.mark.parametrize("p", model.predictions(), ids=lambda p: f"{p['device']}-V{p['V']}")
@@ -61,7 +61,7 @@ def test_kernel_facts_are_the_launchers():
     from rlkernels import fused_linear as fl
 
     t, tb, tma = fl._tiles(torch.bfloat16), fl._tiles(torch.bfloat16, backward=True), fl._TMA_TILES
-    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma nested", tma)):
+    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma)):
         k = model.KERNELS[key]
         assert (k.block_n, k.block_v, k.block_k) == (tiles.block_n, tiles.block_v, tiles.block_k), key
     assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
