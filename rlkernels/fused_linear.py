@@ -490,7 +490,8 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # - "tma": _fwd_kernel_tma (TMA descriptors + wgmma m64n128, persistent grid): sm_90 only, 16-bit inputs whose rows
 #   are 16-byte aligned (H * 2 % 16 == 0); anywhere else it falls back to "split" (sm_80 keeps cp.async + mma);
 # - "cublas": the plain baseline, a cuBLAS GEMM into a bounded float32 [rows, V] chunk, then the memory-bound
-#   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas).
+#   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas); the vocabulary-parallel path, which needs the
+#   per-split partials, runs "split" then.
 # The default stays "split" until `make gpu` measures the three side by side on an H100/H200 (bench/gpu.py, bench
 # part: bench_fused_linear's forward rows, one per kernel, next to bench/model.py's prediction); the choice and its
 # numbers are to be written here then. Not measured yet: the session that wrote "tma" had no GPU (AOT facts only:
