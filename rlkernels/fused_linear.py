@@ -403,7 +403,7 @@ class _PersistentTiles(_Tiles):
 # epilogue") compiles to one loop that does overlap them, but waits for every K step's wgmma (DEPBAR.LE gsb0, 0x0)
 # and needs 254-255 registers (8 B spilled in the unaligned specialization without bias): not the default until
 # `make gpu` measures both (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts the
-# tile-by-tile schedule ~5 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
+# tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
                               group_n=16, flatten=False)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
@@ -497,7 +497,7 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # numbers are to be written here then. Not measured yet: the session that wrote "tma" had no GPU (AOT facts only:
 # tests/test_fused_linear.py::test_tma_forward_sass_has_tma_and_wide_wgmma). Predicted until then (`python -m
 # bench.model`, H100, N=8192 H=4096 V=128256 bf16, one cuBLAS GEMM 10.8 ms): split 14.4 ms (1.34x the GEMM), tma
-# 12.3 ms (1.14x), tma flat 12.8 ms (1.19x), cublas 12.2 ms (1.13x): within the model's error of each other, so only
+# 12.4 ms (1.15x), tma flat 12.9 ms (1.20x), cublas 12.2 ms (1.13x): within the model's error of each other, so only
 # the measurement can choose.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
