@@ -122,7 +122,8 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
 
 def _forward_kernel(name: str):
     """rlkernels' forward alone with the forward kernel ``name`` (fused_linear.FWD_KERNELS, or "tma flat": the
-    Hopper kernel's flattened schedule), set for the call only."""
+    Hopper kernel's flattened schedule, which triton 3.6 fails to compile: its row then says so), set for the call
+    only."""
     import dataclasses
     import os
 

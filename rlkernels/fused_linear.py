@@ -397,13 +397,16 @@ class _PersistentTiles(_Tiles):
 # items at N = 8192 (31 per SM on 132 SMs: < 4 % tail); groups of 16 token blocks keep 16 MiB of hidden rows in L2
 # (50 MB on H100) while a wave of 132 items covers ~8 splits, so the weight is streamed from HBM once per group:
 # N / 2048 times (4 x 1.05 GB at N = 8192, against ~8.6 TFLOP).
-# Schedule: tile by tile (flatten=False), read off the sm_90 SASS (triton 3.9): 150-228 registers, no spill, 1 CTA
-# per SM (131 KB shared), a wgmma group kept in flight through the K loop (WARPGROUP.DEPBAR.LE gsb0, 0x1), the
-# pipeline drained and refilled at each tile's end. flatten=True (issue 13's "next tile's loads overlap the
-# epilogue") compiles to one loop that does overlap them, but waits for every K step's wgmma (DEPBAR.LE gsb0, 0x0)
-# and needs 254-255 registers (8 B spilled in the unaligned specialization without bias): not the default until
-# `make gpu` measures both (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts the
-# tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
+# Schedule: tile by tile (flatten=False), read off the sm_90 SASS: 150-228 registers with triton 3.9 (this machine),
+# 161-206 with triton 3.6 (the GPU machines'; compiled here from its wheel), no spill, 1 CTA per SM (131 KB
+# shared), HGMMA 64x128x16 and 8 UTMALDG with both, a wgmma group kept in flight through the K loop
+# (WARPGROUP.DEPBAR.LE gsb0, 0x1), the pipeline drained and refilled at each tile's end. flatten=True (issue 13's
+# "next tile's loads overlap the epilogue") compiles with triton 3.9 to one loop that does overlap them, but waits
+# for every K step's wgmma (DEPBAR.LE gsb0, 0x0) and needs 254-255 registers (8 B spilled in the unaligned
+# specialization without bias); triton 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op
+# region control flow edge ... source has 5 operands, but target successor needs 9"). So not the default: `make
+# gpu` measures it where it builds (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts
+# the tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
                               group_n=16, flatten=False)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
