@@ -832,15 +832,14 @@ _SMALL_TMA_TILES = fl_module._PersistentTiles(block_n=16, block_v=32, block_k=16
 def _spy_launches(monkeypatch):
     """Which forward ran: counts the launches of the two Triton forward kernels and of the cuBLAS baseline."""
     calls = {"tma": 0, "split": 0, "cublas": 0}
-    for name, key, obj, attr in (("tma", "tma", fl_module, "_launch_fwd_tma"),
-                                 ("cublas", "cublas", fl_module, "_forward_cublas")):
-        original = getattr(obj, attr)
+    for key, attr in (("tma", "_launch_fwd_tma"), ("cublas", "_forward_cublas")):
+        original = getattr(fl_module, attr)
 
         def counted(*args, _original=original, _key=key, **kwargs):
             calls[_key] += 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(obj, attr, counted)
+        monkeypatch.setattr(fl_module, attr, counted)
     original_launch = fl_module._fwd_kernel.launch
 
     def split_launch(*args, **kwargs):
@@ -855,7 +854,7 @@ def _spy_launches(monkeypatch):
 @pytest.mark.parametrize("N,H,V,bias,temperature,dtype", [
     (45, 40, 301, True, 0.7, torch.bfloat16),  # odd V, H not a multiple of BLOCK_K
     (38, 48, 257, False, 1.3, torch.float16),
-    (29, 40, 301, True, 0.7, torch.float32),  # float32: "tma" falls back to _fwd_kernel (no ieee wgmma)
+    (29, 40, 301, True, 0.7, torch.float32),  # float32: both fall back to _fwd_kernel (see _fwd_kernel_choice)
 ])
 def test_forward_kernels_match_float64_truth(kernel, N, H, V, bias, temperature, dtype, monkeypatch):
     """RLKERNELS_LINEAR_FWD=tma|cublas under the interpreter: outputs and (through the unchanged backward) gradients
@@ -872,7 +871,7 @@ def test_forward_kernels_match_float64_truth(kernel, N, H, V, bias, temperature,
     with forced_backend("triton"):
         out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent,
                    temperature)
-    expected = "split" if (kernel == "tma" and dtype == torch.float32) else kernel
+    expected = "split" if dtype == torch.float32 else kernel
     assert calls[expected] == 1 and sum(calls.values()) == 1, calls
     ignored = labels == -100
     assert torch.all(out[0][ignored] == 0) and torch.all(out[1][ignored] == 0)
@@ -943,8 +942,8 @@ def test_tma_forward_low_temperature_no_worse_than_eager(dtype, monkeypatch):
 
 
 def test_forward_kernel_choice(monkeypatch):
-    """The default is the kernel measured so far ("split"); "tma" needs 16-bit inputs with 16-byte aligned rows;
-    anything else is refused by name."""
+    """The default is the kernel measured so far ("split"); "tma" needs 16-bit inputs with 16-byte aligned rows,
+    "cublas" 16-bit inputs; anything else is refused by name."""
     h = torch.zeros(4, 64, dtype=torch.bfloat16)  # [N, H]
     w = torch.zeros(8, 64, dtype=torch.bfloat16)  # [V, H]
     monkeypatch.delenv(fl_module.FWD_KERNEL_ENV, raising=False)
@@ -952,6 +951,10 @@ def test_forward_kernel_choice(monkeypatch):
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
     assert fl_module._fwd_kernel_choice(h, w) == "tma"
     assert fl_module._fwd_kernel_choice(h.float(), w.float()) == "split"  # float32: no TMA kernel
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
+    assert fl_module._fwd_kernel_choice(h, w) == "cublas"
+    assert fl_module._fwd_kernel_choice(h.float(), w.float()) == "split"  # float32: the backward's logits bits
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
     h_odd = torch.zeros(4, 60, dtype=torch.bfloat16)  # 120-byte rows: not a TMA stride
     assert fl_module._fwd_kernel_choice(h_odd, torch.zeros(8, 60, dtype=torch.bfloat16)) == "split"
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "fastest")
