@@ -122,8 +122,8 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
 
 def _forward_kernel(name: str):
     """rlkernels' forward alone with the forward kernel ``name`` (fused_linear.FWD_KERNELS, or "tma flat": the
-    Hopper kernel's flattened schedule, which triton 3.6 fails to compile: its row then says so), set for the call
-    only."""
+    Hopper kernel's flattened schedule, which triton 3.6 fails to compile: its row then says so; "tma 2cta": its
+    64x128 tiles, two CTAs per SM), set for the call only."""
     import dataclasses
     import os
 
@@ -134,6 +134,8 @@ def _forward_kernel(name: str):
         os.environ[fused_linear.FWD_KERNEL_ENV] = name.split()[0]
         if name == "tma flat":
             fused_linear._TMA_TILES = dataclasses.replace(old_tiles, flatten=True)
+        elif name == "tma 2cta":
+            fused_linear._TMA_TILES = fused_linear._TMA_TILES_2CTA
         try:
             return _rlkernels(hidden, weight, labels)
         finally:
@@ -158,7 +160,7 @@ def _forward_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.devi
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     providers = {"one GEMM (cuBLAS)": lambda hidden, weight, labels, g_logp, g_ent: hidden @ weight.T}
-    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "cublas")})
+    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "tma 2cta", "cublas")})
     return Case(
         op="linear_logprobs fwd",
         shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",

@@ -34,8 +34,9 @@ Assumptions (sources; each a constant below):
 - a tile's K-loop overhead: a kernel that drains its K pipeline at every tile (``split``, ``dz``, ``tma``)
   pays a refill, assumed 2000 clocks (~1.1 µs: TMA / cp.async latency times the stages); the flattened ``tma flat``
   keeps the next tile's loads in flight during the epilogue, but its sm_90 SASS waits for each wgmma group
-  (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at every K step, assumed 64 clocks per step. Both are guesses until
-  ``make gpu`` measures.
+  (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at every K step, assumed 64 clocks per step; ``tma 2cta`` (64x128 tiles on
+  4 warps, two CTAs per SM) is assumed to hide its epilogue and refill entirely behind the other CTA's wgmma. All
+  three are guesses until ``make gpu`` measures.
 """
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ WARP_ISSUE_PER_CLOCK = 4  # warp-instructions issued per clock per SM (4 schedul
 REFILL_CLOCKS = 2000  # a K pipeline drained at a tile's end and refilled (assumption)
 WGMMA_WAIT_CLOCKS = 64  # a wgmma group waited for every K step instead of kept in flight (assumption)
 DZ_BUDGET_BYTES = 1 << 30  # the backward's bf16 [chunk, V] workspace (rlkernels.fused_linear._DZ_BUDGET_BYTES)
-TMA_GROUP_N = 16  # token blocks per group of _fwd_kernel_tma's persistent grid (fused_linear._TMA_TILES.group_n)
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,16 @@ class Kernel:
     epilogue_sass: float  # SASS instructions per logit of its epilogue
     refill_per_tile: bool  # the K pipeline drains and refills at every tile
     wait_per_k_step: bool  # its wgmma is waited for at every K step (flattened loop)
+    ctas_per_sm: int = 1  # resident CTAs per SM: with 2, one CTA's epilogue overlaps the other's main loop
+    group_n: int = 0  # persistent grid: token blocks per group (the weight is read once per group); 0: not grouped
 
 
 KERNELS = {
     "split": Kernel("_fwd_kernel", 128, 128, 32, 64, EPILOGUE_SASS_SPLIT, True, False),
-    "tma": Kernel("_fwd_kernel_tma", 128, 128, 64, 128, EPILOGUE_SASS_TMA, True, False),
-    "tma flat": Kernel("_fwd_kernel_tma FLATTEN=True", 128, 128, 64, 128, EPILOGUE_SASS_TMA, False, True),
+    "tma": Kernel("_fwd_kernel_tma", 128, 128, 64, 128, EPILOGUE_SASS_TMA, True, False, group_n=16),
+    "tma flat": Kernel("_fwd_kernel_tma FLATTEN=True", 128, 128, 64, 128, EPILOGUE_SASS_TMA, False, True, group_n=16),
+    "tma 2cta": Kernel("_fwd_kernel_tma 64x128 w4", 64, 128, 64, 128, EPILOGUE_SASS_TMA, True, False, ctas_per_sm=2,
+                       group_n=32),
     "dz": Kernel("_dz_kernel", 64, 128, 32, 64, EPILOGUE_SASS_DZ, True, False),
 }
 
@@ -154,7 +158,8 @@ def forward_hbm_bytes(kind: str, N: int, H: int, V: int, device: Device) -> floa
     if kind == "cublas":
         return hidden + weight + 2 * N * V * BYTES_F32
     if kind.startswith("tma"):
-        groups = math.ceil(N / (TMA_GROUP_N * KERNELS["tma"].block_n))
+        k = KERNELS[kind]
+        groups = math.ceil(N / (k.group_n * k.block_n))
         return hidden + groups * weight
     k = KERNELS["split"]
     blocks = math.ceil(N / k.block_n)
@@ -174,7 +179,9 @@ def forward_s(kind: str, N: int, H: int, V: int, device: Device) -> float:
         return gemm + N * V * BYTES_F32 / device.hbm_bps
     k = KERNELS[kind]
     main = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), hbm)
-    return main + _epilogue_and_overheads_s(N, H, V, k, device)
+    overheads = _epilogue_and_overheads_s(N, H, V, k, device)
+    # two CTAs per SM: one's epilogue and refill run while the other's wgmma does (assumed fully overlapped)
+    return max(main, overheads) if k.ctas_per_sm > 1 else main + overheads
 
 
 def backward_s(N: int, H: int, V: int, device: Device) -> dict[str, float]:
@@ -202,7 +209,7 @@ def predict(device: Device, N: int = N_TOKENS, H: int = HIDDEN, V: int = VOCABS[
     """Every phase's predicted time (ms) at one size, each forward kernel, and the ratios to four GEMMs."""
     gemm_ms = one_gemm_s(N, H, V, device) * 1e3
     bwd = {k: v * 1e3 for k, v in backward_s(N, H, V, device).items()}
-    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in ("split", "tma", "tma flat", "cublas")}
+    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in ("split", "tma", "tma flat", "tma 2cta", "cublas")}
     total = {kind: t + sum(bwd.values()) for kind, t in fwd.items()}
     return {
         "device": device.name, "N": N, "H": H, "V": V,

@@ -388,6 +388,7 @@ _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, s
 class _PersistentTiles(_Tiles):
     group_n: int = 16  # token blocks an item group runs over fastest (_tma_work_item)
     flatten: bool = False  # True: one flattened (tile, K) loop, the loads overlapping the epilogue (_fwd_kernel_tma)
+    ctas_per_sm: int = 1  # persistent programs per SM (the grid is SMs x this), as many as fit
 
 
 # The Hopper forward (_fwd_kernel_tma, 16-bit inputs): 128x128 tiles on 8 warps, so each of the two warpgroups issues
@@ -409,6 +410,14 @@ class _PersistentTiles(_Tiles):
 # the tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
                               group_n=16, flatten=False)
+# The other way to overlap the epilogue with the tensor cores: 64x128 tiles on 4 warps (one warpgroup, still wgmma
+# m64n128k16), two CTAs per SM (sm_90 SASS: 154-228 registers with triton 3.9, 160-214 with 3.6, no spill, 98 KB
+# shared; 8 UTMALDG, HGMMA 64x128x16), so one CTA's
+# softmax epilogue runs while the other's wgmma does (the warp scheduler's ping-pong; triton PR 9279 found the
+# occupancy route faster than flattening on H200). The same kernel; bench_fused_linear's "rlkernels fwd tma 2cta"
+# row measures it against _TMA_TILES; not selected by the launcher until measured.
+_TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_tiles=16, num_warps=4, num_stages=4,
+                                   group_n=32, flatten=False, ctas_per_sm=2)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
@@ -503,8 +512,9 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # numbers are to be written here then. Not measured yet: the session that wrote "tma" had no GPU (AOT facts only:
 # tests/test_fused_linear.py::test_tma_forward_sass_has_tma_and_wide_wgmma). Predicted until then (`python -m
 # bench.model`, H100, N=8192 H=4096 V=128256 bf16, one cuBLAS GEMM 10.8 ms): split 14.4 ms (1.34x the GEMM), tma
-# 12.4 ms (1.15x), tma flat 12.9 ms (1.20x), cublas 12.2 ms (1.13x): within the model's error of each other, so only
-# the measurement can choose.
+# 12.4 ms (1.15x), tma flat 12.9 ms (1.20x), tma with _TMA_TILES_2CTA 10.8 ms (1.00x, if two CTAs hide each other's
+# epilogue entirely: an assumption), cublas 12.2 ms (1.13x): within the model's error of each other, so only the
+# measurement can choose.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _FWD_KERNEL_DEFAULT = "split"
@@ -539,8 +549,8 @@ def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptions) -> None:
-    """``_fwd_kernel_tma`` on a persistent grid (one program per SM, at most one per work item), writing the
-    ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
+    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
+    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
     rows), ``labels`` [N] int64, ``bias`` [V] or None."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -550,7 +560,7 @@ def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptio
     if hidden.device.type == "cpu":
         programs = _INTERPRETER_PROGRAMS
     else:
-        programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+        programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count * t.ctas_per_sm
     h_desc = TensorDescriptor.from_tensor(hidden, [t.block_n, t.block_k])  # [BLOCK_N, BLOCK_K] boxes
     w_desc = TensorDescriptor.from_tensor(weight, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
     _fwd_kernel_tma.launch(

@@ -14,7 +14,7 @@ def test_prints_every_device_and_size(capsys):
     for device in model.DEVICES.values():
         for V in model.VOCABS:
             assert f"{device.name}  N={model.N_TOKENS} H={model.HIDDEN} V={V} bf16" in out
-    assert out.count("  forward ") == 4 * len(model.DEVICES) * len(model.VOCABS)  # split, tma, tma flat, cublas
+    assert out.count("  forward ") == 5 * len(model.DEVICES) * len(model.VOCABS)  # split, tma (3 ways), cublas
 
 
 @pytest.mark.parametrize("p", model.predictions(), ids=lambda p: f"{p['device']}-V{p['V']}")
@@ -61,11 +61,12 @@ def test_kernel_facts_are_the_launchers():
     from rlkernels import fused_linear as fl
 
     t, tb, tma = fl._tiles(torch.bfloat16), fl._tiles(torch.bfloat16, backward=True), fl._TMA_TILES
-    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma)):
+    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma), ("tma 2cta", fl._TMA_TILES_2CTA)):
         k = model.KERNELS[key]
         assert (k.block_n, k.block_v, k.block_k) == (tiles.block_n, tiles.block_v, tiles.block_k), key
+        assert k.group_n == getattr(tiles, "group_n", 0), key
     assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
-    assert model.TMA_GROUP_N == tma.group_n
+    assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
 
 

@@ -906,9 +906,12 @@ def test_tma_kernel_writes_every_split_partial(programs, monkeypatch):
         torch.testing.assert_close(part[:, j], want, rtol=1e-5, atol=1e-5, msg=f"split {j}")
 
 
-def test_tma_forward_with_its_own_tiles_matches_the_split_kernel(monkeypatch):
-    """The launcher's 128x128x64 tiles (one work item, a split mostly past V) under the interpreter: the partials,
-    merged, are the split kernel's to float32 rounding (logits summed over K in other chunks)."""
+@pytest.mark.parametrize("tiles", ["_TMA_TILES", "_TMA_TILES_2CTA"])
+def test_tma_forward_with_its_own_tiles_matches_the_split_kernel(tiles, monkeypatch):
+    """The launcher's 128x128x64 tiles, and the 64x128x64 two-CTA ones, (one work item, a split mostly past V) under
+    the interpreter: the partials, merged, are the split kernel's to float32 rounding (logits summed over K in other
+    chunks)."""
+    monkeypatch.setattr(fl_module, "_TMA_TILES", getattr(fl_module, tiles))
     hidden, weight, b, labels, _, _ = _inputs(37, 96, 300, bias=True, seed=131)
     h, w, bb = (x.to(torch.bfloat16) for x in (hidden, weight, b))
     y = labels.clamp(min=0)
@@ -971,15 +974,24 @@ def test_tma_forward_sass_has_tma_and_wide_wgmma():
     configs = [c for c in aot_configs() if c.kernel is fl_module._fwd_kernel_tma]
     assert len(configs) == 4 and all(c.archs == (90,) for c in configs)
     bf16 = [c for c in configs if c.signature["h_desc"].startswith("tensordesc<bf16")]  # fp16: the same code
-    # the other schedule (FLATTEN flipped), which `make gpu` measures against the launcher's (aligned: as measured)
+    # the alternatives `make gpu` measures against the launcher's (aligned, as measured): FLATTEN flipped, and the
+    # 64x128 tiles on 4 warps that must fit two CTAs per SM
     other = dataclasses.replace(bf16[0], constexprs={**bf16[0].constexprs, "FLATTEN": not bf16[0].constexprs["FLATTEN"]})
-    for config in (*bf16, other):
-        for aligned in ((False, True) if config is not other else (True,)):
+    t2 = fl_module._TMA_TILES_2CTA
+    two = dataclasses.replace(
+        bf16[0], signature={**bf16[0].signature, "h_desc": f"tensordesc<bf16[{t2.block_n}, {t2.block_k}]>",
+                            "w_desc": f"tensordesc<bf16[{t2.block_v}, {t2.block_k}]>"},
+        constexprs={**bf16[0].constexprs, "BLOCK_N": t2.block_n, "BLOCK_V": t2.block_v, "BLOCK_K": t2.block_k,
+                    "GROUP_N": t2.group_n, "FLATTEN": t2.flatten},
+        num_warps=t2.num_warps, num_stages=t2.num_stages)
+    assert compile_config(two, 90, aligned=True).ctas_per_sm >= t2.ctas_per_sm
+    for config in (*bf16, other, two):
+        for aligned in ((False, True) if config in bf16 else (True,)):
             report = compile_config(config, 90, aligned=aligned)
             assert report.spill_bytes == 0, str(report)
             assert report.tma_loads > 0, str(report)
             assert report.wgmma_shapes and min(int(s.split("x")[1]) for s in report.wgmma_shapes) >= 128, str(report)
-            assert report.num_stages == fl_module._TMA_TILES.num_stages, str(report)
+            assert report.num_stages == config.num_stages, str(report)
 
 
 def test_the_sass_reader_reads_wgmma_shapes():
