@@ -412,9 +412,9 @@ _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=
                               group_n=16, flatten=False)
 # The other way to overlap the epilogue with the tensor cores: 64x128 tiles on 4 warps (one warpgroup, still wgmma
 # m64n128k16), two CTAs per SM (sm_90 SASS: 154-228 registers with triton 3.9, 160-214 with 3.6, no spill, 98 KB
-# shared; 8 UTMALDG, HGMMA 64x128x16), so one CTA's
-# softmax epilogue runs while the other's wgmma does (the warp scheduler's ping-pong; triton PR 9279 found the
-# occupancy route faster than flattening on H200). The same kernel; bench_fused_linear's "rlkernels fwd tma 2cta"
+# shared, 8 UTMALDG, HGMMA 64x128x16), so one CTA's softmax epilogue runs while the other's wgmma does (the warp
+# scheduler's ping-pong: triton PR 9279 found a persistent Hopper matmul with two CTAs per SM faster unflattened, on
+# H200, and gave this overlap as the likely reason). The same kernel; bench_fused_linear's "rlkernels fwd tma 2cta"
 # row measures it against _TMA_TILES; not selected by the launcher until measured.
 _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_tiles=16, num_warps=4, num_stages=4,
                                    group_n=32, flatten=False, ctas_per_sm=2)
