@@ -249,17 +249,8 @@ def _fwd_kernel_tma(
         col_ok = cols < V
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc / temperature, float("-inf"))  # [BLOCK_N, BLOCK_V]
         label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
-        m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-        alpha = tl.exp(m - m_new)
-        d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-        e = tl.exp(d)
-        ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
-        u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-        s = alpha * s + block_sum(e, 1)
-        zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-        m = m_new
+        m, s, u, zy = _online_update(acc / temperature, cols, col_ok, label, m, s, u, zy)
         if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
             out = split.to(tl.int64) * N + rows  # [BLOCK_N]
             row_ok = rows < N
