@@ -540,7 +540,27 @@ def aot_configs() -> list:
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                     consts, _DZ2_WARPS, 1))
-    return configs
+    return configs + _logits_aot_configs()
+
+
+# logits_policy_loss's one kernel: its flag sets that bound the register use (the most terms: a KL estimator, the
+# entropy bonus and d_logits; the fewest; the forward only, on-policy), at the logprobs kernels' tiles. Its loops
+# are the two passes over a row, BLOCK_V logits per iteration each, so its per-element SASS figure is the sum of
+# the two (tests/test_aot_budgets.py).
+_LOGITS_FLAG_SETS = (
+    dict(ON_POLICY=False, HAS_REF=True, KL_EST=2, HAS_ENT=True, ENT_GRAD=True, WRITE_GRAD=True),
+    dict(ON_POLICY=False, HAS_REF=False, KL_EST=0, HAS_ENT=False, ENT_GRAD=False, WRITE_GRAD=True),
+    dict(ON_POLICY=True, HAS_REF=True, KL_EST=0, HAS_ENT=True, ENT_GRAD=False, WRITE_GRAD=False),
+)
+
+
+def _logits_aot_configs() -> list:
+    from rlkernels.testing.aot import KernelConfig
+
+    return [KernelConfig(_logits_policy_kernel, _logits_kernel_signature(ty),
+                         {**flags, **_sm._fwd_constexprs(cfg, ty), "INTERPRETED": False}, cfg.num_warps, cfg.num_stages,
+                         elements=cfg.block_v)
+            for ty in TRITON_DTYPE_NAMES.values() for cfg in _sm._LAUNCH_CONFIGS for flags in _LOGITS_FLAG_SETS]
 
 
 class _TritonTile:

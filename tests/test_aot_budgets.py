@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from rlkernels.testing.aot import compile_config  # noqa: E402
 
-MODULES = ("rlkernels.softmax", "rlkernels.advantages", "rlkernels.losses")
+MODULES = ("rlkernels.softmax", "rlkernels.advantages", "rlkernels.losses", "rlkernels.fused_policy")
 
 # kernel name -> SASS instructions per element (token, score, logit) per thread of its main loop, at most.
 # logprobs: 2-byte logits, ~10 B per element over fwd+bwd -> the forward must stay under 10, the backward (read
@@ -30,6 +30,10 @@ BUDGETS: dict[str, float] = {
     "_logprobs_fwd_kernel": 10.0,
     "_logprobs_bwd_kernel": 16.0,
     "_group_tile_kernel": 40.0,  # contiguous groups of <= 1024 (index-given groups: _group_kernel, not yet)
+    # logits_policy_loss in one kernel: the two loops of the logprobs kernels (a read pass, then a read-and-write
+    # pass) per element, so its figure is theirs summed (budget 10 + 16). 2-byte logits: 4 B of HBM per element
+    # (the second read is of a row the program has just read, from L2), a 40-instruction line: 1.5x headroom.
+    "_logits_policy_kernel": 26.0,
 }
 
 

@@ -560,13 +560,15 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_aot_compiles_every_config_without_spills(arch):
-    """Both Triton kernels, every dtype (and bias on/off for kernel 1), build for sm_80/sm_90 with no register
-    spills; kernel 1's 16-bit GEMM runs on the tensor cores."""
+    """Every Triton kernel, every dtype (and bias on/off for linear's kernel 1; logits_policy_loss's kernel at both
+    logprobs tiles and its flag sets), builds for sm_80/sm_90 with no register spills; linear's kernel 1 runs its
+    16-bit GEMM on the tensor cores."""
     pytest.importorskip("triton")
     from rlkernels.testing.aot import compile_config
 
     configs = fused_policy.aot_configs()
-    assert len(configs) == 9  # 3 dtypes x (kernel 1 with and without bias, kernel 2)
+    # 3 dtypes x (kernel 1 with and without bias, kernel 2) + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
+    assert len(configs) == 9 + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)
