@@ -44,7 +44,10 @@ log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no 
 Backends: ``triton`` (CUDA default for ``linear_policy_loss``; see the Triton kernels section: kernel 1 stores the
 chunk's float32 logits tile while reducing it, kernel 2 forms dz from the stored tile, cuBLAS runs GEMMs 2 and 3),
 ``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
-served before the ops). ``logits_policy_loss`` has no Triton row (its torch row runs on CUDA too).
+served before the ops). ``logits_policy_loss``'s Triton row (its CUDA default; see the section "Triton row of
+logits_policy_loss") is ONE kernel for ``ratio="token"``: each program reads its token's row for the statistics, forms
+the loss coefficients in registers and re-reads the row (from L2) to write ``d_logits`` -- the logits read once from
+memory, the gradient written once; GSPO runs the logprobs kernels around the policy loss's own implementation.
 
 Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -> public functions.
 """
