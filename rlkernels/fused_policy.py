@@ -734,15 +734,16 @@ def _logits_policy_kernel(
     losses._store_partials(part_ptr + row * losses.NSLOTS, m, w * (x * m), clipped * m, -log_ratio * m, r * m,
                             kl * m, e * m, 0.0)
     if WRITE_GRAD:
-        # pass 2 over the row: d_logits from the whole batch's coefficients w·g (zeros, the row unread, where
-        # they are 0: masked-out and ignored tokens)
+        # pass 2 over the row, last block first (pass 1 read it most recently: with hundreds of rows in flight,
+        # each ~300 KB at V = 151936 bf16, L2 holds only the latest part of each): d_logits from the whole batch's
+        # coefficients w·g (zeros, the row unread, where they are 0: masked-out and ignored tokens)
         c_lp = tl.where(valid, w * g, 0.0)
         c_ent = 0.0
         if ENT_GRAD:
             c_ent = tl.where(valid, w * g_e, 0.0)
         label32 = tl.where(valid & in_range, label, -1).to(tl.int32)
         _sm._row_dlogits(row_ptr, dlogits_ptr + row * V, valid & ((c_lp != 0) | (c_ent != 0)), label32, V, x_max,
-                         s, log_s, ent, logp_raw, c_lp, c_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED)
+                         s, log_s, ent, logp_raw, c_lp, c_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED, True)
 
 
 def _logits_kernel_signature(ty: str) -> dict:

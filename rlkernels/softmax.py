@@ -236,17 +236,19 @@ def _logprobs_bwd_kernel(
     x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
     logp_y = (x_y - x_max) * inv_temp - log_s
     _row_dlogits(row_ptr, dlogits_ptr + row * V, valid, tl.where(valid & in_range, label, -1).to(tl.int32), V, x_max,
-                 s, log_s, ent, logp_y, g_logp, g_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED)
+                 s, log_s, ent, logp_y, g_logp, g_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED, False)
 
 
 @jit
 def _row_dlogits(row_ptr, out_ptr, compute, label32, V, x_max, s, log_s, ent, logp_y, g_logp, g_ent, inv_temp,
-                 dlogits_ptr, BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr):
+                 dlogits_ptr, BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr, REVERSE: tl.constexpr):
     """One row's ``dlogits`` (``V`` entries at ``out_ptr``, the logits dtype) from one more read of its logits,
     given the forward's statistics ``x_max``, ``s`` (``log_s = log s``), entropy ``ent`` and unclamped ``log p_y``
     and the row's upstream gradients ``g_logp``, ``g_ent``; zeros without reading the row where ``compute`` is
-    false. ``label32``: the label's column, -1 when it has none. Shared by the backward kernel and
-    :mod:`rlkernels.fused_policy`'s one-kernel policy loss."""
+    false. ``label32``: the label's column, -1 when it has none. ``REVERSE``: the blocks last to first (the partial
+    block, then the full ones backwards), for a caller that has just read the row front to back: the blocks it
+    read last are the likeliest still in L2. Shared by the backward kernel and :mod:`rlkernels.fused_policy`'s
+    one-kernel policy loss."""
     inv_s = 1.0 / s
     p_y = tl.exp(logp_y)
     # the label's entry: [g_logp (1 - p_y) - g_H p_y (log p_y + H)] / T, 1 - p_y without cancellation, its
@@ -260,21 +262,32 @@ def _row_dlogits(row_ptr, out_ptr, compute, label32, V, x_max, s, log_s, ent, lo
     cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
     v_full = V - V % BLOCK_V
     if compute:
-        for start in range(0, v_full, BLOCK_V):  # full blocks: no mask
+        if REVERSE and v_full < V:
+            _dlogits_tail(row_ptr, out_ptr, v_full + cols, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)
+        for i in range(0, v_full, BLOCK_V):  # full blocks: no mask
+            if REVERSE:
+                start = v_full - BLOCK_V - i
+            else:
+                start = i
             offs = start + cols  # [BLOCK_V]
             x = tl.load(row_ptr + offs).to(tl.float32)  # [BLOCK_V]
             g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
             tl.store(out_ptr + offs, g)
-        if v_full < V:
-            offs = v_full + cols  # [BLOCK_V]
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
-            tl.store(out_ptr + offs, g, mask=offs < V)
+        if not REVERSE and v_full < V:
+            _dlogits_tail(row_ptr, out_ptr, v_full + cols, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)
     else:  # an ignored row (or one with no gradient): zeros, whatever its logits hold (they are never read)
         zero = tl.zeros([BLOCK_V], dlogits_ptr.dtype.element_ty)  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
             offs = start + cols  # [BLOCK_V]
             tl.store(out_ptr + offs, zero, mask=offs < V)
+
+
+@jit
+def _dlogits_tail(row_ptr, out_ptr, offs, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl.constexpr):
+    """The last, partial block of a row's ``dlogits`` (columns ``offs`` [BLOCK_V], those < V exist)."""
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+    g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+    tl.store(out_ptr + offs, g, mask=offs < V)
 
 
 @jit
