@@ -953,8 +953,10 @@ def _logits_backward(ctx, d_loss, *_unused):
     (d_logits,) = ctx.saved_tensors
     if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
         return (None,) * 6 + no_grads(FusedPolicyOptions)
+    if _upstream_is_one(d_loss):  # loss.backward(): the stored gradient as it is, no [B, T, V] copy (see _RETURNS_DOC)
+        return (d_logits, None, None, None, None, None) + no_grads(FusedPolicyOptions)
     # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
-    # other than 1 (loss.backward() passes 1) rounds it a second time
+    # other than 1 rounds it a second time
     grad = (d_logits.to(torch.promote_types(d_logits.dtype, torch.float32)) * d_loss).to(d_logits.dtype)
     return (grad, None, None, None, None, None) + no_grads(FusedPolicyOptions)
 

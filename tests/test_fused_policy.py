@@ -502,6 +502,28 @@ def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V
         assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
 
 
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend):
+    """loss.backward() hands the stored d_logits out as they are (no [B, T, V] copy); with the graph retained,
+    .grad accumulation copies them, so two backward passes give exactly twice the gradient and a third pass
+    still sees the stored one unchanged; an upstream other than 1 scales it."""
+    x = _inputs(2, 3, 8, 90, seed=5)
+    logits = torch.randn(2, 3, 90, generator=_gen(6))  # [B, T, V]
+    _, _, g1 = _logits_fused(logits, x, dict(kl_coef=0.1), 1.0, backend)
+    z = logits.clone().requires_grad_()
+    with forced_backend(backend):
+        loss, _ = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                               ref_logp=x["ref_logp"], kl_coef=0.1)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    assert torch.equal(z.grad, 2 * g1)
+    (again,) = torch.autograd.grad(loss, z, retain_graph=True)
+    (twice,) = torch.autograd.grad(loss, z, retain_graph=True)
+    assert torch.equal(again, g1) and twice.data_ptr() == again.data_ptr()  # the stored tensor, not a copy
+    (scaled,) = torch.autograd.grad(loss * -0.5, z)
+    torch.testing.assert_close(scaled, -0.5 * g1)
+
+
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("ratio", ["token", "sequence"])
 def test_logits_empty_mask_and_empty_batch(backend, ratio):
