@@ -551,7 +551,8 @@ def aot_configs() -> list:
 # are the two passes over a row, BLOCK_V logits per iteration each, so its per-element SASS figure is the sum of
 # the two (tests/test_aot_budgets.py).
 _LOGITS_FLAG_SETS = (
-    dict(ON_POLICY=False, HAS_REF=True, KL_EST=2, HAS_ENT=True, ENT_GRAD=True, WRITE_GRAD=True),
+    dict(ON_POLICY=False, HAS_REF=True, KL_EST=reference.KL_ESTIMATORS.index("k3"), HAS_ENT=True, ENT_GRAD=True,
+         WRITE_GRAD=True),
     dict(ON_POLICY=False, HAS_REF=False, KL_EST=0, HAS_ENT=False, ENT_GRAD=False, WRITE_GRAD=True),
     dict(ON_POLICY=True, HAS_REF=True, KL_EST=0, HAS_ENT=True, ENT_GRAD=False, WRITE_GRAD=False),
 )
