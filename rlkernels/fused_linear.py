@@ -16,7 +16,7 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   apart: one float32 ``lse = m + log s`` would carry ulp(m) into every log p)
   and ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
   ``p log p`` counts 0 where ``p = 0`` (a ``-inf`` logit, e.g. a masked bias entry).
-- Backward, 3 GEMMs, over chunks of tokens: ``_dz_kernel`` recomputes each logits
+- Backward, 3 GEMMs, over chunks: ``_dz_kernel`` recomputes each logits
   tile (GEMM 2) with the forward's ``BLOCK_K`` (so bit for bit the forward's logits),
   forms ``log p = (z - m) - log s`` and writes ``dz = dL/dz`` for the chunk, formed in float32 as
   ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
@@ -26,13 +26,18 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   float32 (``[chunk]``) and added back after the GEMMs as ``r · W[y]`` and
   ``r · hidden`` (O(N·H); into ``d_weight`` as a sorted segment sum per label, no atomics, so
   the gradients are the same bits run to run), which keeps the gradients as close to the float64
-  truth as an all-float32 eager computation. Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
-  ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
-  float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
-  likewise. The workspace is bounded by ``chunk × V`` (the chunk is sized to a
-  fixed byte budget), never by ``N × V``. A single fused backward kernel would
-  need atomics on ``d_weight`` (nondeterministic) or recompute the logits once
-  per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
+  truth as an all-float32 eager computation. Then cuBLAS does GEMM 3 (``dz @ W``) and GEMM 4 (``dz.T @ hidden``),
+  in one of two orders (:func:`_vocab_outer`), whichever keeps the float32 accumulator the smaller of ``[N, H]``
+  and ``[V, H]``. With fewer tokens than vocabulary entries (RL batches against 128k-256k vocabularies) the
+  vocabulary is the outer loop: per vocabulary chunk, ``dz`` of all the tokens, ``d_hidden += dz @ W[chunk]``
+  into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` formed in float32 and written
+  once in the weight's dtype, so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096). Otherwise
+  the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @ hidden[chunk]``
+  into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end; ``d_bias`` likewise.
+  The workspace (``dz`` and, vocabulary outer, the float32 ``d_weight`` slice) is sized to a fixed byte budget
+  (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
+  run. A single fused backward kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the
+  logits once per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
@@ -121,6 +126,27 @@ def _logits_tile(
 
 
 @jit
+def _online_update(z, cols, col_ok, label, m, s, u, zy):
+    """Folds one float32 logits tile ``z`` [BLOCK_N, BLOCK_V] (vocabulary ids ``cols`` [BLOCK_V]; a column past V,
+    ``col_ok`` False, counts as a -inf logit) into each row's online statistics, [BLOCK_N] float32 each: running max
+    ``m``, ``s = Σ exp(z - m)``, ``u = Σ exp(z - m)(z - m)`` and ``zy``, the logit of the row's ``label`` (read from
+    the float32 tile). Returns the updated ``(m, s, u, zy)``. ``linear_logprobs``' forward and ``fused_policy``'s
+    statistics kernel both fold their tiles with it (Triton inlines it)."""
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+    alpha = tl.exp(m - m_new)
+    d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+    e = tl.exp(d)
+    # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
+    # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
+    ed = e * tl.where(d == float("-inf"), 0.0, d)
+    u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+    s = alpha * s + block_sum(e, 1)
+    zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+    return m_new, s, u, zy
+
+
+@jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
@@ -147,18 +173,7 @@ def _fwd_kernel(
             z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
                              stride_hn, stride_wv, temperature,
                              HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
-            # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
-            ed = e * tl.where(d == float("-inf"), 0.0, d)
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
+            m, s, u, zy = _online_update(z, cols, col_ok, label, m, s, u, zy)
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
@@ -168,11 +183,12 @@ def _fwd_kernel(
 
 @jit
 def _dz_kernel(
-    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (a chunk of tokens; a chunk of the vocabulary)
     m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
     dz_ptr,  # [n, V] input dtype, contiguous
-    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value (written only where the label is a column)
     N, V, H, stride_hn, stride_wv, temperature, ignore_index,
+    col0,  # the vocabulary id of w_ptr's first row: a label y is column y - col0 of this chunk
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -194,13 +210,14 @@ def _dz_kernel(
     valid = label != ignore_index
     g_lp = tl.where(valid, g_lp, 0.0)
     g_h = tl.where(valid, g_h, 0.0)
+    y = label - col0  # [BLOCK_N] the label's column in this vocabulary chunk (outside [0, V): another chunk's)
     # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
     # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
     logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
     p = tl.exp(logp)
     # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
     ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
-    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
+    is_y = cols[None, :] == y[:, None]  # [BLOCK_N, BLOCK_V]
     # 1 - p_y without cancellation where p_y ~ 1, formed per row from the label's log p (the one entry of the row
     # this tile may hold): expm1's polynomial over the whole tile cost ~12 more PTX instructions per element
     one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
@@ -212,7 +229,7 @@ def _dz_kernel(
     # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
     # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
     lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
-    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    has_y = (y >= pid_v * BLOCK_V) & (y < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
     tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
 
 
@@ -325,7 +342,7 @@ def _fwd_signature(ty: str) -> dict:
 def _dz_signature(ty: str) -> dict:
     inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
     rows = {"m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32"}
-    return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64"}
+    return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64", "col0": "i64"}
 
 
 def aot_configs() -> list[KernelConfig]:
@@ -402,28 +419,114 @@ def _finish(logp, entropy, stats, labels, V, opt: LinearLogprobsOptions):
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), stats
 
 
+def _vocab_outer(N: int, V: int) -> bool:
+    """The Triton backward's loop order: vocabulary outer when there are fewer tokens than vocabulary entries (its
+    float32 accumulator is then ``d_hidden``'s ``[N, H]``, the smaller one), tokens outer otherwise (``d_weight``'s
+    ``[V, H]``). The torch backend picks the same way."""
+    return N < V
+
+
 def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
-    """``_dz_kernel`` writes a chunk of tokens' ``dz`` (the input dtype) and its label residuals; cuBLAS does the two
-    GEMMs. Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
+    """``_dz_kernel`` writes ``dz`` (the input dtype) of a block of tokens x vocabulary entries and its label
+    residuals; cuBLAS does the two GEMMs, in the order :func:`_vocab_outer` picks (:func:`_bwd_vocab_outer`,
+    :func:`_bwd_tokens_outer`). Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs'
+    dtypes."""
     # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
     del logp  # the kernel forms log p at the label from the recomputed logits tile itself
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
+    N, V = hidden.shape[0], weight.shape[0]
+    t = _tiles(hidden.dtype, backward=True)
+    flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)
+    g_logp = g_logp.float().contiguous()  # [N]
+    g_ent = g_ent.float().contiguous()  # [N]
+    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
+    b = bias if bias is not None else weight  # [V] or an unread stand-in
+
+    def dz_into(dz, resid, r0, r1, v0, v1):
+        # dz [r1 - r0, v1 - v0] contiguous in the input dtype <- the tokens r0..r1 against the vocabulary v0..v1;
+        # resid [r1 - r0] float32 <- the label residual, at the rows whose label is one of these columns
+        if r1 == r0:
+            return
+        grid = (cdiv(r1 - r0, t.block_n), cdiv(v1 - v0, t.block_v))
+        _dz_kernel.launch(
+            grid, hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1],
+            row_max[r0:r1], log_s[r0:r1], entropy[r0:r1], g_logp[r0:r1], g_ent[r0:r1], dz, resid,
+            r1 - r0, v1 - v0, hidden.shape[1], hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
+            v0, **flags, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
+    order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
+    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t)
+    return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
+
+
+def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+    """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
+    (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
+    formed in float32 (one ``[vc, H]`` slice) and written once in the weight's dtype. No weight-sized float32 buffer:
+    beyond the outputs, ``[N, H]`` float32 and one chunk (``dz`` and the float32 slice) sized to
+    ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
-    t = _tiles(hidden.dtype, backward=True)
+    dev = hidden.device
+    low = hidden.dtype != torch.float32  # 16-bit dz: the label entries' rounding is carried in float32
+    col_bytes = max(1, N * hidden.element_size() + (H * 4 if low else 0))  # a column of dz, a row of the float32 slice
+    vc = min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))  # chunks end on tiles
+    S = cdiv(V, vc)
+    dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
+    resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev)  # [N, H] (float32 inputs: d_hidden itself)
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+    d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
+    # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused)
+    tok, cols, _, starts = _labels_by_chunk(valid, safe, resid, vc, S)
+    for j in range(S):
+        v0, v1 = j * vc, min(V, (j + 1) * vc)
+        dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
+        dz_into(dz, resid, 0, N, v0, v1)
+        w_j = weight[v0:v1]  # [vc, H]
+        if low:
+            _addmm_f32(dh, dz, w_j)
+            dw_j = _mm_f32(dz.T, hidden)  # [vc, H] float32
+            k0, k1 = starts[j], starts[j + 1]
+            t_j, c_j = tok[k0:k1], cols[k0:k1]  # [k] the tokens labelled in this chunk, their columns
+            _add_at_labels(dw_j, c_j, resid[t_j, None] * hidden[t_j].float())
+            d_weight[v0:v1] = dw_j  # rounded once
+            del dw_j
+        else:
+            dh.addmm_(dz, w_j)
+            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
+        if d_bias32 is not None:
+            d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
+            if low:
+                _add_at_labels(d_bias32[v0:v1], c_j, resid[t_j])
+    if not low:
+        return dh, d_weight, d_bias32
+    r = torch.where(valid, resid, torch.zeros_like(resid))  # [N]
+    dh += r[:, None] * weight[safe].float()
+    return dh.to(hidden.dtype), d_weight, d_bias32
+
+
+def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+    """Tokens outer (N >= V): per chunk of tokens (``[chunk, V]`` of ``dz``, sized to ``_DZ_BUDGET_BYTES``),
+    ``d_hidden[chunk] = dz @ W`` (the whole vocabulary in one GEMM) and ``d_weight += dz.T @ hidden[chunk]`` into a
+    float32 ``[V, H]`` accumulator, here no larger than the tokens' ``[N, H]``, cast once at the end. Returns
+    ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
     low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
     chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
-    d_weight32 = None  # [V, H] float32 accumulator (weight-sized), cast once at the end
-    d_bias32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None  # [V]
-    dz = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # [chunk, V] workspace
-    resid = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)  # [chunk]
-    g_logp = g_logp.float().contiguous()  # [N]
-    g_ent = g_ent.float().contiguous()  # [N]
-    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
-    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
+    d_weight32 = None  # [V, H] float32 accumulator, cast once at the end
+    d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
+    dz = torch.empty(chunk, V, dtype=hidden.dtype, device=dev)  # [chunk, V] workspace
+    resid = torch.zeros(chunk, dtype=torch.float32, device=dev)  # [chunk]
     for c0 in range(0, N, chunk):
         c1 = min(N, c0 + chunk)
         n = c1 - c0
@@ -431,14 +534,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
         dz_c = dz[:n]  # [n, V]
         r_c = resid[:n]  # [n]
         r_c.zero_()
-        grid = (cdiv(n, t.block_n), cdiv(V, t.block_v))
-        _dz_kernel.launch(
-            grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
-            row_max[c0:c1], log_s[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
-            n, V, H, hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
-            **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t),
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+        dz_into(dz_c, r_c, c0, c1, 0, V)
         y_c = safe[c0:c1]  # [n]
         if not low:
             torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
@@ -462,10 +558,9 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
             if low:
                 _add_at_labels(d_bias32, y_c, r_c)
     if d_weight32 is None:  # N == 0
-        d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
+        d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=dev)
     d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
-    d_bias = d_bias32.to(bias.dtype) if bias is not None else None
-    return d_hidden, d_weight, d_bias
+    return d_hidden, d_weight, d_bias32
 
 
 def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
@@ -895,9 +990,10 @@ def linear_logprobs(
     ``rlkernels.logprobs(hidden @ weight.T + bias, labels, ...)`` but never holds the
     ``[N, V]`` logits (nor their gradient): the product is tiled over tokens and
     vocabulary, reduced on the fly with an online log-sum-exp, and recomputed in
-    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (plus a
-    float32 ``[V, H]`` accumulator for ``weight``'s gradient when the tokens take
-    more than one chunk).
+    backward. Extra memory is O(N) forward and O(N·H + chunk) backward beyond the
+    gradients themselves (the chunk is a bounded workspace; with at least as many
+    tokens as vocabulary entries the Triton backward accumulates ``weight``'s
+    gradient in a float32 ``[V, H]`` buffer, then no larger than O(N·H)).
 
     Args:
         hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.

@@ -63,7 +63,7 @@ import torch
 from rlkernels import _backend, _checks, losses, reference
 from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
-from rlkernels._device import block_max, block_sum, expm1
+from rlkernels._device import block_sum, expm1
 from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, unit_stride
 from rlkernels._triton import cdiv, jit, tl
 
@@ -440,16 +440,7 @@ def _stats_store_kernel(
             z = _fl._logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_hn, stride_wv,
                                  temperature, HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
             tl.store(z_rows + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
+            m, s, u, zy = _fl._online_update(z, cols, col_ok, label, m, s, u, zy)  # linear_logprobs' forward's fold
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
