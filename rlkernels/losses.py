@@ -143,6 +143,31 @@ def _surrogate(r, adv, ratio_min, ratio_max, dual_clip):
 
 
 @jit
+def _token_policy_terms(lp, old, adv, m, ref, ent, ratio_min, ratio_max, dual_clip, kl_coef, entropy_coef,
+                        HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr):
+    """``ratio="token"``: one token's (or a block's) policy terms from inputs already 0 where ``m == 0``
+    (:func:`_masked_load`): ``(x, g_logp, g_ent, log_ratio, r, clipped, kl)`` with ``x`` the loss term,
+    ``g_logp = m·dx/dlogp`` and ``g_ent = m·dx/dentropy`` (before the agg weight), the ratio ``r = exp(logp - old)``,
+    the clipped flag and the KL estimate (0 without ``HAS_REF``). The math of :func:`_policy_token_pass`'s token
+    mode; :mod:`rlkernels.fused_policy`'s one-kernel logits loss calls it per row."""
+    log_ratio = lp - old
+    r = tl.exp(log_ratio)
+    pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
+    x = pg
+    g = dpg * r * m
+    kl = tl.full(lp.shape, 0.0, tl.float32)
+    if HAS_REF:
+        kl, dkl = _kl_and_grad(lp - ref, KL_EST)
+        x += kl_coef * kl
+        g += kl_coef * dkl * m
+    g_ent = tl.full(lp.shape, 0.0, tl.float32)
+    if HAS_ENT:
+        x -= entropy_coef * ent
+        g_ent = -entropy_coef * m
+    return x, g, g_ent, log_ratio, r, clipped, kl
+
+
+@jit
 def _seq_ratio_pass(logp_row, old_row, mask_row, t_begin, t_end, BLOCK: tl.constexpr):
     """GSPO pass 1: the row's sequence ratio ``s_b = exp(Σ m·(logp - old) / n_b)`` and ``1 / n_b`` (n_b >= 1)."""
     acc_d = tl.full([BLOCK], 0.0, tl.float32)  # [BLOCK]

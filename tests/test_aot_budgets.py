@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from rlkernels.testing.aot import compile_config  # noqa: E402
 
-MODULES = ("rlkernels.softmax", "rlkernels.advantages", "rlkernels.losses")
+MODULES = ("rlkernels.softmax", "rlkernels.advantages", "rlkernels.losses", "rlkernels.fused_policy")
 
 # kernel name -> SASS instructions per element (token, score, logit) per thread of its main loop, at most.
 # logprobs: 2-byte logits, ~10 B per element over fwd+bwd -> the forward must stay under 10, the backward (read
@@ -39,6 +39,10 @@ BUDGETS: dict[str, float] = {
     "_scale_rows_kernel": 30.0,
     # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the budget (39-45 today)
     "_gae_kernel": 48.0,
+    # logits_policy_loss in one kernel: the two loops of the logprobs kernels (a read pass, then a read-and-write
+    # pass) per element, so its figure is theirs summed (budget 10 + 16). 2-byte logits: 4 B of HBM per element
+    # (the second read is of a row the program has just read, from L2), a 40-instruction line: 1.5x headroom.
+    "_logits_policy_kernel": 26.0,
 }
 
 
