@@ -498,10 +498,11 @@ def _dz_from_tile_kernel(
 # recomputed).
 _DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
-# float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16), one stage: two stages spill 32 B on
-# sm_90 with Triton 3.9 at 255 registers; one stage holds 176-192 registers and spills nothing on 3.6 and 3.9
-_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8,
-                                          num_stages=1),
+# float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16) on 32-token blocks: 64-token blocks
+# with K = 16 spill on sm_90 (Triton 3.9: 8-32 B, aligned or not); 32 x 64 x 16 in 2 stages holds 80-134 registers
+# and spills nothing on sm_80/sm_90, aligned or not, with Triton 3.6 and 3.9
+_STATS_TILES = {torch.float32: _fl._Tiles(block_n=32, block_v=64, block_k=16, split_tiles=64, num_warps=8,
+                                          num_stages=2),
                 torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
 # the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
 _TRITON_CHUNK_BYTES = 1 << 30
