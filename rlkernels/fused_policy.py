@@ -494,8 +494,8 @@ def _dz_from_tile_kernel(
 # Kernel 2 is elementwise over the stored tile (no GEMM): 32 x 128 on 8 warps (32 x 256 spilled 40-112 B
 # unaligned). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
 # (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
-# 64 x 128 x 32 on 8 warps and 64 x 64 x 8 fit (its BLOCK_K need not match anything: the tile is stored, never
-# recomputed).
+# 64 x 128 x 32 on 8 warps fits for 16-bit, float32 below (its BLOCK_K need not match anything: the tile is
+# stored, never recomputed).
 _DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
 # float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16) on 32-token blocks: 64-token blocks
