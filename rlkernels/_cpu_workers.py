@@ -1,0 +1,71 @@
+"""Coarse-grained CPU parallelism for the chunked torch paths: a few long single-threaded tasks instead of many
+short two-thread ops.
+
+A chunked CPU path issues thousands of small ops (a GEMM and a few elementwise passes per L2-sized tile). Run with
+PyTorch's intra-op threads, every one of them ends in a barrier across all threads; when another process takes a
+core, each barrier waits for a descheduled thread (up to a scheduler time slice) and the op runs several times
+slower than one big op would. Here the caller's ``torch.get_num_threads()`` threads each run a share of the tiles
+with single-threaded ops, and meet once at the end: the scheduler's fairness evens out over the whole call, not
+per op. The ops release the GIL, so the threads overlap.
+
+:func:`run` hands each worker its own index; the worker decides what it computes from it (a static split keeps the
+results bit-for-bit reproducible at a given thread count; a shared counter balances load where the order of work
+cannot change the result).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable
+
+import torch
+
+_lock = threading.Lock()
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers) -> its threads
+
+
+def _single_threaded(start: threading.Barrier) -> None:
+    # get_num_threads first: it runs PyTorch's once-per-thread lazy initialisation, which would otherwise later
+    # reset this thread to the process-wide count; then one thread for this thread's OpenMP and MKL calls
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+    start.wait()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), workers)  # a forked child starts its own threads
+    with _lock:
+        pool = _pools.get(key)
+        if pool is None:
+            caller = torch.get_num_threads()
+            start = threading.Barrier(workers + 1)
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="rlkernels-cpu")
+            for _ in range(workers):  # start every thread now (the executor would start them one per task)
+                pool.submit(_single_threaded, start)
+            start.wait()
+            # set_num_threads(1) in a worker also set the count new threads start with: give it back
+            torch.set_num_threads(caller)
+            _pools[key] = pool
+    return pool
+
+
+def workers() -> int:
+    """How many workers :func:`run` uses: the caller's intra-op thread count."""
+    return max(1, torch.get_num_threads())
+
+
+def _no_grad(task: Callable[[int], object], i: int):
+    with torch.no_grad():  # a new thread starts with grad mode on; the tasks write into tensors with out=
+        return task(i)
+
+
+def run(task: Callable[[int], object], count: int) -> list:
+    """``[task(0), ..., task(count - 1)]``, each on its own single-threaded worker; the first exception raised by a
+    task is raised here, after every task has ended. In the calling thread, one task after another, when ``count``
+    is 1 or a Python dispatch mode is active (modes are per thread: the workers would run outside it)."""
+    if count <= 1 or torch._C._len_torch_dispatch_stack() > 0:
+        return [task(i) for i in range(count)]
+    futures = [_pool(count).submit(_no_grad, task, i) for i in range(count)]
+    wait(futures)
+    return [f.result() for f in futures]
