@@ -15,39 +15,48 @@ cannot change the result).
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Callable
 
 import torch
 
 _lock = threading.Lock()
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers) -> its threads
+_pools: dict[tuple[int, int], list[queue.SimpleQueue]] = {}  # (process id, workers) -> each worker's inbox
 
 
-def _single_threaded(start: threading.Barrier) -> None:
+def _worker(inbox: queue.SimpleQueue, started: threading.Barrier) -> None:
     # get_num_threads first: it runs PyTorch's once-per-thread lazy initialisation, which would otherwise later
     # reset this thread to the process-wide count; then one thread for this thread's OpenMP and MKL calls
     torch.get_num_threads()
     torch.set_num_threads(1)
-    start.wait()
+    started.wait()
+    while True:
+        task, i, future = inbox.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                with torch.no_grad():  # a new thread starts with grad mode on; the tasks write with out=
+                    future.set_result(task(i))
+            except BaseException as error:  # handed to the caller
+                future.set_exception(error)
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
+def _pool(workers: int) -> list[queue.SimpleQueue]:
     key = (os.getpid(), workers)  # a forked child starts its own threads
     with _lock:
-        pool = _pools.get(key)
-        if pool is None:
+        inboxes = _pools.get(key)
+        if inboxes is None:
             caller = torch.get_num_threads()
-            start = threading.Barrier(workers + 1)
-            pool = ThreadPoolExecutor(workers, thread_name_prefix="rlkernels-cpu")
-            for _ in range(workers):  # start every thread now (the executor would start them one per task)
-                pool.submit(_single_threaded, start)
-            start.wait()
+            started = threading.Barrier(workers + 1)
+            inboxes = [queue.SimpleQueue() for _ in range(workers)]
+            for k, inbox in enumerate(inboxes):
+                threading.Thread(target=_worker, args=(inbox, started), name=f"rlkernels-cpu-{k}", daemon=True).start()
+            started.wait()
             # set_num_threads(1) in a worker also set the count new threads start with: give it back
             torch.set_num_threads(caller)
-            _pools[key] = pool
-    return pool
+            _pools[key] = inboxes
+    return inboxes
 
 
 def workers() -> int:
@@ -55,17 +64,16 @@ def workers() -> int:
     return max(1, torch.get_num_threads())
 
 
-def _no_grad(task: Callable[[int], object], i: int):
-    with torch.no_grad():  # a new thread starts with grad mode on; the tasks write into tensors with out=
-        return task(i)
-
-
 def run(task: Callable[[int], object], count: int) -> list:
-    """``[task(0), ..., task(count - 1)]``, each on its own single-threaded worker; the first exception raised by a
-    task is raised here, after every task has ended. In the calling thread, one task after another, when ``count``
-    is 1 or a Python dispatch mode is active (modes are per thread: the workers would run outside it)."""
+    """``[task(0), ..., task(count - 1)]``, task ``i`` on worker ``i`` (each its own single-threaded thread); the
+    first exception raised by a task is raised here, after every task has ended. In the calling thread, one task
+    after another, when ``count`` is 1 or a Python dispatch mode is active (modes are per thread: the workers would
+    run outside it)."""
     if count <= 1 or torch._C._len_torch_dispatch_stack() > 0:
         return [task(i) for i in range(count)]
-    futures = [_pool(count).submit(_no_grad, task, i) for i in range(count)]
+    futures = []
+    for i, inbox in enumerate(_pool(count)):
+        futures.append(Future())
+        inbox.put((task, i, futures[-1]))
     wait(futures)
     return [f.result() for f in futures]
