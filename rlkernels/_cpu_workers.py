@@ -37,9 +37,18 @@ def _worker(inbox: queue.SimpleQueue, started: threading.Barrier) -> None:
         if future.set_running_or_notify_cancel():
             try:
                 with torch.no_grad():  # a new thread starts with grad mode on; the tasks write with out=
-                    future.set_result(task(i))
-            except BaseException as error:  # handed to the caller
+                    result, error = task(i), None
+            except BaseException as raised:  # handed to the caller
+                result, error = None, raised
+            # drop the task before the caller resumes: its closure may hold the caller's outputs (a gradient
+            # still referenced here would be copied, not stolen, by autograd's AccumulateGrad)
+            del task
+            if error is None:
+                future.set_result(result)
+            else:
                 future.set_exception(error)
+            del result, error
+        del future
 
 
 def _pool(workers: int) -> list[queue.SimpleQueue]:
@@ -67,9 +76,10 @@ def workers() -> int:
 def run(task: Callable[[int], object], count: int) -> list:
     """``[task(0), ..., task(count - 1)]``, task ``i`` on worker ``i`` (each its own single-threaded thread); the
     first exception raised by a task is raised here, after every task has ended. In the calling thread, one task
-    after another, when ``count`` is 1 or a Python dispatch mode is active (modes are per thread: the workers would
-    run outside it)."""
-    if count <= 1 or torch._C._len_torch_dispatch_stack() > 0:
+    after another, when ``count`` is 1, or a Python dispatch mode or the profiler is active: both observe the thread
+    that enabled them only, so the workers' ops would go unseen (a memory measurement would miss their buffers; run
+    one after another, the tasks' own scratch buffers are counted once, not ``count`` times)."""
+    if count <= 1 or torch._C._len_torch_dispatch_stack() > 0 or torch._C._autograd._profiler_enabled():
         return [task(i) for i in range(count)]
     futures = []
     for i, inbox in enumerate(_pool(count)):

@@ -687,6 +687,33 @@ def _dz_tile(z, m_c, coef, labels_of_tile, use_ent):
     return dz
 
 
+def _dz_tiler(g_logp, g_ent, labels, stats, entropy, logp, b, V: int, rows: int, vchunk: int, cdt,
+              opt: LinearLogprobsOptions):
+    """The torch backward's tile: ``(tile, use_ent)``; ``tile(r0, j, h_c, w_j, zbuf, pbuf)`` is the ``dz`` [n, vc] of
+    rows ``r0..`` and vocabulary chunk ``j``: the forward's logits recomputed into ``zbuf``, then :func:`_dz_tile`
+    in place (``pbuf`` its scratch, None without ``use_ent``). ``h_c`` [n, H], ``w_j`` [vc, H] in ``cdt``; ``b``
+    [V] the bias divided by the temperature, or None; the other tensors as the backward gets them."""
+    inv_t = 1.0 / opt.temperature
+    row_max, a2, c2, a_s, at_y, valid, use_ent = _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V, cdt, opt)
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
+    S = cdiv(V, vchunk)
+    # per chunk of rows, its label entries grouped by vocabulary chunk (O(N) in all)
+    by_chunk = [_labels_by_chunk(valid[r0:r0 + rows], safe[r0:r0 + rows], at_y[r0:r0 + rows], vchunk, S)
+                for r0 in range(0, labels.shape[0], rows)]
+
+    def tile(r0, j, h_c, w_j, zbuf, pbuf):
+        n, vc = h_c.shape[0], w_j.shape[0]
+        z = _logits_into(zbuf[: n * vc].view(n, vc), h_c, w_j, None if b is None else b[j * vchunk:j * vchunk + vc],
+                         inv_t)  # [n, vc]
+        tok, cols, vals, starts = by_chunk[r0 // rows]
+        k0, k1 = starts[j], starts[j + 1]
+        r1 = r0 + n
+        coef = (a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None], pbuf)
+        return _dz_tile(z, row_max[r0:r1, None], coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
+
+    return tile, use_ent
+
+
 def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
     """Tiled like :func:`_partials_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
     (:func:`_dz_coefficients`, :func:`_dz_tile`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``.
@@ -703,16 +730,11 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     V = weight.shape[0]
     dev = hidden.device
     cdt = reference.compute_dtype(hidden)
-    inv_t = 1.0 / opt.temperature
-    b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
+    b = bias.to(cdt) * (1.0 / opt.temperature) if bias is not None else None  # [V] as the forward scales it
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
-    row_max, a2, c2, a_s, at_y, valid, use_ent = _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V, cdt, opt)
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     row_starts = list(range(0, N, rows))
-    # per chunk of rows, its label entries grouped by vocabulary chunk (O(N) in all)
-    by_chunk = [_labels_by_chunk(valid[r0:r0 + rows], safe[r0:r0 + rows], at_y[r0:r0 + rows], vchunk, S)
-                for r0 in row_starts]
+    tile, use_ent = _dz_tiler(g_logp, g_ent, labels, stats, entropy, logp, b, V, rows, vchunk, cdt, opt)
     vocab_outer = N < V
     outer = S if vocab_outer else len(row_starts)  # the items split over the workers
     n_workers = max(1, min(_cpu_workers.workers(), outer))
@@ -721,17 +743,6 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None and vocab_outer else None  # [V]
     h_all = hidden.to(cdt) if vocab_outer else None  # [N, H] (token-sized; a view for float32)
     w_all = None if vocab_outer else weight.to(cdt)  # [V, H] (smaller than the tokens; a view for float32)
-
-    def tile(r0, j, h_c, w_j, zbuf, pbuf):
-        # (rows r0.., vocabulary chunk j): the forward's logits, then dz in place. h_c [n, H], w_j [vc, H] in cdt
-        n, vc = h_c.shape[0], w_j.shape[0]
-        z = _logits_into(zbuf[: n * vc].view(n, vc), h_c, w_j, None if b is None else b[j * vchunk:j * vchunk + vc],
-                         inv_t)  # [n, vc]
-        tok, cols, vals, starts = by_chunk[r0 // rows]
-        k0, k1 = starts[j], starts[j + 1]
-        r1 = r0 + n
-        coef = (a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None], pbuf)
-        return _dz_tile(z, row_max[r0:r1, None], coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
 
     def work(worker):
         zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
@@ -743,8 +754,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
             if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once
                 v0, v1 = o * vchunk, min(V, (o + 1) * vchunk)
                 w_j = weight[v0:v1].to(cdt)  # [vc, H]
-                # [vc, H]: float32 sums straight into d_weight
-                dw_j = d_weight[v0:v1].zero_() if d_weight.dtype == cdt else torch.zeros(v1 - v0, H, dtype=cdt, device=dev)
+                direct = d_weight.dtype == cdt  # float32 sums straight into d_weight
+                dw_j = d_weight[v0:v1].zero_() if direct else torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
                 for r0 in row_starts:
                     h_c = h_all[r0:r0 + rows]  # [n, H]
                     dz = tile(r0, o, h_c, w_j, zbuf, pbuf)  # [n, vc]
@@ -752,7 +763,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
                     dw_j.addmm_(dz.T, h_c)
                     if b is not None:
                         d_bias[v0:v1] += dz.sum(0)
-                if dw_j.dtype != d_weight.dtype:
+                if not direct:
                     d_weight[v0:v1] = dw_j
             else:  # rows o against the whole vocabulary: their d_hidden, written once
                 r0 = row_starts[o]

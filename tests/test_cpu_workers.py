@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -70,3 +71,19 @@ def test_one_worker_or_a_dispatch_mode_runs_in_the_calling_thread(two_threads):
 
     with Seen():  # modes are per thread: a worker would run outside it
         assert [ident for _, ident, _ in _cpu_workers.run(_where, 2)] == [me, me]
+    with torch.profiler.profile():  # so is the profiler (and the memory measurement built on it)
+        assert [ident for _, ident, _ in _cpu_workers.run(_where, 2)] == [me, me]
+
+
+def test_workers_keep_no_reference_to_a_finished_task(two_threads):
+    """A task's closure may hold the caller's outputs: a gradient still referenced elsewhere is copied by autograd
+    instead of stolen (once a weight-sized copy). The workers drop each task before the caller resumes."""
+    grad = torch.zeros(4)
+    ref = weakref.ref(grad)
+
+    def task(i, held=grad):
+        return i
+
+    assert _cpu_workers.run(task, 2) == [0, 1]
+    del task, grad
+    assert ref() is None
