@@ -37,7 +37,10 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
   (float64 for float64 inputs), recomputing logits in backward (the same GEMM
-  call on the same tiles, so the same bits).
+  call on the same tiles, so the same bits). The tiles are shared out to
+  ``torch.get_num_threads()`` single-threaded workers (``rlkernels._cpu_workers``):
+  thousands of small two-thread ops each waited for a descheduled thread on a
+  loaded machine (2.8x slower beside one busy process); the workers meet once.
 
 Labels of any integer dtype are checked (CPU) and widened to int64 before any
 backend runs; tokens labelled ``ignore_index`` are dropped before any backend runs (both ops
@@ -938,9 +941,9 @@ def linear_logprobs(
     ``rlkernels.logprobs(hidden @ weight.T + bias, labels, ...)`` but never holds the
     ``[N, V]`` logits (nor their gradient): the product is tiled over tokens and
     vocabulary, reduced on the fly with an online log-sum-exp, and recomputed in
-    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (plus a
-    float32 ``[V, H]`` accumulator for ``weight``'s gradient when the tokens take
-    more than one chunk).
+    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (on the CPU,
+    one float32 ``[min(N, V), H]`` buffer per worker thread; with N < V no
+    weight-sized float32 buffer).
 
     Args:
         hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.
