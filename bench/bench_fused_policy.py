@@ -10,6 +10,13 @@ entropy, the clipped surrogate with a k3 KL and an entropy bonus, autograd), ``t
 ``rlkernels two-op`` (``linear_logprobs`` + ``policy_loss``), ``rlkernels`` (``linear_policy_loss``), and Liger's
 ``LigerFusedLinearGRPOLoss`` on CUDA where installed.
 The CPU target: ``rlkernels`` >= 1.25x faster than ``rlkernels two-op`` at SmolLM2's head (H = 576, V = 49152).
+
+logits_policy_loss (the same loss from ``[B, T, V]`` logits a caller holds, ``d_logits`` formed in the forward),
+forward + backward. Bound (memory): TWO passes over ``[N, V]`` -- the logits read once, ``d_logits`` written once:
+``bytes_moved = 2 · N · V · itemsize`` (the Triton row re-reads each row from L2 for pass 2; the two-op path
+``logprobs`` then ``policy_loss`` makes three passes: read, read again in its backward, write). Issue 12's GPU
+target: within 1.1x of that bound. Providers: ``eager`` (log_softmax in float32, gather, entropy, the reference
+policy loss, autograd), ``torch.compile`` of it, ``rlkernels two-op`` (the baseline) and ``rlkernels``.
 """
 from __future__ import annotations
 
@@ -109,7 +116,78 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
     )
 
 
+def _logits_eager(logits, labels, old, adv, mask, ref_logp):
+    logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
+    logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
+    return reference.policy_loss(logp, old, adv, mask, ref_logp=ref_logp, entropy=entropy, **OPTIONS)[0]
+
+
+_compiled_logits = None
+
+
+def _logits_compiled(*args):
+    global _compiled_logits
+    if _compiled_logits is None:
+        _compiled_logits = torch.compile(_logits_eager)
+    return _compiled_logits(*args)
+
+
+def _logits_two_op(logits, labels, old, adv, mask, ref_logp):
+    logp, entropy = rlkernels.logprobs(logits, labels, return_entropy=True)
+    return rlkernels.policy_loss(logp, old, adv, mask, ref_logp=ref_logp, entropy=entropy, **OPTIONS)[0]
+
+
+def _logits_fused(logits, labels, old, adv, mask, ref_logp):
+    return rlkernels.logits_policy_loss(logits, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
+
+
+def _logits_step(fn):
+    def step(logits, *rest):  # logits [B, T, V], the leaf
+        return torch.autograd.grad(fn(logits, *rest), [logits])
+
+    return step
+
+
+def _logits_case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    B, T = max(1, N // T_SEQ), min(N, T_SEQ)
+
+    def make_inputs():
+        logits = (torch.randn(B, T, V, device=device, dtype=dtype) * 2).requires_grad_(True)  # [B, T, V]
+        labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
+        old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
+        adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T]
+        mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
+        ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+        return logits, labels, old, adv, mask, ref_logp
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        op="logits_policy_loss fwd+bwd",
+        shape=f"N={B * T} V={V} {str(dtype).removeprefix('torch.')}",
+        bytes_moved=2 * B * T * V * itemsize,  # the two-pass bound: logits read once, d_logits written once
+        flops=14 * B * T * V,
+        bound="memory",
+        make_inputs=make_inputs,
+        providers={"eager": _logits_step(_logits_eager), "torch.compile": _logits_step(_logits_compiled),
+                   "rlkernels two-op": _logits_step(_logits_two_op), "rlkernels": _logits_step(_logits_fused)},
+        baseline="rlkernels two-op",
+    )
+
+
 def cases(device: torch.device, quick: bool) -> list[Case]:
+    return _linear_cases(device, quick) + _logits_cases(device, quick)
+
+
+def _logits_cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        return [_logits_case(8192, 151936, torch.bfloat16, device)]
+    if quick:
+        return [_logits_case(512, 32000, torch.float32, device), _logits_case(512, 32000, torch.bfloat16, device)]
+    return [_logits_case(2048, 32000, torch.float32, device), _logits_case(2048, 32000, torch.bfloat16, device)]
+
+
+def _linear_cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         return [_case(8192, 4096, 151936, torch.bfloat16, device)]
     if quick:  # bf16 eager on CPU (a bf16 [N, H] x [H, V] GEMM without fast bf16 units) takes ~35 s at N=512,

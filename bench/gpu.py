@@ -12,7 +12,9 @@ starting new work once its budget is spent and says so), runnable alone or all i
   every kernel, out-of-range labels included); asserts it reports 0 errors;
 - ``bench``: every ``bench/bench_*.py`` case at the contract's sizes (eager, torch.compile, rlkernels, the
   peers where installed); per row: median time, GB/s or TFLOP/s, the fraction of the bound over the measured
-  ceilings, peak extra memory, the ratio to eager and to the fastest peer;
+  ceilings, peak extra memory, the ratio to eager and to the fastest peer; linear_logprobs's forward alone per
+  forward kernel (``RLKERNELS_LINEAR_FWD``: the measurement that picks rlkernels.fused_linear's default) against
+  one cuBLAS GEMM, and bench/model.py's prediction at the measured ceilings next to the measured times;
 - ``trainer``: one GRPO and one PPO step on SmolLM2-135M with fused vs eager ops (step time, update-phase
   peak memory), then 60 GRPO steps of the ``smollm2`` preset (mean reward of the first and last fifth).
 
@@ -315,8 +317,41 @@ def part_bench(p: Part) -> dict:
             if case_rows:
                 print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
             rows.extend(case_rows)
-    return {"ceilings": ceilings_dict,
+    return {"ceilings": ceilings_dict, "model": model_at_ceilings(ceilings_dict),
             "bench": {"rows": harness.rows_as_dicts(rows), "failed_modules": failed, "ok": not failed}}
+
+
+def model_at_ceilings(ceilings: dict) -> list[dict]:
+    """bench/model.py's predictions for linear_logprobs at the contract's sizes, on a device whose cuBLAS rate and
+    copy bandwidth are this run's measured ceilings (peak and L2: the H200's datasheet when the device says H200,
+    else the H100's); printed, and written next to the measured rows (render_markdown)."""
+    from bench import model
+
+    like = "H200" if "H200" in str(ceilings.get("device", "")) else "H100"
+    device = model.device_from_ceilings(f"{like}-like at this run's ceilings", ceilings["matmul_tflops"],
+                                        ceilings["copy_gbps"], like=like)
+    predictions = model.predictions([device])
+    for p in predictions:
+        print("  model: " + model.format_prediction(p).replace("\n", "\n  model: "), flush=True)
+    return predictions
+
+
+def _model_lines(record: dict) -> list[str]:
+    """Predicted next to measured, per contract size: one GEMM, each forward kernel, fwd+bwd (the default kernel)."""
+    preds, rows = record.get("model") or [], (record.get("bench") or {}).get("rows", [])
+    if not preds:
+        return []
+    measured = {(r["op"], r["shape"], r["provider"]): r.get("median_ms") for r in rows}
+    lines = ["", f"linear_logprobs: bench/model.py's prediction ({preds[0]['device']}) next to the measurement:", "",
+             "| shape | phase | predicted ms | measured ms |", "| --- | --- | ---: | ---: |"]
+    for p in preds:
+        shape = f"N={p['N']} H={p['H']} V={p['V']} bfloat16"
+        pairs = [("one GEMM", p["one_gemm_ms"], ("linear_logprobs fwd", "one GEMM (cuBLAS)"))]
+        pairs += [(f"forward {k}", v, ("linear_logprobs fwd", f"rlkernels fwd {k}")) for k, v in p["forward_ms"].items()]
+        pairs.append(("fwd+bwd (forward: split)", p["fwd_bwd_ms"]["split"], ("linear_logprobs fwd+bwd", "rlkernels")))
+        for phase, predicted, (op, provider) in pairs:
+            lines.append(f"| {shape} | {phase} | {predicted:.2f} | {_num(measured.get((op, shape, provider)), '.2f')} |")
+    return lines
 
 
 def find_smollm2_gguf(wheels: Path) -> str | None:
@@ -454,6 +489,7 @@ def render_markdown(record: dict) -> str:
             lines.append(f"{head} {_num(r['median_ms'], '.4g')} | {harness.format_rate(r['rate'], r['rate_unit'])} | "
                          f"{_num(100 * r['fraction_of_bound'], '.1f')}% | {_num(r['peak_mib'], '.1f')} | "
                          f"{_num(r['speedup'], '.2f')}x | {_num(r.get('vs_best_peer'), '.2f') + 'x' if _num(r.get('vs_best_peer'), '.2f') else ''} |")
+    lines += _model_lines(record)
     tr = record.get("trainer")
     if tr and tr.get("steps"):
         lines += ["", "| trainer step | losses | step s | update peak MiB |", "| --- | --- | ---: | ---: |"]

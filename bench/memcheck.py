@@ -90,6 +90,13 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
                                                clip_low=3e-4, clip_high=4e-4)
         return _finite(loss, *_backward([loss], [logits]))
 
+    def logits_policy_loss_token():
+        logits = _leaf(rand(B, T + 1, V, dtype=torch.bfloat16) * 3)[:, :-1]  # [B, T, V] rows at two strides
+        old = -torch.rand(B, T, generator=g).to(device) * 2 - 6  # [B, T]
+        loss, _ = rlkernels.logits_policy_loss(logits, labels.view(B, T), old, rand(B, T), mask, dual_clip=3.0,
+                                               ref_logp=old + 0.1 * rand(B, T), kl_coef=0.04, entropy_coef=0.01)
+        return _finite(loss, *_backward([loss], [logits]))
+
     def policy_loss():
         logp = _leaf(-torch.rand(B, T, generator=g).to(device) * 3)  # [B, T]
         ref, ent = _leaf(logp.detach() + 0.2 * rand(B, T)), _leaf(rand(B, T).abs())  # [B, T] x2
@@ -123,6 +130,7 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
         "linear_logprobs bf16 fwd+bwd": linear_logprobs,
         "linear_policy_loss fwd+bwd": linear_policy_loss,
         "logits_policy_loss GSPO fwd+bwd": logits_policy_loss,
+        "logits_policy_loss PPO bf16 fwd+bwd": logits_policy_loss_token,
         "policy_loss PPO fwd+bwd": policy_loss,
         "value_loss fwd+bwd": value_loss,
         "kl_penalty k3 fwd+bwd": kl_penalty,

@@ -2,11 +2,13 @@
 // file compiles standalone (nvcc -c) and is bound in advantages_cuda_binding.cpp.
 //
 // gae: one block per sequence walks its row backwards in tiles of
-// kThreads * kItems tokens. Each thread composes the affine maps of its kItems
-// tokens, a warp-shuffle suffix scan composes them across the warp, the warps'
+// kThreads * kItems tokens (aligned to the row start). Each thread loads its kItems
+// consecutive tokens (16-byte vector loads when the rows are aligned) and composes their
+// affine maps, a warp-shuffle suffix scan composes them across the warp, the warps'
 // boundary states are chained in shared memory, and each thread then replays its
-// tokens from its incoming state. The state (A, V) = (advantage, value) of the next
-// valid token carries from tile to tile.
+// tokens from its incoming state; the outputs go out through shared memory so that a warp's
+// stores are contiguous. The state (A, V) = (advantage, value) of the next valid token carries
+// from tile to tile.
 // group_advantages: one warp per group, three passes over the (L1-resident) group.
 // masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, then every
 // block of a second kernel merges the partials and normalizes its share.
@@ -46,13 +48,78 @@ __device__ __forceinline__ Affine shfl_down(const Affine& x, int delta) {
           __shfl_down_sync(0xffffffffu, x.e, delta)};
 }
 
-template <typename T>
+// kItems consecutive tokens t0..t0+7 as float: one 16-byte load per 4 floats or per 8 halves, when
+// kVec (the row base and t0 16-byte aligned and the 8 tokens inside the row); else one element at a time.
+template <bool kVec>
+__device__ __forceinline__ void load8(const float* p, int64_t t0, int64_t n, float (&out)[kItems]) {
+  if (kVec) {
+    const float4 a = *reinterpret_cast<const float4*>(p + t0), b = *reinterpret_cast<const float4*>(p + t0 + 4);
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? p[t0 + k] : 0.f;
+  }
+}
+
+template <bool kVec, typename H>  // H: __half or __nv_bfloat16
+__device__ __forceinline__ void load8(const H* p, int64_t t0, int64_t n, float (&out)[kItems]) {
+  if (kVec) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + t0);
+    const H* h = reinterpret_cast<const H*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] = to_float(h[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? to_float(p[t0 + k]) : 0.f;
+  }
+}
+
+template <bool kVec>
+__device__ __forceinline__ void load8_mask(const uint8_t* p, int64_t t0, int64_t n, bool (&out)[kItems]) {
+  if (kVec) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p + t0);
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] = ((k < 4 ? raw.x >> (8 * k) : raw.y >> (8 * (k - 4))) & 0xffu) != 0;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n && p[t0 + k] != 0;
+  }
+}
+
+// Each thread holds kItems consecutive outputs of the tile; they go out through shared memory so that one
+// store instruction of a warp writes consecutive addresses (512 bytes with kVec, 128 without) instead of
+// 32 strided pieces.
+template <bool kVec>
+__device__ __forceinline__ void store_tile(float* out, int64_t tile_start, int64_t n, const float (&x)[kItems],
+                                           float4* stage) {
+  stage[2 * threadIdx.x] = make_float4(x[0], x[1], x[2], x[3]);
+  stage[2 * threadIdx.x + 1] = make_float4(x[4], x[5], x[6], x[7]);
+  __syncthreads();
+  if (kVec) {  // n and tile_start are multiples of 8: a float4 is wholly inside the row or wholly past it
+#pragma unroll
+    for (int j = 0; j < kItems / 4; ++j) {
+      const int i = j * kThreads + threadIdx.x;  // float4 index in the tile
+      if (tile_start + 4 * i < n) *reinterpret_cast<float4*>(out + tile_start + 4 * i) = stage[i];
+    }
+  } else {
+    const float* flat = reinterpret_cast<const float*>(stage);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int i = j * kThreads + threadIdx.x;
+      if (tile_start + i < n) out[tile_start + i] = flat[i];
+    }
+  }
+  __syncthreads();  // the stage is rewritten by the next store
+}
+
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rewards, const T* __restrict__ values,
                                                        const uint8_t* __restrict__ mask, float* __restrict__ adv,
                                                        float* __restrict__ ret, int64_t T_len, float gamma, float lam) {
   __shared__ float warp_a[kWarps], warp_v[kWarps];  // state entering each warp (from its right)
   __shared__ Affine warp_map[kWarps];
   __shared__ float carry[2];
+  __shared__ float4 stage[kThreads * kItems / 4];  // one tile of outputs, for coalesced stores
   const int64_t row = blockIdx.x;
   const T* r = rewards + row * T_len;
   const T* v = values + row * T_len;
@@ -63,18 +130,23 @@ __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rew
   const float gl = gamma * lam;
   if (threadIdx.x == 0) carry[0] = carry[1] = 0.f;
   constexpr int kTile = kThreads * kItems;
-  for (int64_t tile_end = T_len; tile_end > 0; tile_end -= kTile) {
-    const int64_t tile_start = tile_end - kTile;  // may be negative: those tokens are identities
+  // tiles start at multiples of kTile from the row start (aligned vector loads), walked from the last one;
+  // tokens past the row end are identities
+  for (int64_t tile_start = (T_len - 1) / kTile * kTile; tile_start >= 0; tile_start -= kTile) {
     const int64_t first = tile_start + static_cast<int64_t>(threadIdx.x) * kItems;
     float rv[kItems], vv[kItems];
     bool ok[kItems];
+    if (first < T_len) {
+      load8<kVec>(r, first, T_len, rv);
+      load8<kVec>(v, first, T_len, vv);
+      load8_mask<kVec>(m, first, T_len, ok);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) rv[k] = vv[k] = 0.f, ok[k] = false;
+    }
     Affine mine = identity();
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
-      const int64_t t = first + k;
-      ok[k] = t >= 0 && m[t] != 0;
-      rv[k] = ok[k] ? to_float(r[t]) : 0.f;
-      vv[k] = (t >= 0) ? to_float(v[t]) : 0.f;
       if (ok[k]) mine = then(mine, Affine{gl, gamma, rv[k] - vv[k], 0.f, vv[k]});
     }
     // inclusive suffix scan inside the warp: lane l composes lanes l..31
@@ -104,20 +176,20 @@ __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rew
     __syncthreads();
     float A = after.a * warp_a[warp] + after.b * warp_v[warp] + after.c;
     float V = after.z * warp_v[warp] + after.e;
+    float out[kItems];
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
-      const int64_t t = first + k;
-      if (t < 0) continue;
-      float out = 0.f;
+      out[k] = 0.f;
       if (ok[k]) {
-        out = rv[k] + gamma * V - vv[k] + gl * A;
-        A = out;
+        out[k] = rv[k] + gamma * V - vv[k] + gl * A;
+        A = out[k];
         V = vv[k];
       }
-      a_out[t] = out;
-      r_out[t] = out + vv[k];
     }
-    __syncthreads();  // carry and warp states are rewritten by the next tile
+    store_tile<kVec>(a_out, tile_start, T_len, out, stage);
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) out[k] += vv[k];
+    store_tile<kVec>(r_out, tile_start, T_len, out, stage);  // its trailing barrier also guards carry/warp_*
   }
 }
 
@@ -257,9 +329,17 @@ template <typename T>
 int gae_launch(const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
                int64_t T_len, float gamma, float lam, cudaStream_t stream) {
   if (B == 0 || T_len == 0) return 0;
-  gae_kernel<T><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(static_cast<const T*>(rewards),
-                                                                   static_cast<const T*>(values), mask, adv, ret, T_len,
-                                                                   gamma, lam);
+  // vector loads need every row start 16-byte aligned: aligned bases and rows of a multiple of 8 tokens
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = T_len % kItems == 0 && aligned(rewards) && aligned(values) && aligned(adv) && aligned(ret) &&
+                   reinterpret_cast<uintptr_t>(mask) % 8 == 0;
+  const T* r = static_cast<const T*>(rewards);
+  const T* v = static_cast<const T*>(values);
+  if (vec) {
+    gae_kernel<T, true><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(r, v, mask, adv, ret, T_len, gamma, lam);
+  } else {
+    gae_kernel<T, false><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(r, v, mask, adv, ret, T_len, gamma, lam);
+  }
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -31,6 +31,34 @@ except Exception as _error:  # pragma: no cover - exercised only where triton is
     TRITON_IMPORT_ERROR = _error
 
 
+def _interpreter_scalar_index() -> None:
+    """Make the interpreter turn a scalar tensor into a Python int the way Triton 3.7+ does.
+
+    The interpreter holds a scalar as a NumPy array of shape ``(1,)``. Triton 3.6 converts it with
+    ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted"), so every interpreted
+    kernel whose loop bound is computed (``range(0, v_end, ...)``) fails there; later Triton squeezes the array
+    first. The GPU machines run Triton 3.6, and their CPU test cases use the interpreter: wrap the function
+    that patches ``tl.tensor`` so ``__index__`` squeezes, as upstream does now. A no-op where that function is
+    gone or already squeezes."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or "squeeze" in inspect.getsource(original):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if HAS_TRITON:
+    _interpreter_scalar_index()
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for grid and chunk counts (no triton needed)."""
     return (a + b - 1) // b

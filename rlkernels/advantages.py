@@ -6,9 +6,10 @@ Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 - ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
   ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
   across chunks);
-- ``triton``: Triton kernels (interpreted on CPU tensors); contiguous groups of up to 1024
-  take ``_group_tile_kernel`` (many groups per program, one register-resident pass),
-  index-given and larger groups ``_group_kernel`` (one program per group);
+- ``triton``: Triton kernels (interpreted on CPU tensors); groups of one size up to 4096,
+  contiguous or given by an index (sorted into equal runs once on the host), take
+  ``_group_tile_kernel`` (many groups per program, one register-resident pass); index-given
+  groups of unequal sizes and larger groups ``_group_kernel`` (one program per group, three passes);
 - ``csrc``: the compiled extension (``csrc/``), C++ on CPU, CUDA on GPUs.
 
 Which one serves a call is chosen by :func:`rlkernels._backend.resolve` alone, at run
@@ -74,48 +75,116 @@ def _compose(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
 
 
 @jit
+def _take_last(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
+    """A reduction that keeps its last operand: along a thread's own elements, the last element."""
+    return a2, b2, c2, z2, e2
+
+
+@jit
+def _xor(a, b):
+    return a ^ b
+
+
+@jit
+def _flip_vec(x, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """``x`` ``[BLOCK_B, NCH, 16]`` (float32 or 8-bit) with its last axis reversed (``tl.flip``'s xor swaps,
+    written out: a kernel interpreted per call cannot call Triton's library ``@jit`` functions). The axis lies in
+    one thread, so the compiled swaps are register renames (no instruction)."""
+    bits = x.to(tl.int32, bitcast=True) if x.dtype.primitive_bitwidth == 32 else x.to(tl.int8, bitcast=True)
+    y = tl.reshape(bits, [BLOCK_B, NCH, 2, 2, 2, 2])
+    y = y ^ tl.reduce(y, 2, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 3, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 4, _xor, keep_dims=True)
+    y = y ^ tl.reduce(y, 5, _xor, keep_dims=True)
+    return tl.reshape(y, [BLOCK_B, NCH, 16]).to(x.dtype, bitcast=True)
+
+
+@jit
 def _gae_kernel(
     r_ptr, v_ptr, m_ptr,  # [B, T] inputs (strided), m: uint8
     adv_ptr, ret_ptr,  # [B, T] float32 outputs (contiguous)
     B, T,
     stride_rb, stride_rt, stride_vb, stride_vt, stride_mb, stride_mt,
     gamma, lam,
-    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr,
 ):
+    # Each thread owns a chunk of VEC consecutive tokens, read time ascending (vector loads), flipped in
+    # registers. Scan order: chunk 0 is the last chunk of the block, and inside a chunk the last token comes
+    # first, so forward scans walk backwards in time (no reverse=True: triton issue #4362).
+    # 1. in-thread scan of each chunk's token maps; its last element is the chunk's whole map;
+    # 2. a scan over the chunks of [identity, chunk map] pairs: the even entries are the exclusive prefixes, the
+    #    maps of every later token of the block; applied to the carry they give each chunk's incoming state;
+    # 3. each token's A from its in-chunk prefix and the chunk's incoming state.
+    tl.static_assert(VEC == 16, "_flip_vec is written for 16 tokens per thread")
+    NCH: tl.constexpr = BLOCK_T // VEC
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
-    row_ok = rows < B
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_T)  # [BLOCK_T]; column j of a block is token (end - 1 - j)
+    row_ok = (rows < B)[:, None, None]  # [BLOCK_B, 1, 1]
+    rows64 = rows.to(tl.int64)[:, None, None]  # [BLOCK_B, 1, 1]
+    r_row = r_ptr + rows64 * stride_rb  # [BLOCK_B, 1, 1] row starts
+    v_row = v_ptr + rows64 * stride_vb
+    m_row = m_ptr + rows64 * stride_mb
+    adv_row = adv_ptr + rows64 * T
+    ret_row = ret_ptr + rows64 * T
+    ch = tl.arange(0, NCH)  # [NCH] chunks in scan order
+    rel = (((NCH - 1 - ch) * VEC)[:, None] + tl.arange(0, VEC)[None, :])[None, :, :]  # [1, NCH, VEC] ascending
     gl = gamma * lam
+    one = tl.full([BLOCK_B, NCH], 1.0, tl.float32)
+    zero = tl.full([BLOCK_B, NCH], 0.0, tl.float32)
     carry_a = tl.full([BLOCK_B], 0.0, tl.float32)  # A of the next valid token (0 past the end)
     carry_v = tl.full([BLOCK_B], 0.0, tl.float32)  # V of the next valid token (0 past the end)
-    for start in range(0, T, BLOCK_T):
-        t = T - 1 - start - cols  # [BLOCK_T], descending: a forward scan walks backwards in time
-        inb = row_ok[:, None] & (t >= 0)[None, :]  # [BLOCK_B, BLOCK_T]
-        t64 = t.to(tl.int64)
-        r = tl.load(r_ptr + rows64[:, None] * stride_rb + t64[None, :] * stride_rt, mask=inb, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + rows64[:, None] * stride_vb + t64[None, :] * stride_vt, mask=inb, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + rows64[:, None] * stride_mb + t64[None, :] * stride_mt, mask=inb, other=0)
-        valid = inb & (m != 0)  # [BLOCK_B, BLOCK_T]
-        one = tl.full([BLOCK_B, BLOCK_T], 1.0, tl.float32)
-        zero = tl.full([BLOCK_B, BLOCK_T], 0.0, tl.float32)
-        # a masked or out-of-range token is the identity map (1, 0, 0, 1, 0)
-        al = tl.where(valid, one * gl, one)
-        be = tl.where(valid, one * gamma, zero)
-        c = tl.where(valid, r - v, zero)
-        ze = tl.where(valid, zero, one)
-        e = tl.where(valid, v, zero)
-        al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 1, _compose)
-        a_out = al * carry_a[:, None] + be * carry_v[:, None] + c  # [BLOCK_B, BLOCK_T]
-        v_out = ze * carry_v[:, None] + e  # [BLOCK_B, BLOCK_T]
-        adv = tl.where(valid, a_out, zero)
-        offs = rows64[:, None] * T + t64[None, :]
-        tl.store(adv_ptr + offs, adv, mask=inb)
-        tl.store(ret_ptr + offs, adv + v, mask=inb)
-        # the last column composes the whole block (out-of-range columns are identities)
-        last = (cols == BLOCK_T - 1)[None, :]
-        carry_a = block_sum(tl.where(last, a_out, zero), 1)  # [BLOCK_B]
-        carry_v = block_sum(tl.where(last, v_out, zero), 1)  # [BLOCK_B]
+    nb = (T + BLOCK_T - 1) // BLOCK_T
+    for i in range(0, nb):
+        t = (nb - 1 - i) * BLOCK_T + rel  # [1, NCH, VEC] int32 tokens (T < 2**31)
+        inb = row_ok & (t < T)  # [BLOCK_B, NCH, VEC]
+        r = tl.load(r_row + t * stride_rt, mask=inb, other=0.0).to(tl.float32)  # [BLOCK_B, NCH, VEC]
+        v = tl.load(v_row + t * stride_vt, mask=inb, other=0.0).to(tl.float32)
+        m = tl.load(m_row + t * stride_mt, mask=inb, other=0)  # out of range: 0, not valid
+        fv = _flip_vec(v, BLOCK_B, NCH)  # [BLOCK_B, NCH, VEC] in scan order
+        fd = _flip_vec(r, BLOCK_B, NCH) - fv
+        valid = _flip_vec(m, BLOCK_B, NCH) != 0
+        # a token's map: valid (γλ, γ, r - v, 0, v), masked or out of range the identity (1, 0, 0, 1, 0)
+        al = tl.where(valid, gl, 1.0)
+        be = tl.where(valid, gamma, 0.0)
+        c = tl.where(valid, fd, 0.0)
+        ze = tl.where(valid, 0.0, 1.0)
+        e = tl.where(valid, fv, 0.0)
+        al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 2, _compose)  # in-chunk prefixes
+        sa, sb, sc, sz, se = tl.reduce((al, be, c, ze, e), 2, _take_last)  # [BLOCK_B, NCH] chunk maps
+        pa = _exclusive_pairs(one, sa, BLOCK_B, NCH)  # [BLOCK_B, 2 NCH]
+        pb = _exclusive_pairs(zero, sb, BLOCK_B, NCH)
+        pc = _exclusive_pairs(zero, sc, BLOCK_B, NCH)
+        pz = _exclusive_pairs(one, sz, BLOCK_B, NCH)
+        pe = _exclusive_pairs(zero, se, BLOCK_B, NCH)
+        pa, pb, pc, pz, pe = tl.associative_scan((pa, pb, pc, pz, pe), 1, _compose)  # [BLOCK_B, 2 NCH]
+        ea, sa = _split_pairs(pa, BLOCK_B, NCH)  # [BLOCK_B, NCH]: later chunks of the block, and those and this
+        eb, sb = _split_pairs(pb, BLOCK_B, NCH)
+        ec, sc = _split_pairs(pc, BLOCK_B, NCH)
+        ez, sz = _split_pairs(pz, BLOCK_B, NCH)
+        ee, se = _split_pairs(pe, BLOCK_B, NCH)
+        a_in = ea * carry_a[:, None] + eb * carry_v[:, None] + ec  # [BLOCK_B, NCH]: state entering each chunk
+        v_in = ez * carry_v[:, None] + ee
+        a_tok = al * a_in[:, :, None] + be * v_in[:, :, None] + c  # [BLOCK_B, NCH, VEC]
+        adv = _flip_vec(tl.where(valid, a_tok, 0.0), BLOCK_B, NCH)  # [BLOCK_B, NCH, VEC] time ascending
+        tl.store(adv_row + t, adv, mask=inb)
+        tl.store(ret_row + t, adv + v, mask=inb)
+        # the block's first chunk (the last in scan order) composes the whole block: the next block's carry
+        last = (ch == NCH - 1)[None, :]  # [1, NCH]
+        a_out = tl.where(last, sa * carry_a[:, None] + sb * carry_v[:, None] + sc, 0.0)  # [BLOCK_B, NCH]
+        v_out = tl.where(last, sz * carry_v[:, None] + se, 0.0)
+        carry_a, carry_v = tl.split(block_sum(tl.join(a_out, v_out), 1))  # [BLOCK_B] x2
+
+
+@jit
+def _exclusive_pairs(first, second, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """``[BLOCK_B, NCH]`` x2 -> ``[BLOCK_B, 2 NCH]`` interleaved ``(first, second)`` per chunk: with ``first`` the
+    identity, entry ``2k`` of an inclusive scan is the exclusive prefix of chunk ``k``."""
+    return tl.reshape(tl.join(first, second), [BLOCK_B, 2 * NCH])
+
+
+@jit
+def _split_pairs(x, BLOCK_B: tl.constexpr, NCH: tl.constexpr):
+    """Inverse of :func:`_exclusive_pairs`: ``(x[:, 0::2], x[:, 1::2])``."""
+    return tl.split(tl.reshape(x, [BLOCK_B, NCH, 2]))
 
 
 @jit
@@ -174,26 +243,30 @@ def _group_kernel(
 @jit
 def _group_tile_kernel(
     s_ptr, out_ptr,  # [N] float32, N = G * group_size
+    perm_ptr,  # [N] int32 (read with HAS_INDEX): group g holds s[perm[g·group_size : (g + 1)·group_size]]
     G, group_size, eps,
     MODE,  # the position of the mode in GROUP_MODES (a run-time value: one compiled kernel serves every mode)
+    HAS_INDEX: tl.constexpr,  # groups given by an index (sorted into equal runs of perm), else contiguous
     GS: tl.constexpr,  # a power of two >= group_size: the columns of the tile
     GROUPS: tl.constexpr,  # groups per program: the rows of the tile
 ):
-    """Contiguous groups, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
-    read, each group's mean and Σ(s - mean)² from the registers (two passes over registers, none over
-    memory), one write."""
+    """Groups of one size, ``GROUPS`` of them per program in one ``[GROUPS, GS]`` tile held in registers: one
+    read (gathered through ``perm`` for index-given groups), each group's mean and Σ(s - mean)² from the
+    registers (two passes over registers, none over memory), one write (scattered back through ``perm``)."""
     g = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
     j = tl.arange(0, GS)  # [GS]
     ok = (g < G)[:, None] & (j < group_size)[None, :]  # [GROUPS, GS]
     idx = g[:, None] * group_size + j[None, :]  # [GROUPS, GS] (the launcher checks N < 2**31)
-    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
+    if HAS_INDEX:
+        idx = tl.load(perm_ptr + idx, mask=ok, other=0)  # [GROUPS, GS]
     n = group_size.to(tl.float32)
+    x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
     mean = block_sum(x, 1) / n  # [GROUPS]
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
-    hi = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
-    lo = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
+    top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
+    bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
-    constant = (((hi == lo) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
+    constant = (((top == bottom) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
     d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
     ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
     grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps)  # [GROUPS]
@@ -219,46 +292,74 @@ def _first_set(flags, SIZE: tl.constexpr):
 
 
 @jit
+def _chan(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan et al.'s merge of two shares' (count, mean, M2) into the union's; a share may be empty (count 0).
+    Elementwise, and a ``tl.reduce`` combine function."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / tl.maximum(n, 1.0)
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@jit
+def _chan_pivoted(n_a, k_a, mean_a, m2_a, n_b, k_b, mean_b, m2_b):
+    """:func:`_chan` of two shares whose means are relative to their own pivots ``k``: the union keeps the
+    first non-empty share's pivot (``k_b - k_a`` is a difference of two values near the data: exact or nearly
+    so). A ``tl.reduce`` combine function over ``(count, pivot, mean - pivot, M2)``."""
+    k = tl.where(n_a > 0, k_a, k_b)
+    mean_b = tl.where(n_b > 0, (k_b - k) + mean_b, 0.0)
+    n, mean, m2 = _chan(n_a, tl.where(n_a > 0, mean_a, 0.0), m2_a, n_b, mean_b, m2_b)
+    return n, k, mean, m2
+
+
+@jit
 def _whiten_partial_kernel(
-    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8)
+    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8 0/1)
     part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
     N,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of a tile
+    THREADS: tl.constexpr,  # threads of a program (32 · warps): one run of VEC elements each per row
+    VEC: tl.constexpr,  # contiguous elements per thread per row (16: one 16-byte load of the uint8 mask)
 ):
-    # Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations
-    # around it (and Chan merges of such means) carry that error into M2 and the output.
-    # Everything is therefore kept relative to a pivot K, the program's first masked-in
-    # value: x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with
-    # no rounding of K + ..., and a shift of all data only shifts K.
+    """One pass over the program's tiles of ``ROWS·THREADS·VEC`` contiguous elements (tile i, i + P, ...), as
+    ``[ROWS, THREADS, VEC]``: each thread's ``ROWS·VEC`` elements of a tile give their count, mean and centred
+    M2 from its registers, merged (Chan) into the thread's running statistics; the threads merge once, at the
+    end (``tl.reduce`` with :func:`_chan_pivoted`): no block-wide reduction per tile, no division per element.
+
+    Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations around it (and
+    merges of such means) would carry that error into M2 and the output. Each thread keeps its statistics
+    relative to a pivot K near its data: the float32 mean of the first tile where it has a masked-in value
+    (before that K = 0). Then x - K is exact (Sterbenz) for data near K, the mean is K + mean(x - K) with no
+    rounding of K + ..., and a shift of all data only shifts K. A tile's M2 is centred on the tile's own mean
+    (corrected two-pass: Σd² - (Σd)²/c), never Σy² - (Σy)²/n, so a pivot far from the data costs no
+    cancellation either."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)  # [BLOCK]
-    cnt = 0.0
-    piv = 0.0
-    mean = 0.0  # of (x - piv)
-    m2 = 0.0
-    for start in range(pid * BLOCK, N, nprog * BLOCK):
-        i = start + offs  # [BLOCK]
+    TILE: tl.constexpr = ROWS * THREADS * VEC
+    r = tl.arange(0, ROWS)[:, None, None] * (THREADS * VEC)  # [ROWS, 1, 1]
+    t = tl.arange(0, THREADS)[None, :, None] * VEC  # [1, THREADS, 1]
+    offs = r + t + tl.arange(0, VEC)[None, None, :]  # [ROWS, THREADS, VEC]
+    cnt = tl.full([THREADS], 0.0, tl.float32)  # [THREADS] per thread: count, pivot K, mean of (x - K), M2
+    piv = tl.full([THREADS], 0.0, tl.float32)
+    mean = tl.full([THREADS], 0.0, tl.float32)
+    m2 = tl.full([THREADS], 0.0, tl.float32)
+    for start in range(pid * TILE, N, tl.num_programs(0) * TILE):
+        i = start + offs  # [ROWS, THREADS, VEC]
         ok = i < N
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-        w = ok & (tl.load(m_ptr + i, mask=ok, other=0) != 0)  # [BLOCK]
-        if cnt == 0.0:  # no pivot yet: take this block's first masked-in value (if any)
-            first = _first_set(w, BLOCK)
-            piv = tl.load(x_ptr + start + first, mask=first < BLOCK, other=0.0).to(tl.float32)
-        y = tl.where(w, x - piv, 0.0)  # [BLOCK]; where, not a product: masked-out NaN/inf stay out
-        c_b, s_b = _sum2(w.to(tl.float32), y)
-        mean_b = s_b / tl.maximum(c_b, 1.0)
-        d = tl.where(w, y - mean_b, 0.0)  # [BLOCK]
-        sd, sdd = _sum2(d, d * d)
-        # corrected two-pass: Σd² - (Σd)²/c removes what the rounding of mean_b adds to M2
-        m2_b = sdd - sd * sd / tl.maximum(c_b, 1.0)
-        # Chan et al.'s merge of (cnt, mean, m2) with the block's (c_b, mean_b, m2_b), same pivot
-        total = cnt + c_b
-        delta = mean_b - mean
-        frac = c_b / tl.maximum(total, 1.0)
-        mean = mean + delta * frac
-        m2 = m2 + m2_b + delta * delta * cnt * frac
-        cnt = total
+        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [ROWS, THREADS, VEC]
+        keep = tl.load(m_ptr + i, mask=ok, other=0) != 0  # [ROWS, THREADS, VEC]
+        w = tl.where(keep, 1.0, 0.0)  # [ROWS, THREADS, VEC]
+        y = tl.where(keep, x - piv[None, :, None], 0.0)  # where, not a product: masked-out NaN/inf stay out
+        c_t = block_sum(block_sum(w, 2), 0)  # [THREADS]: in-thread sums
+        inv_c = 1.0 / tl.maximum(c_t, 1.0)  # [THREADS]
+        mean_t = block_sum(block_sum(y, 2), 0) * inv_c  # [THREADS]
+        d = y - mean_t[None, :, None] * w  # [ROWS, THREADS, VEC]: 0 where masked out
+        s_d = block_sum(block_sum(d, 2), 0)  # [THREADS]: what the rounding of mean_t left
+        m2_t = block_sum(block_sum(d * d, 2), 0) - s_d * s_d * inv_c  # [THREADS]
+        new_piv = (cnt == 0.0) & (c_t > 0.0)  # [THREADS]: the thread's first data: its pivot is their mean
+        piv = tl.where(new_piv, mean_t, piv)
+        mean_t = tl.where(new_piv, 0.0, mean_t) + s_d * inv_c
+        cnt, mean, m2 = _chan(cnt, mean, m2, c_t, mean_t, m2_t)
+    cnt, piv, mean, m2 = tl.reduce((cnt, piv, mean, m2), 0, _chan_pivoted)
     tl.store(part_ptr + pid * 4 + 0, cnt)
     tl.store(part_ptr + pid * 4 + 1, piv)
     tl.store(part_ptr + pid * 4 + 2, mean)
@@ -362,22 +463,38 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 
 # ---------------------------------------------------------------- launchers: Triton
 
-# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks.
-_GAE_CONFIGS = ((16, 64, 8), (4, 256, 8), (1, 2048, 8))
-_GROUP_BLOCK, _GROUP_WARPS = 256, 4  # _group_kernel (one program per group): groups from an index, or of > 1024
-# _group_tile_kernel: contiguous groups padded to GS columns (the powers of two it is compiled for, so the AOT set
-# stays small), _GROUP_TILE scores per program in _GROUP_TILE_WARPS warps (16 per thread)
-_GROUP_TILE_GS = (16, 64, 256, 1024)
-_GROUP_TILE, _GROUP_TILE_WARPS = 2048, 4
+# (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. VEC = 16 tokens per
+# thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Up to 256 tokens a
+# row lies inside one warp (no cross-warp step in its scans); longer rows take 1024-token blocks of 2 warps.
+# sm_90 aligned: 39-41 and 44-45 SASS per token, 7-8 CTAs per SM. Rejected: 32 x 64 and 8 x 256 in 4 warps
+# (36-40 aligned, but the unaligned specialisation spills), 1 x 2048 in 4 warps (45.5-47.1), 4 x 512 in 4 warps
+# (40.8-42.6 with a quarter of the programs; `make gpu` may prefer it).
+_GAE_CONFIGS = ((4, 256, 2), (1, 1024, 2))
+_GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
+# _group_kernel (one program per group): index-given groups of unequal sizes, groups of > 4096
+_GROUP_BLOCK, _GROUP_WARPS = 256, 4
+# _group_tile_kernel: groups of one size padded to GS columns (the powers of two it is compiled for, so the AOT
+# set stays small), max(GS, _GROUP_TILE) scores per program: 16 per thread (4 warps up to GS = 2048, 8 above)
+_GROUP_TILE_GS = (16, 64, 256, 1024, 2048, 4096)
+_GROUP_TILE = 2048
+
+
+def _group_tile_config(gs: int, has_index: bool) -> tuple[int, int]:
+    """``(groups per program, warps)`` of the tile kernel for groups padded to ``gs`` columns: 16 scores per
+    thread, 32 for index-given groups (their gather and scatter cost more per program, less per score)."""
+    tile, per_thread = (2 * _GROUP_TILE, 32) if has_index else (_GROUP_TILE, 16)
+    groups = max(1, tile // gs)
+    return groups, max(4, groups * gs // (32 * per_thread))
+
+
 _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
+# _whiten_partial_kernel's tile: _WHITEN_ROWS rows of 16 contiguous elements per thread (one 16-byte mask load;
+# the same layout for the x load), 4 warps: a thread's share of a tile stays in its registers
+_WHITEN_ROWS, _WHITEN_VEC, _WHITEN_PARTIAL_WARPS = 2, 16, 4
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
-    if T <= 64:
-        return _GAE_CONFIGS[0]
-    if T <= 256:
-        return _GAE_CONFIGS[1]
-    return _GAE_CONFIGS[2]
+    return _GAE_CONFIGS[0] if T <= 256 else _GAE_CONFIGS[1]
 
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -403,13 +520,14 @@ def _gae_triton(rewards, values, mask, gamma, lam):
     _gae_kernel.launch(
         (cdiv(B, block_b),), r, v, m, adv, ret, B, T,
         r.stride(0), r.stride(1), v.stride(0), v.stride(1), m.stride(0), m.stride(1),
-        float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, **kwargs,
+        float(gamma), float(lam), BLOCK_B=block_b, BLOCK_T=block_t, VEC=_GAE_VEC, **kwargs,
     )
     return adv, ret
 
 
 def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None):
-    """``(perm, starts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``.
+    """``(perm, starts, counts)`` describing the groups: group g holds ``perm[starts[g]:starts[g+1]]``, ``counts``
+    [G] members (None for contiguous groups: all have ``group_size``).
 
     Contiguous groups need no permutation (``perm`` is empty). Arbitrary ids are
     mapped to 0..G-1 (``torch.unique``) and sorted stably, so each group is one
@@ -420,12 +538,12 @@ def _group_layout(scores: torch.Tensor, group_size: int | None, index: torch.Ten
     if index is None:
         G = N // group_size
         starts = torch.arange(G + 1, device=device, dtype=torch.int64) * group_size  # [G + 1]
-        return torch.empty(0, dtype=torch.int64, device=device), starts
+        return torch.empty(0, dtype=torch.int64, device=device), starts, None
     _, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)  # [N], [G]
     perm = torch.argsort(inverse, stable=True)  # [N]
     starts = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=device)  # [G + 1]
     torch.cumsum(counts, 0, out=starts[1:])
-    return perm, starts
+    return perm, starts, counts
 
 
 def _group_triton(scores, group_size, index, mode, eps):
@@ -436,14 +554,20 @@ def _group_triton(scores, group_size, index, mode, eps):
     out = torch.empty_like(s)  # [N]
     if N == 0:
         return out
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, counts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1], [G] or None
     G = starts.numel() - 1
-    if index is None and group_size <= _GROUP_TILE_GS[-1]:
-        gs = next(c for c in _GROUP_TILE_GS if c >= group_size)
-        kwargs = {"num_warps": _GROUP_TILE_WARPS} if s.is_cuda else {}
+    if counts is None:
+        smallest = largest = group_size
+    else:  # one read of both on the host (torch.unique has synchronised already)
+        smallest, largest = (int(c) for c in torch.stack(torch.aminmax(counts)).tolist())
+    if smallest == largest <= _GROUP_TILE_GS[-1]:  # groups of one size: contiguous, or equal runs of perm
+        gs = next(c for c in _GROUP_TILE_GS if c >= largest)
+        groups, warps = _group_tile_config(gs, index is not None)
+        # int32 positions: the same 16-byte layout as the scores' (an int64 load would go through shared memory)
+        perm32 = perm.to(torch.int32) if index is not None else s  # [N] (never read without an index)
         _group_tile_kernel.launch(
-            (cdiv(G, _GROUP_TILE // gs),), s, out, G, group_size, float(eps), GROUP_MODES.index(mode),
-            GS=gs, GROUPS=_GROUP_TILE // gs, **kwargs,
+            (cdiv(G, groups),), s, out, perm32, G, largest, float(eps), GROUP_MODES.index(mode),
+            HAS_INDEX=index is not None, GS=gs, GROUPS=groups, **({"num_warps": warps} if s.is_cuda else {}),
         )
         return out
     kwargs = {"num_warps": _GROUP_WARPS} if s.is_cuda else {}
@@ -462,12 +586,14 @@ def _whiten_triton(x, mask, shift_mean, eps):
     out = torch.empty(N, dtype=torch.float32, device=x.device)  # [N]
     if N == 0:
         return out.view(x.shape)
-    blocks = cdiv(N, _WHITEN_BLOCK)
+    threads = 32 * _WHITEN_PARTIAL_WARPS
+    tiles = cdiv(N, _WHITEN_ROWS * threads * _WHITEN_VEC)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
-    P = min(blocks, _WHITEN_P_BLOCK if x.is_cuda else 4)
+    P = min(tiles, _WHITEN_P_BLOCK if x.is_cuda else 4)
     part = torch.empty(P, 4, dtype=torch.float32, device=x.device)  # [P, 4]: count, pivot, mean - pivot, M2
+    _whiten_partial_kernel.launch((P,), xf, m, part, N, ROWS=_WHITEN_ROWS, THREADS=threads, VEC=_WHITEN_VEC,
+                                  **({"num_warps": _WHITEN_PARTIAL_WARPS} if x.is_cuda else {}))
     kwargs = {"num_warps": _WHITEN_WARPS} if x.is_cuda else {}
-    _whiten_partial_kernel.launch((P,), xf, m, part, N, BLOCK=_WHITEN_BLOCK, **kwargs)
     _whiten_apply_kernel.launch(
         (P,), xf, out, part, N, P, float(eps),
         SHIFT_MEAN=bool(shift_mean), BLOCK=_WHITEN_BLOCK, P_BLOCK=_WHITEN_P_BLOCK, **kwargs,
@@ -483,17 +609,21 @@ def aot_configs():
     for name in _host.TRITON_DTYPE_NAMES.values():
         ty = "*" + name
         for block_b, block_t, warps in _GAE_CONFIGS:
+            # the token strides as real launches of contiguous rows get them: specialised to the constant 1
             sig = {
                 "r_ptr": ty, "v_ptr": ty, "m_ptr": "*u8", "adv_ptr": "*fp32", "ret_ptr": "*fp32", "B": "i32", "T": "i32",
-                "stride_rb": "i32", "stride_rt": "i32", "stride_vb": "i32", "stride_vt": "i32",
-                "stride_mb": "i32", "stride_mt": "i32", "gamma": "fp32", "lam": "fp32",
-                "BLOCK_B": "constexpr", "BLOCK_T": "constexpr",
+                "stride_rb": "i32", "stride_rt": "constexpr", "stride_vb": "i32", "stride_vt": "constexpr",
+                "stride_mb": "i32", "stride_mt": "constexpr", "gamma": "fp32", "lam": "fp32",
+                "BLOCK_B": "constexpr", "BLOCK_T": "constexpr", "VEC": "constexpr",
             }
-            configs.append(KernelConfig(_gae_kernel, sig, {"BLOCK_B": block_b, "BLOCK_T": block_t}, num_warps=warps,
-                                        elements=block_b * block_t))
-        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "BLOCK": "constexpr"}
-        configs.append(KernelConfig(_whiten_partial_kernel, sig, {"BLOCK": _WHITEN_BLOCK}, num_warps=_WHITEN_WARPS,
-                                    elements=_WHITEN_BLOCK))
+            consts = {"BLOCK_B": block_b, "BLOCK_T": block_t, "VEC": _GAE_VEC, "stride_rt": 1, "stride_vt": 1, "stride_mt": 1}
+            configs.append(KernelConfig(_gae_kernel, sig, consts, num_warps=warps, elements=block_b * block_t))
+        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "N": "i32", "ROWS": "constexpr", "THREADS": "constexpr",
+               "VEC": "constexpr"}
+        threads = 32 * _WHITEN_PARTIAL_WARPS
+        consts = {"ROWS": _WHITEN_ROWS, "THREADS": threads, "VEC": _WHITEN_VEC}
+        configs.append(KernelConfig(_whiten_partial_kernel, sig, consts, num_warps=_WHITEN_PARTIAL_WARPS,
+                                    elements=_WHITEN_ROWS * threads * _WHITEN_VEC))
         for shift in (True, False):
             sig = {
                 "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",
@@ -502,10 +632,12 @@ def aot_configs():
             consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
             configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
     for gs in _GROUP_TILE_GS:
-        sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "G": "i32", "group_size": "i32", "eps": "fp32", "MODE": "i32",
-               "GS": "constexpr", "GROUPS": "constexpr"}
-        consts = {"GS": gs, "GROUPS": _GROUP_TILE // gs}
-        configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=_GROUP_TILE_WARPS, elements=_GROUP_TILE))
+        for has_index in (False, True):
+            sig = {"s_ptr": "*fp32", "out_ptr": "*fp32", "perm_ptr": "*i32", "G": "i32", "group_size": "i32",
+                   "eps": "fp32", "MODE": "i32", "HAS_INDEX": "constexpr", "GS": "constexpr", "GROUPS": "constexpr"}
+            groups, warps = _group_tile_config(gs, has_index)
+            consts = {"HAS_INDEX": has_index, "GS": gs, "GROUPS": groups}
+            configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=warps, elements=groups * gs))
     for mode in GROUP_MODES:
         for has_index in (False, True):
             sig = {
@@ -666,7 +798,7 @@ def _gae_csrc(rewards, values, mask, gamma, lam):
 
 def _group_csrc(scores, group_size, index, mode, eps):
     s = scores.float().contiguous()  # [N]
-    perm, starts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
+    perm, starts, _ = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
     return _csrc_ops().group_advantages(s, perm, starts, GROUP_MODES.index(mode), float(eps))
 
 
@@ -1070,7 +1202,7 @@ def _process_triton(step_rewards, step_ends, step_mask, T, group_size, index, mo
         raise ValueError(f"step_rewards has {B} rows; the Triton kernel indexes rows with int32 (fewer than 2**31)")
     e = step_ends.long()  # [B, S]
     m = _host.mask_u8(step_mask) if step_mask is not None else torch.ones(B, S, dtype=torch.uint8, device=r.device)  # [B, S]
-    perm, starts = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
+    perm, starts, _ = _group_layout(r[:, 0], group_size, index)  # [B] or [0], [G + 1]
     block_r, block_s, block_t, warps = _process_config(S)
     kwargs = {"num_warps": warps} if r.is_cuda else {}
     _process_kernel.launch(

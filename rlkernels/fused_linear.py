@@ -16,7 +16,7 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   apart: one float32 ``lse = m + log s`` would carry ulp(m) into every log p)
   and ``entropy = log s - u/s`` are the only tensors saved for backward (O(N)).
   ``p log p`` counts 0 where ``p = 0`` (a ``-inf`` logit, e.g. a masked bias entry).
-- Backward, 3 GEMMs, over chunks of tokens: ``_dz_kernel`` recomputes each logits
+- Backward, 3 GEMMs, over chunks: ``_dz_kernel`` recomputes each logits
   tile (GEMM 2) with the forward's ``BLOCK_K`` (so bit for bit the forward's logits),
   forms ``log p = (z - m) - log s`` and writes ``dz = dL/dz`` for the chunk, formed in float32 as
   ``(g_logp (onehot - p) - g_H p (log p + H)) / T`` with ``1 - p_y = -expm1(logp_y)``,
@@ -26,13 +26,18 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   float32 (``[chunk]``) and added back after the GEMMs as ``r · W[y]`` and
   ``r · hidden`` (O(N·H); into ``d_weight`` as a sorted segment sum per label, no atomics, so
   the gradients are the same bits run to run), which keeps the gradients as close to the float64
-  truth as an all-float32 eager computation. Then cuBLAS does ``d_hidden[chunk] = dz @ W`` (GEMM 3) and
-  ``d_weight += dz.T @ hidden[chunk]`` (GEMM 4), accumulated across chunks in a
-  float32 ``[V, H]`` buffer (weight-sized) and cast once at the end; ``d_bias``
-  likewise. The workspace is bounded by ``chunk × V`` (the chunk is sized to a
-  fixed byte budget), never by ``N × V``. A single fused backward kernel would
-  need atomics on ``d_weight`` (nondeterministic) or recompute the logits once
-  per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
+  truth as an all-float32 eager computation. Then cuBLAS does GEMM 3 (``dz @ W``) and GEMM 4 (``dz.T @ hidden``),
+  in one of two orders (:func:`_vocab_outer`), whichever keeps the float32 accumulator the smaller of ``[N, H]``
+  and ``[V, H]``. With fewer tokens than vocabulary entries (RL batches against 128k-256k vocabularies) the
+  vocabulary is the outer loop: per vocabulary chunk, ``dz`` of all the tokens, ``d_hidden += dz @ W[chunk]``
+  into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` formed in float32 and written
+  once in the weight's dtype, so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096). Otherwise
+  the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @ hidden[chunk]``
+  into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end; ``d_bias`` likewise.
+  The workspace (``dz`` and, vocabulary outer, the float32 ``d_weight`` slice) is sized to a fixed byte budget
+  (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
+  run. A single fused backward kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the
+  logits once per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
@@ -125,6 +130,27 @@ def _logits_tile(
 
 
 @jit
+def _online_update(z, cols, col_ok, label, m, s, u, zy):
+    """Folds one float32 logits tile ``z`` [BLOCK_N, BLOCK_V] (vocabulary ids ``cols`` [BLOCK_V]; a column past V,
+    ``col_ok`` False, counts as a -inf logit) into each row's online statistics, [BLOCK_N] float32 each: running max
+    ``m``, ``s = Σ exp(z - m)``, ``u = Σ exp(z - m)(z - m)`` and ``zy``, the logit of the row's ``label`` (read from
+    the float32 tile). Returns the updated ``(m, s, u, zy)``. ``linear_logprobs``' forward and ``fused_policy``'s
+    statistics kernel both fold their tiles with it (Triton inlines it)."""
+    z = tl.where(col_ok[None, :], z, float("-inf"))
+    m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
+    alpha = tl.exp(m - m_new)
+    d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
+    e = tl.exp(d)
+    # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
+    # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
+    ed = e * tl.where(d == float("-inf"), 0.0, d)
+    u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
+    s = alpha * s + block_sum(e, 1)
+    zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
+    return m_new, s, u, zy
+
+
+@jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
@@ -151,18 +177,7 @@ def _fwd_kernel(
             z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
                              stride_hn, stride_wv, temperature,
                              HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            # p log p counts 0 where p = 0: a -inf logit (a masked vocabulary entry, or a column
-            # past V) adds nothing, never 0 * -inf = NaN; NaN logits still propagate
-            ed = e * tl.where(d == float("-inf"), 0.0, d)
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
+            m, s, u, zy = _online_update(z, cols, col_ok, label, m, s, u, zy)
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
@@ -171,12 +186,95 @@ def _fwd_kernel(
 
 
 @jit
+def _tma_work_item(item, n_blocks, n_splits, GROUP_N: tl.constexpr):
+    """Work item -> ``(token block, vocabulary split)``: items run over ``GROUP_N`` token blocks fastest, then over
+    the splits, then over groups of token blocks, so the items in flight at once (one per program of a persistent
+    grid) cover few token blocks (their hidden rows stay in L2) times several splits, and programs on the same
+    split read the same weight tiles at about the same time (the weight is streamed once per group)."""
+    group = item // (GROUP_N * n_splits)
+    first = group * GROUP_N
+    size = tl.minimum(n_blocks - first, GROUP_N)  # the last group may hold fewer token blocks
+    within = item - group * (GROUP_N * n_splits)
+    return first + within % size, within // size
+
+
+@jit
+def _fwd_kernel_tma(
+    h_desc, w_desc,  # TMA descriptors: hidden [N, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
+    b_ptr, labels_ptr,  # [V], [N] int64
+    m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32, as _fwd_kernel writes them
+    N, V, H, temperature,  # divides the logits, as in _logits_tile (see below)
+    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    GROUP_N: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """The Hopper forward: ``_fwd_kernel``'s math and partials over a persistent grid (``P`` programs, about one
+    per SM).
+
+    Program ``pid`` takes the work items ``pid, pid + P, ...`` (:func:`_tma_work_item`); an item is one token block x
+    one split of ``SPLIT_TILES`` vocabulary tiles, walked tile by tile, each tile a K loop of TMA loads and wgmma.
+    ``FLATTEN``: the compiler flattens the (tile, K step) loops into one pipelined loop, so the next tile's first
+    TMA loads (``num_stages - 1`` steps ahead) are in flight during this tile's log-sum-exp epilogue; the price (sm_90
+    SASS, triton 3.9) is a wgmma wait(0) every K step instead of one group kept in flight. Without it each tile's K
+    loop keeps a wgmma group in flight and drains (and refills its loads) at the tile's end. A split past ``V``
+    (only the last one) reads zero-filled boxes whose columns are masked to -inf: it adds nothing (at most
+    ``SPLIT_TILES - 1`` tiles of wasted work per token block). Rows past ``N`` and K past ``H`` read zeros.
+
+    The logits are divided by ``T``, not multiplied by ``1/T`` (issue 13 asks for the multiply): the backward's
+    recomputation (``_logits_tile``) divides, and a logit one float32 ulp away from the backward's moved the
+    gradients at T = 1e-3 to twice eager's error (bf16, d_hidden 4.9e-3 against eager's 2.3e-3, under the
+    interpreter). Multiply here once ``_logits_tile`` multiplies too: both, or neither."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    n_splits = tl.cdiv(V, SPLIT_TILES * BLOCK_V)
+    my_items = tl.cdiv(n_blocks * n_splits - pid, P)
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max of z (finite start: no 0 * inf)
+    s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
+    u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
+    zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # z of the label
+    for step in tl.range(0, my_items * SPLIT_TILES, flatten=FLATTEN):
+        j = step // SPLIT_TILES  # this program's j-th item
+        t = step - j * SPLIT_TILES  # vocabulary tile within the split
+        blk_n, split = _tma_work_item(pid + j * P, n_blocks, n_splits, GROUP_N)
+        row0 = blk_n * BLOCK_N
+        col0 = (split * SPLIT_TILES + t) * BLOCK_V
+        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
+        for k0 in range(0, H, BLOCK_K):
+            a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
+            w = w_desc.load([col0, k0])  # [BLOCK_V, BLOCK_K]
+            if DOT_F32:  # interpreter only: see _logits_tile
+                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+                acc = acc + block_sum(prod, 2)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        col_ok = cols < V
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
+        m, s, u, zy = _online_update(acc / temperature, cols, col_ok, label, m, s, u, zy)
+        if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
+            out = split.to(tl.int64) * N + rows  # [BLOCK_N]
+            row_ok = rows < N
+            tl.store(m_ptr + out, m, mask=row_ok)
+            tl.store(s_ptr + out, s, mask=row_ok)
+            tl.store(u_ptr + out, u, mask=row_ok)
+            tl.store(zy_ptr + out, zy, mask=row_ok)
+            # s and u restart by themselves: the next tile's alpha = exp(-1e30 - m_new) is 0
+            m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)
+            zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
+
+
+@jit
 def _dz_kernel(
-    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (one chunk of tokens)
+    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (a chunk of tokens; a chunk of the vocabulary)
     m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
     dz_ptr,  # [n, V] input dtype, contiguous
-    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value (written only where the label is a column)
     N, V, H, stride_hn, stride_wv, temperature, ignore_index,
+    col0,  # the vocabulary id of w_ptr's first row: a label y is column y - col0 of this chunk
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -198,13 +296,14 @@ def _dz_kernel(
     valid = label != ignore_index
     g_lp = tl.where(valid, g_lp, 0.0)
     g_h = tl.where(valid, g_h, 0.0)
+    y = label - col0  # [BLOCK_N] the label's column in this vocabulary chunk (outside [0, V): another chunk's)
     # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
     # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
     logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
     p = tl.exp(logp)
     # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
     ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
-    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
+    is_y = cols[None, :] == y[:, None]  # [BLOCK_N, BLOCK_V]
     # 1 - p_y without cancellation where p_y ~ 1, formed per row from the label's log p (the one entry of the row
     # this tile may hold): expm1's polynomial over the whole tile cost ~12 more PTX instructions per element
     one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
@@ -216,7 +315,7 @@ def _dz_kernel(
     # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
     # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
     lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
-    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    has_y = (y >= pid_v * BLOCK_V) & (y < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
     tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
 
 
@@ -295,6 +394,43 @@ _BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_16.block_k, s
 # float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows)
 _FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=2)
 _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, split_tiles=1, num_warps=8, num_stages=2)
+
+
+@dataclass(frozen=True)
+class _PersistentTiles(_Tiles):
+    group_n: int = 16  # token blocks an item group runs over fastest (_tma_work_item)
+    flatten: bool = False  # True: one flattened (tile, K) loop, the loads overlapping the epilogue (_fwd_kernel_tma)
+    ctas_per_sm: int = 1  # persistent programs per SM (the grid is SMs x this), as many as fit
+
+
+# The Hopper forward (_fwd_kernel_tma, 16-bit inputs): 128x128 tiles on 8 warps, so each of the two warpgroups issues
+# wgmma m64n128k16 (N >= 128: per 128x128x16 step the warpgroups read 12 KiB of shared-memory operands, against 16
+# KiB for the 16-warp kernel's four m64n64 pieces), K steps of 64 (one 128-byte TMA box row, the widest swizzle),
+# 4 stages of (16 + 16) KiB in flight. Splits of 16 tiles (2048 columns: 63 splits at V = 128256) give 64 x 63
+# items at N = 8192 (31 per SM on 132 SMs: < 4 % tail); groups of 16 token blocks keep 16 MiB of hidden rows in L2
+# (50 MB on H100) while a wave of 132 items covers ~8 splits, so the weight is streamed from HBM once per group:
+# N / 2048 times (4 x 1.05 GB at N = 8192, against ~8.6 TFLOP).
+# Schedule: tile by tile (flatten=False), read off the sm_90 SASS: 150-228 registers with triton 3.9 (this machine),
+# 161-206 with triton 3.6 (the GPU machines'; compiled here from its wheel), no spill, 1 CTA per SM (131 KB
+# shared), HGMMA 64x128x16 and 8 UTMALDG with both, a wgmma group kept in flight through the K loop
+# (WARPGROUP.DEPBAR.LE gsb0, 0x1), the pipeline drained and refilled at each tile's end. flatten=True (issue 13's
+# "next tile's loads overlap the epilogue") compiles with triton 3.9 to one loop that does overlap them, but waits
+# for every K step's wgmma (DEPBAR.LE gsb0, 0x0) and needs 254-255 registers (8 B spilled in the unaligned
+# specialization without bias); triton 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op
+# region control flow edge ... source has 5 operands, but target successor needs 9"). So not the default: `make
+# gpu` measures it where it builds (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts
+# the tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
+_TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
+                              group_n=16, flatten=False)
+# The other way to overlap the epilogue with the tensor cores: 64x128 tiles on 4 warps (one warpgroup, still wgmma
+# m64n128k16), two CTAs per SM (sm_90 SASS: 154-228 registers with triton 3.9, 160-214 with 3.6, no spill, 98 KB
+# shared, 8 UTMALDG, HGMMA 64x128x16), so one CTA's softmax epilogue runs while the other's wgmma does (the warp
+# scheduler's ping-pong: triton PR 9279 found a persistent Hopper matmul with two CTAs per SM faster unflattened, on
+# H200, and gave this overlap as the likely reason). The same kernel; bench_fused_linear's "rlkernels fwd tma 2cta"
+# row measures it against _TMA_TILES; not selected by the launcher until measured.
+_TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_tiles=16, num_warps=4, num_stages=4,
+                                   group_n=32, flatten=False, ctas_per_sm=2)
+_INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
 _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
@@ -330,7 +466,7 @@ def _fwd_signature(ty: str) -> dict:
 def _dz_signature(ty: str) -> dict:
     inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
     rows = {"m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32"}
-    return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64"}
+    return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64", "col0": "i64"}
 
 
 def aot_configs() -> list[KernelConfig]:
@@ -348,22 +484,124 @@ def aot_configs() -> list[KernelConfig]:
             dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
             configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
             configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
+    configs.extend(_tma_aot_configs())
     return configs
 
 
+def _tma_aot_configs() -> list[KernelConfig]:
+    """``_fwd_kernel_tma``'s configurations (16-bit inputs, bias or not), for sm_90 only: the launcher never picks it
+    elsewhere (:func:`_tma_ok`)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    t = _TMA_TILES
+    configs = []
+    for ty in ("bf16", "fp16"):
+        for has_bias in (False, True):
+            consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v,
+                      "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n, "FLATTEN": t.flatten}
+            sig = {"h_desc": f"tensordesc<{ty}[{t.block_n}, {t.block_k}]>",
+                   "w_desc": f"tensordesc<{ty}[{t.block_v}, {t.block_k}]>",
+                   "b_ptr": f"*{ty}", "labels_ptr": "*i64",
+                   "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32",
+                   "N": "i32", "V": "i32", "H": "i32", "temperature": "fp32", **dict.fromkeys(consts, "constexpr")}
+            configs.append(KernelConfig(_fwd_kernel_tma, sig, consts, t.num_warps, t.num_stages, archs=(90,)))
+    return configs
+
+
+# ---- which forward kernel (the triton backend)
+#
+# RLKERNELS_LINEAR_FWD picks the forward of the triton backend on a GPU:
+# - "split": _fwd_kernel (cp.async + mma.sync on sm_80, wgmma m64n64 on sm_90; every GPU; the default);
+# - "tma": _fwd_kernel_tma (TMA descriptors + wgmma m64n128, persistent grid): sm_90 only, 16-bit inputs whose rows
+#   are 16-byte aligned (H * 2 % 16 == 0); anywhere else it falls back to "split" (sm_80 keeps cp.async + mma);
+# - "cublas": the plain baseline, a cuBLAS GEMM into a bounded float32 [rows, V] chunk, then the memory-bound
+#   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas); the vocabulary-parallel path, which needs the
+#   per-split partials, runs "split" then, and so do float32 inputs: with large logits or a low temperature the
+#   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
+#   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
+#   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
+# The default stays "split" until `make gpu` measures the three side by side on an H100/H200 (bench/gpu.py, bench
+# part: bench_fused_linear's forward rows, one per kernel, next to bench/model.py's prediction); the choice and its
+# numbers are to be written here then. Not measured yet: the session that wrote "tma" had no GPU (AOT facts only:
+# tests/test_fused_linear.py::test_tma_forward_sass_has_tma_and_wide_wgmma). Predicted until then (`python -m
+# bench.model`, H100, N=8192 H=4096 V=128256 bf16, one cuBLAS GEMM 10.8 ms): split 14.4 ms (1.34x the GEMM), tma
+# 12.4 ms (1.15x), tma flat 12.9 ms (1.20x), tma with _TMA_TILES_2CTA 10.8 ms (1.00x, if two CTAs hide each other's
+# epilogue entirely: an assumption), cublas 12.2 ms (1.13x): within the model's error of each other, so only the
+# measurement can choose.
+FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
+FWD_KERNELS = ("split", "tma", "cublas")
+_FWD_KERNEL_DEFAULT = "split"
+_CUBLAS_CHUNK_BYTES = 1 << 30  # the baseline's float32 [rows, V] logits chunk stays under this
+
+
+def _fwd_kernel_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """The forward kernel for these inputs (``hidden`` [N, H], ``weight`` [V, H], unit stride along H):
+    ``$RLKERNELS_LINEAR_FWD`` or the default, "tma" only where it can run (sm_90 on CUDA; the interpreter on
+    CPU tensors, which is how the tests check it) and "cublas" only for 16-bit inputs, else "split"."""
+    import os
+
+    name = os.environ.get(FWD_KERNEL_ENV, "").strip().lower() or _FWD_KERNEL_DEFAULT
+    if name not in FWD_KERNELS:
+        raise ValueError(f"{FWD_KERNEL_ENV} must be one of {FWD_KERNELS}, got {name!r}")
+    if name == "tma" and not _tma_ok(hidden, weight):
+        return "split"
+    if name == "cublas" and hidden.dtype == torch.float32:
+        return "split"  # float32: the backward must recompute the forward's logits bit for bit (see the comment above)
+    return name
+
+
+def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides; wgmma m64n128 needs 16-bit inputs; the kernel
+    is built and tuned for sm_90 only (other GPUs keep ``_fwd_kernel``)."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (hidden, weight))
+    if not aligned:
+        return False
+    return hidden.device.type == "cpu" or torch.cuda.get_device_capability(hidden.device)[0] == 9
+
+
+def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptions) -> None:
+    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
+    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
+    rows), ``labels`` [N] int64, ``bias`` [V] or None."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = _TMA_TILES
+    N, V = hidden.shape[0], weight.shape[0]
+    items = cdiv(N, t.block_n) * cdiv(V, t.split_tiles * t.block_v)
+    if hidden.device.type == "cpu":
+        programs = _INTERPRETER_PROGRAMS
+    else:
+        programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count * t.ctas_per_sm
+    h_desc = TensorDescriptor.from_tensor(hidden, [t.block_n, t.block_k])  # [BLOCK_N, BLOCK_K] boxes
+    w_desc = TensorDescriptor.from_tensor(weight, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
+    _fwd_kernel_tma.launch(
+        (min(items, programs),), h_desc, w_desc, bias if bias is not None else weight, labels,
+        part[0], part[1], part[2], part[3], N, V, hidden.shape[1], opt.temperature,
+        HAS_BIAS=bias is not None, DOT_F32=_dot_f32(hidden), BLOCK_N=t.block_n, BLOCK_V=t.block_v,
+        BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+
+
 def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
-    """``_fwd_kernel`` over (token blocks, vocabulary splits), the splits' partials merged on the host
-    (:func:`lse_merge`): ``[4, N]`` float32 rows ``(m, s, u, z_y)`` over this ``weight``'s columns, as
-    :func:`_partials_torch` returns them (``z_y`` is 0 for a label outside ``[0, V)``: no column matches)."""
+    """``_fwd_kernel`` (or ``_fwd_kernel_tma``: :func:`_fwd_kernel_choice`) over (token blocks, vocabulary splits),
+    the splits' partials merged on the host (:func:`lse_merge`): ``[4, N]`` float32 rows ``(m, s, u, z_y)`` over this
+    ``weight``'s columns, as :func:`_partials_torch` returns them (``z_y`` is 0 for a label outside ``[0, V)``: no
+    column matches)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None; the K loop reads unit-stride rows
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     N, H = hidden.shape
     V = weight.shape[0]
-    t = _tiles(hidden.dtype)
+    tma = _fwd_kernel_choice(hidden, weight) == "tma"
+    t = _TMA_TILES if tma else _tiles(hidden.dtype)
     split_cols = t.split_tiles * t.block_v
     S = cdiv(V, split_cols)
     part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split
-    if N > 0:
+    if N > 0 and tma:
+        _launch_fwd_tma(hidden, weight, labels, bias, part, opt)
+    elif N > 0:
         grid = (cdiv(N, t.block_n), S)
         _fwd_kernel.launch(
             grid, hidden, weight, bias if bias is not None else weight, labels,
@@ -377,9 +615,40 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     return torch.stack((m_all, s_all, u_all, zy.sum(0)))  # [4, N]
 
 
+def _forward_cublas(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
+    """The plain baseline: per chunk of rows, ``hidden @ weight.T`` (+ bias) by cuBLAS into a float32 ``[rows, V]``
+    chunk (at most ``_CUBLAS_CHUNK_BYTES``), then rlkernels.softmax's memory-bound forward kernel (one read of the
+    chunk: online max, Σ exp, entropy, the label's log p). Returns ``(logp [N], entropy [N], stats [2, N])`` as
+    :func:`_forward_triton` does: stats = (row max of ``z / T``, ``log Σ exp(z / T - max)``)."""
+    from rlkernels import softmax
+
+    # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
+    N, V = hidden.shape[0], weight.shape[0]
+    rows = max(1, min(N, _CUBLAS_CHUNK_BYTES // (4 * V)))
+    sm_opt = softmax.LogprobsOptions(temperature=opt.temperature, return_entropy=True, ignore_index=opt.ignore_index)
+    logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # [N]
+    entropy = torch.empty_like(logp)  # [N]
+    stats = torch.empty(2, N, dtype=torch.float32, device=hidden.device)  # [2, N]
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        z = _mm_f32(hidden[r0:r1], weight.T)  # [n, V] float32, unscaled
+        if bias is not None:
+            z += bias.float()
+        lp, ent, st = softmax._triton_forward(z, labels[r0:r1], sm_opt)  # [n], [n], [n, 2] = (max z, Σ exp((z-max)/T))
+        logp[r0:r1], entropy[r0:r1] = lp, ent
+        stats[0, r0:r1] = st[:, 0] / opt.temperature  # max of z / T (division by T > 0 keeps the max)
+        stats[1, r0:r1] = torch.log(st[:, 1])
+        del z
+    if not opt.return_entropy:
+        entropy.zero_()
+    return _finish(logp, entropy, stats, labels, V, opt)
+
+
 def _forward_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
-    """:func:`_partials_triton`, then :func:`_from_partials`. Returns ``(logp [N], entropy [N], stats [2, N])`` as
-    :func:`_forward_torch` does (float32)."""
+    """:func:`_partials_triton`, then :func:`_from_partials` (or the plain baseline :func:`_forward_cublas` when
+    chosen). Returns ``(logp [N], entropy [N], stats [2, N])`` as :func:`_forward_torch` does (float32)."""
+    if _fwd_kernel_choice(hidden, weight) == "cublas":
+        return _forward_cublas(unit_stride(hidden), unit_stride(weight), labels.contiguous(), bias, opt)
     part = _partials_triton(hidden, weight, labels, bias, opt)  # [4, N]
     return _from_partials(part, labels, weight.shape[0], opt)
 
@@ -407,28 +676,114 @@ def _finish(logp, entropy, stats, labels, V, opt: LinearLogprobsOptions):
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero), stats
 
 
+def _vocab_outer(N: int, V: int) -> bool:
+    """The Triton backward's loop order: vocabulary outer when there are fewer tokens than vocabulary entries (its
+    float32 accumulator is then ``d_hidden``'s ``[N, H]``, the smaller one), tokens outer otherwise (``d_weight``'s
+    ``[V, H]``). The torch backend picks the same way."""
+    return N < V
+
+
 def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
-    """``_dz_kernel`` writes a chunk of tokens' ``dz`` (the input dtype) and its label residuals; cuBLAS does the two
-    GEMMs. Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
+    """``_dz_kernel`` writes ``dz`` (the input dtype) of a block of tokens x vocabulary entries and its label
+    residuals; cuBLAS does the two GEMMs, in the order :func:`_vocab_outer` picks (:func:`_bwd_vocab_outer`,
+    :func:`_bwd_tokens_outer`). Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs'
+    dtypes."""
     # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
     del logp  # the kernel forms log p at the label from the recomputed logits tile itself
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
+    N, V = hidden.shape[0], weight.shape[0]
+    t = _tiles(hidden.dtype, backward=True)
+    flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)
+    g_logp = g_logp.float().contiguous()  # [N]
+    g_ent = g_ent.float().contiguous()  # [N]
+    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
+    b = bias if bias is not None else weight  # [V] or an unread stand-in
+
+    def dz_into(dz, resid, r0, r1, v0, v1):
+        # dz [r1 - r0, v1 - v0] contiguous in the input dtype <- the tokens r0..r1 against the vocabulary v0..v1;
+        # resid [r1 - r0] float32 <- the label residual, at the rows whose label is one of these columns
+        if r1 == r0:
+            return
+        grid = (cdiv(r1 - r0, t.block_n), cdiv(v1 - v0, t.block_v))
+        _dz_kernel.launch(
+            grid, hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1],
+            row_max[r0:r1], log_s[r0:r1], entropy[r0:r1], g_logp[r0:r1], g_ent[r0:r1], dz, resid,
+            r1 - r0, v1 - v0, hidden.shape[1], hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
+            v0, **flags, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
+    order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
+    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t)
+    return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
+
+
+def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+    """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
+    (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
+    formed in float32 (one ``[vc, H]`` slice) and written once in the weight's dtype. No weight-sized float32 buffer:
+    beyond the outputs, ``[N, H]`` float32 and one chunk (``dz`` and the float32 slice) sized to
+    ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
-    t = _tiles(hidden.dtype, backward=True)
+    dev = hidden.device
+    low = hidden.dtype != torch.float32  # 16-bit dz: the label entries' rounding is carried in float32
+    col_bytes = max(1, N * hidden.element_size() + (H * 4 if low else 0))  # a column of dz, a row of the float32 slice
+    vc = min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))  # chunks end on tiles
+    S = cdiv(V, vc)
+    dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
+    resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev)  # [N, H] (float32 inputs: d_hidden itself)
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+    d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
+    # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused)
+    tok, cols, _, starts = _labels_by_chunk(valid, safe, resid, vc, S)
+    for j in range(S):
+        v0, v1 = j * vc, min(V, (j + 1) * vc)
+        dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
+        dz_into(dz, resid, 0, N, v0, v1)
+        w_j = weight[v0:v1]  # [vc, H]
+        if low:
+            _addmm_f32(dh, dz, w_j)
+            dw_j = _mm_f32(dz.T, hidden)  # [vc, H] float32
+            k0, k1 = starts[j], starts[j + 1]
+            t_j, c_j = tok[k0:k1], cols[k0:k1]  # [k] the tokens labelled in this chunk, their columns
+            _add_at_labels(dw_j, c_j, resid[t_j, None] * hidden[t_j].float())
+            d_weight[v0:v1] = dw_j  # rounded once
+            del dw_j
+        else:
+            dh.addmm_(dz, w_j)
+            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
+        if d_bias32 is not None:
+            d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
+            if low:
+                _add_at_labels(d_bias32[v0:v1], c_j, resid[t_j])
+    if not low:
+        return dh, d_weight, d_bias32
+    r = torch.where(valid, resid, torch.zeros_like(resid))  # [N]
+    dh += r[:, None] * weight[safe].float()
+    return dh.to(hidden.dtype), d_weight, d_bias32
+
+
+def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+    """Tokens outer (N >= V): per chunk of tokens (``[chunk, V]`` of ``dz``, sized to ``_DZ_BUDGET_BYTES``),
+    ``d_hidden[chunk] = dz @ W`` (the whole vocabulary in one GEMM) and ``d_weight += dz.T @ hidden[chunk]`` into a
+    float32 ``[V, H]`` accumulator, here no larger than the tokens' ``[N, H]``, cast once at the end. Returns
+    ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
     low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
     chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)  # [N, H]
-    d_weight32 = None  # [V, H] float32 accumulator (weight-sized), cast once at the end
-    d_bias32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None  # [V]
-    dz = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # [chunk, V] workspace
-    resid = torch.zeros(chunk, dtype=torch.float32, device=hidden.device)  # [chunk]
-    g_logp = g_logp.float().contiguous()  # [N]
-    g_ent = g_ent.float().contiguous()  # [N]
-    valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N]
-    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
-    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
+    d_weight32 = None  # [V, H] float32 accumulator, cast once at the end
+    d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
+    dz = torch.empty(chunk, V, dtype=hidden.dtype, device=dev)  # [chunk, V] workspace
+    resid = torch.zeros(chunk, dtype=torch.float32, device=dev)  # [chunk]
     for c0 in range(0, N, chunk):
         c1 = min(N, c0 + chunk)
         n = c1 - c0
@@ -436,14 +791,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
         dz_c = dz[:n]  # [n, V]
         r_c = resid[:n]  # [n]
         r_c.zero_()
-        grid = (cdiv(n, t.block_n), cdiv(V, t.block_v))
-        _dz_kernel.launch(
-            grid, h_c, weight, bias if bias is not None else weight, labels[c0:c1],
-            row_max[c0:c1], log_s[c0:c1], entropy[c0:c1], g_logp[c0:c1], g_ent[c0:c1], dz_c, r_c,
-            n, V, H, hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
-            **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t),
-            num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+        dz_into(dz_c, r_c, c0, c1, 0, V)
         y_c = safe[c0:c1]  # [n]
         if not low:
             torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
@@ -467,10 +815,9 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
             if low:
                 _add_at_labels(d_bias32, y_c, r_c)
     if d_weight32 is None:  # N == 0
-        d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
+        d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=dev)
     d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
-    d_bias = d_bias32.to(bias.dtype) if bias is not None else None
-    return d_hidden, d_weight, d_bias
+    return d_hidden, d_weight, d_bias32
 
 
 def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
@@ -941,9 +1288,11 @@ def linear_logprobs(
     ``rlkernels.logprobs(hidden @ weight.T + bias, labels, ...)`` but never holds the
     ``[N, V]`` logits (nor their gradient): the product is tiled over tokens and
     vocabulary, reduced on the fly with an online log-sum-exp, and recomputed in
-    backward. Extra memory is O(N) forward and O(N·H + chunk) backward (on the CPU,
-    one float32 ``[min(N, V), H]`` buffer per worker thread; with N < V no
-    weight-sized float32 buffer).
+    backward. Extra memory is O(N) forward and O(N·H + chunk) backward beyond the
+    gradients themselves (the chunk is a bounded workspace; with at least as many
+    tokens as vocabulary entries the Triton backward accumulates ``weight``'s
+    gradient in a float32 ``[V, H]`` buffer, then no larger than O(N·H); on the CPU,
+    one float32 ``[min(N, V), H]`` buffer per worker thread).
 
     Args:
         hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.

@@ -44,13 +44,17 @@ log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no 
 Backends: ``triton`` (CUDA default for ``linear_policy_loss``; see the Triton kernels section: kernel 1 stores the
 chunk's float32 logits tile while reducing it, kernel 2 forms dz from the stored tile, cuBLAS runs GEMMs 2 and 3),
 ``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
-served before the ops). ``logits_policy_loss`` has no Triton row (its torch row runs on CUDA too).
+served before the ops). ``logits_policy_loss``'s Triton row (its CUDA default; see the section "Triton row of
+logits_policy_loss") is ONE kernel for ``ratio="token"``: each program reads its token's row for the statistics, forms
+the loss coefficients in registers and re-reads the row (from L2) to write ``d_logits`` -- the logits read once from
+memory, the gradient written once; GSPO runs the logprobs kernels around the policy loss's own implementation.
 
 Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -> public functions.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 
@@ -58,8 +62,9 @@ import torch
 
 from rlkernels import _backend, _checks, losses, reference
 from rlkernels import fused_linear as _fl
-from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
+from rlkernels import softmax as _sm
+from rlkernels._device import block_sum, expm1
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, unit_stride
 from rlkernels._triton import cdiv, jit, tl
 
 # Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
@@ -435,16 +440,7 @@ def _stats_store_kernel(
             z = _fl._logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_hn, stride_wv,
                                  temperature, HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
             tl.store(z_rows + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
-            z = tl.where(col_ok[None, :], z, float("-inf"))
-            m_new = tl.maximum(m, block_max(z, 1))  # [BLOCK_N]
-            alpha = tl.exp(m - m_new)
-            d = z - m_new[:, None]  # [BLOCK_N, BLOCK_V]
-            e = tl.exp(d)
-            ed = e * tl.where(d == float("-inf"), 0.0, d)  # p log p counts 0 where p = 0
-            u = alpha * (u + s * (m - m_new)) + block_sum(ed, 1)
-            s = alpha * s + block_sum(e, 1)
-            zy += block_sum(tl.where(cols[None, :] == label[:, None], z, 0.0), 1)
-            m = m_new
+            m, s, u, zy = _fl._online_update(z, cols, col_ok, label, m, s, u, zy)  # linear_logprobs' forward's fold
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
@@ -498,11 +494,14 @@ def _dz_from_tile_kernel(
 # Kernel 2 is elementwise over the stored tile (no GEMM): 32 x 128 on 8 warps (32 x 256 spilled 40-112 B
 # unaligned). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
 # (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
-# 64 x 128 x 32 on 8 warps and 64 x 64 x 8 fit (its BLOCK_K need not match anything: the tile is stored, never
-# recomputed).
+# 64 x 128 x 32 on 8 warps fits for 16-bit, float32 below (its BLOCK_K need not match anything: the tile is
+# stored, never recomputed).
 _DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
-_STATS_TILES = {torch.float32: _fl._Tiles(block_n=64, block_v=64, block_k=8, split_tiles=64, num_warps=8,
+# float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16) on 32-token blocks: 64-token blocks
+# with K = 16 spill on sm_90 (Triton 3.9: 8-32 B, aligned or not); 32 x 64 x 16 in 2 stages holds 80-134 registers
+# and spills nothing on sm_80/sm_90, aligned or not, with Triton 3.6 and 3.9
+_STATS_TILES = {torch.float32: _fl._Tiles(block_n=32, block_v=64, block_k=16, split_tiles=64, num_warps=8,
                                           num_stages=2),
                 torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
 # the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
@@ -538,7 +537,28 @@ def aot_configs() -> list:
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                     consts, _DZ2_WARPS, 1))
-    return configs
+    return configs + _logits_aot_configs()
+
+
+# logits_policy_loss's one kernel: its flag sets that bound the register use (the most terms: a KL estimator, the
+# entropy bonus and d_logits; the fewest; the forward only, on-policy), at the logprobs kernels' tiles. Its loops
+# are the two passes over a row, BLOCK_V logits per iteration each, so its per-element SASS figure is the sum of
+# the two (tests/test_aot_budgets.py).
+_LOGITS_FLAG_SETS = (
+    dict(ON_POLICY=False, HAS_REF=True, KL_EST=reference.KL_ESTIMATORS.index("k3"), HAS_ENT=True, ENT_GRAD=True,
+         WRITE_GRAD=True),
+    dict(ON_POLICY=False, HAS_REF=False, KL_EST=0, HAS_ENT=False, ENT_GRAD=False, WRITE_GRAD=True),
+    dict(ON_POLICY=True, HAS_REF=True, KL_EST=0, HAS_ENT=True, ENT_GRAD=False, WRITE_GRAD=False),
+)
+
+
+def _logits_aot_configs() -> list:
+    from rlkernels.testing.aot import KernelConfig
+
+    return [KernelConfig(_logits_policy_kernel, _logits_kernel_signature(ty),
+                         {**flags, **_sm._fwd_constexprs(cfg, ty), "INTERPRETED": False}, cfg.num_warps, cfg.num_stages,
+                         elements=cfg.block_v)
+            for ty in TRITON_DTYPE_NAMES.values() for cfg in _sm._LAUNCH_CONFIGS for flags in _LOGITS_FLAG_SETS]
 
 
 class _TritonTile:
@@ -650,10 +670,168 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
             empty() if d_bias is None else d_bias)
 
 
+# ---------------------------------------------------------------- Triton row of logits_policy_loss
+#
+# ratio="token": ONE kernel, one program per token row. Every token's loss coefficients dL/dlogp and dL/dentropy
+# depend only on its own logp and entropy, its per-token inputs (old_logp, advantage, mask, ref_logp) and its
+# sequence's aggregation weight (reference.agg_weights, a function of the mask alone, formed on the host first).
+# So a program reads its row once for the statistics (softmax._row_forward: max, Σ exp, entropy, the label's
+# logit), forms the loss term and the coefficients in registers (losses._token_policy_terms: the policy kernel's
+# own per-token math), stores its partial sums, and reads the row a second time -- from L2 on a GPU, the row was
+# just read -- to write d_logits (softmax._row_dlogits: the logprobs backward's loop). HBM traffic: the logits once
+# and d_logits once, the two-pass memory bound. ratio="sequence" (GSPO): a token's coefficient needs its whole
+# sequence's ratio, so the logprobs forward kernel writes the statistics, the policy loss's own implementation
+# forms the coefficients, and the logprobs backward kernel writes d_logits (the logits read twice).
+
+
+@jit
+def _logits_policy_kernel(
+    logits_ptr,  # [O, I, V] rows at outer/inner strides, last stride 1; fp32/bf16/fp16
+    labels_ptr,  # [N] int64
+    old_ptr, adv_ptr, ref_ptr,  # [N] fp32 each (old: not read when ON_POLICY; ref: only with HAS_REF)
+    mask_ptr,  # [N] uint8 0/1
+    w_ptr,  # [B] fp32: each sequence's aggregation weight (N = B·T)
+    logp_ptr, ent_ptr,  # [N] fp32 out
+    part_ptr,  # [N, NSLOTS] fp32 out: the token's sums in SLOT_* order, the loss already times its weight
+    dlogits_ptr,  # [N, V] out, the logits dtype (only with WRITE_GRAD)
+    stride_outer, stride_inner, inner, T, V, inv_temp, ignore_index,
+    clip_low: tl.float64, clip_high: tl.float64,  # rounded to float32 as the policy kernel rounds them
+    dual_clip, kl_coef, entropy_coef,  # dual_clip inf when off
+    ON_POLICY: tl.constexpr, HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr,
+    ENT_GRAD: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
+    label = tl.load(labels_ptr + row)
+    # pass 1 over the row: the logprobs forward's statistics
+    valid, in_range, x_max, s, log_s, logp_raw, logp, ent = _sm._row_forward(row_ptr, label, V, inv_temp,
+                                                                            ignore_index, BLOCK_V, ROWS, VEC)
+    tl.store(logp_ptr + row, logp)
+    tl.store(ent_ptr + row, ent)
+    # the token's policy terms, its inputs 0 where masked out (as the policy kernel's _masked_load)
+    m = tl.load(mask_ptr + row).to(tl.float32)
+    keep = m != 0
+    lp = tl.where(keep, logp, 0.0)
+    if ON_POLICY:
+        old = lp  # old = the token's own log-prob: ratio exactly 1
+    else:
+        old = tl.where(keep, tl.load(old_ptr + row), 0.0)
+    adv = tl.where(keep, tl.load(adv_ptr + row), 0.0)
+    ref = 0.0
+    if HAS_REF:
+        ref = tl.where(keep, tl.load(ref_ptr + row), 0.0)
+    e = tl.where(keep, ent, 0.0)
+    x, g, g_e, log_ratio, r, clipped, kl = losses._token_policy_terms(
+        lp, old, adv, m, ref, e, tl.cast(1.0 - clip_low, tl.float32), tl.cast(1.0 + clip_high, tl.float32),
+        dual_clip, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT)
+    w = tl.load(w_ptr + row // T)
+    losses._store_partials(part_ptr + row * losses.NSLOTS, m, w * (x * m), clipped * m, -log_ratio * m, r * m,
+                            kl * m, e * m, 0.0)
+    if WRITE_GRAD:
+        # pass 2 over the row, last block first (pass 1 read it most recently: with hundreds of rows in flight,
+        # each ~300 KB at V = 151936 bf16, L2 holds only the latest part of each): d_logits from the whole batch's
+        # coefficients w·g (zeros, the row unread, where they are 0: masked-out and ignored tokens)
+        c_lp = tl.where(valid, w * g, 0.0)
+        c_ent = 0.0
+        if ENT_GRAD:
+            c_ent = tl.where(valid, w * g_e, 0.0)
+        label32 = tl.where(valid & in_range, label, -1).to(tl.int32)
+        _sm._row_dlogits(row_ptr, dlogits_ptr + row * V, valid & ((c_lp != 0) | (c_ent != 0)), label32, V, x_max,
+                         s, log_s, ent, logp_raw, c_lp, c_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED, True)
+
+
+def _logits_kernel_signature(ty: str) -> dict:
+    ptrs = {"logits_ptr": f"*{ty}", "labels_ptr": "*i64", "old_ptr": "*fp32", "adv_ptr": "*fp32", "ref_ptr": "*fp32",
+            "mask_ptr": "*u8", "w_ptr": "*fp32", "logp_ptr": "*fp32", "ent_ptr": "*fp32", "part_ptr": "*fp32",
+            "dlogits_ptr": f"*{ty}"}
+    sizes = {"stride_outer": "i64", "stride_inner": "i64", "inner": "i32", "T": "i32", "V": "i32", "inv_temp": "fp32",
+             "ignore_index": "i64", "clip_low": "fp64", "clip_high": "fp64", "dual_clip": "fp32", "kl_coef": "fp32",
+             "entropy_coef": "fp32"}
+    flags = ("ON_POLICY", "HAS_REF", "KL_EST", "HAS_ENT", "ENT_GRAD", "WRITE_GRAD", "BLOCK_V", "ROWS", "VEC",
+             "INTERPRETED")
+    return {**ptrs, **sizes, **dict.fromkeys(flags, "constexpr")}
+
+
+def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """ratio="token": :func:`_logits_policy_kernel`, one launch; the same outputs as :func:`_logits_torch`."""
+    B, T, V = logits.shape
+    N = B * T
+    dev = logits.device
+    rows = _sm._as_rows(logits)  # [O, I, V] (a copy only when the rows do not collapse to two strided dims)
+    tokens = (mask != 0).sum(-1, dtype=torch.float32)  # [B]
+    w_b = reference.agg_weights(tokens, opt.agg, T, opt.norm_length).to(torch.float32).contiguous()  # [B]
+    flat = lambda t: t.reshape(N).to(torch.float32).contiguous()  # noqa: E731  [B, T] -> [N] fp32
+    adv = flat(advantages.unsqueeze(-1).expand(B, T) if advantages.dim() == 1 else advantages)  # [N]
+    old = adv if old_logp is None else flat(old_logp)  # [N] (a placeholder when on-policy: never read)
+    ref = adv if ref_logp is None else flat(ref_logp)  # [N] (placeholder without ref_logp)
+    m = mask_u8(mask).reshape(N).contiguous()  # [N] uint8
+    logp = torch.empty(N, dtype=torch.float32, device=dev)  # [N]
+    ent = torch.empty(N, dtype=torch.float32, device=dev)  # [N]
+    part = torch.empty(N, operator.index(losses.NSLOTS), dtype=torch.float32, device=dev)  # [N, NSLOTS]
+    d_logits = torch.empty(N, V, dtype=logits.dtype, device=dev) if opt.grad_input else None  # [N, V]
+    if N:
+        cfg = _sm._launch_config(V)
+        _logits_policy_kernel.launch(
+            (N,), rows, labels.reshape(N).contiguous(), old, adv, ref, m, w_b, logp, ent, part,
+            d_logits if d_logits is not None else logp, rows.stride(0), rows.stride(1), rows.shape[1], T, V,
+            1.0 / opt.temperature, opt.ignore_index, opt.clip_low, opt.clip_high,
+            math.inf if opt.dual_clip is None else opt.dual_clip, opt.kl_coef, opt.entropy_coef,
+            ON_POLICY=old_logp is None, HAS_REF=ref_logp is not None,
+            KL_EST=reference.KL_ESTIMATORS.index(opt.kl_estimator) if ref_logp is not None else 0,
+            HAS_ENT=opt.with_entropy, ENT_GRAD=opt.entropy_coef != 0, WRITE_GRAD=d_logits is not None,
+            **_sm._fwd_constexprs(cfg, TRITON_DTYPE_NAMES[logits.dtype]), INTERPRETED=dev.type == "cpu",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    totals = part.sum(0)  # [NSLOTS]
+    if not opt.with_entropy:
+        ent.zero_()  # as the torch row: no entropy asked, zeros
+    loss = totals[operator.index(losses.SLOT_LOSS)]
+    empty = logits.new_empty(0)
+    return (loss, losses._masked_means(totals, losses._POLICY_METRIC_SLOTS), logp.reshape(B, T), ent.reshape(B, T),
+            empty if d_logits is None else d_logits.reshape(B, T, V))
+
+
+class _LogprobsKernelsTile:
+    """GSPO's engine for :func:`_run_chunks` over ONE chunk of all ``N`` tokens (d_logits is ``[N, V]`` anyway):
+    the logprobs forward kernel gives the statistics, the logprobs backward kernel writes ``d_logits`` in place
+    (the block it yields is the output itself, so the apply step has nothing to do)."""
+
+    def __init__(self, logits, d_logits, opt: FusedPolicyOptions):
+        self.logits, self.d_logits = logits, d_logits  # [B, T, V], [B, T, V] or None
+        self.sopt = _sm.LogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
+
+    def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        assert (t0, t1) == (0, labels.shape[0])
+        logp, ent, self.st = _sm._triton_forward(self.logits, labels.view(self.logits.shape[:2]), self.sopt)
+        st = self.st.reshape(-1, 2)  # [N, 2] (max logit, shifted sum)
+        return st[:, 0], torch.log(st[:, 1]), logp.reshape(-1), ent.reshape(-1)
+
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        g_ent = torch.zeros_like(coef_logp) if coef_ent is None else coef_ent  # [N]
+        shape = self.logits.shape[:2]
+        _sm._triton_backward_into(self.d_logits, self.logits, labels.view(shape), self.st, entropy.view(shape),
+                                  coef_logp.view(shape), g_ent.view(shape), self.sopt)
+        yield 0, self.logits.shape[-1], self.d_logits, None
+
+
+def _logits_triton(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """The Triton row of logits_policy_loss (see the section's note): one kernel for ``ratio="token"``; the
+    logprobs kernels around the policy loss's own implementation for GSPO. Same outputs as :func:`_logits_torch`."""
+    if opt.ratio != "sequence":
+        return _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, opt)
+    B, T, V = logits.shape
+    d_logits = torch.empty(B, T, V, dtype=logits.dtype, device=logits.device) if opt.grad_input else None
+    tile = _LogprobsKernelsTile(logits, d_logits, opt)
+    chunks = [(0, B * T)] if B * T else []
+    loss, metrics, logp, ent = _run_chunks(lambda t0, t1: (None, lambda *_: None), tile, torch.float32, B, T, V,
+                                           labels, old_logp, advantages, mask, ref_logp, opt, chunks)
+    empty = logits.new_empty(0)
+    return loss, metrics, logp.reshape(B, T), ent.reshape(B, T), empty if d_logits is None else d_logits
+
+
 # Each op's backends, chosen at run time inside the op (rlkernels._backend.resolve); float64 never reaches Triton.
-# logits_policy_loss has no Triton row: on CUDA its torch row runs PyTorch's elementwise kernels per chunk.
 _LINEAR_IMPLS = {"torch": _linear_torch, "triton": _linear_triton}
-_LOGITS_IMPLS = {"torch": _logits_torch}
+_LOGITS_IMPLS = {"torch": _logits_torch, "triton": _logits_triton}
 
 
 # ---------------------------------------------------------------- torch.library ops with autograd
@@ -770,8 +948,10 @@ def _logits_backward(ctx, d_loss, *_unused):
     (d_logits,) = ctx.saved_tensors
     if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
         return (None,) * 6 + no_grads(FusedPolicyOptions)
+    if _upstream_is_one(d_loss):  # loss.backward(): the stored gradient as it is, no [B, T, V] copy (see _RETURNS_DOC)
+        return (d_logits, None, None, None, None, None) + no_grads(FusedPolicyOptions)
     # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
-    # other than 1 (loss.backward() passes 1) rounds it a second time
+    # other than 1 rounds it a second time
     grad = (d_logits.to(torch.promote_types(d_logits.dtype, torch.float32)) * d_loss).to(d_logits.dtype)
     return (grad, None, None, None, None, None) + no_grads(FusedPolicyOptions)
 

@@ -4,8 +4,12 @@ One fused pass per call computes, for every token, the loss term *and* its
 gradient, plus per-row partial sums (mask count, loss sum, metric sums). The
 tiny reduction over rows (loss for the chosen ``agg`` mode, metrics, and the
 per-row weight ``dloss/dx_bt = w_b · m_bt`` of ``rlkernels.reference.agg_weights``)
-is PyTorch. The backward pass only scales the saved per-token gradients by
-``upstream · w_b``: nothing is recomputed.
+is one more launch (``_reduce_kernel``, one program). The backward pass only
+scales the saved per-token gradients by ``upstream · w_b`` and rounds them to
+their dtypes, all of them in one launch (``_scale_rows_kernel``): nothing is
+recomputed. So on CUDA a ``policy_loss`` or ``value_loss`` call is 2 launches
+forward (3 with a non-bool mask, which is compared with 0 first) and 1 backward
+(tests/test_losses.py counts them).
 
 Saved gradients are float32 (``m · dx/dinput``, before the agg weight), so the
 gradient handed back is rounded to the input dtype exactly once, as eager
@@ -40,6 +44,7 @@ from rlkernels._device import block_sum
 from rlkernels._host import mask_u8, no_grads, op_schema, unit_stride
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
+from rlkernels.softmax import _bf16_round_bits
 
 
 def _constexpr(value: int):
@@ -135,6 +140,31 @@ def _surrogate(r, adv, ratio_min, ratio_max, dual_clip):
     pg = tl.where(dual, dual_bound, pg)
     dpg = tl.where(dual, 0.0, dpg)
     return pg, dpg, clipped.to(tl.float32)
+
+
+@jit
+def _token_policy_terms(lp, old, adv, m, ref, ent, ratio_min, ratio_max, dual_clip, kl_coef, entropy_coef,
+                        HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr):
+    """``ratio="token"``: one token's (or a block's) policy terms from inputs already 0 where ``m == 0``
+    (:func:`_masked_load`): ``(x, g_logp, g_ent, log_ratio, r, clipped, kl)`` with ``x`` the loss term,
+    ``g_logp = m·dx/dlogp`` and ``g_ent = m·dx/dentropy`` (before the agg weight), the ratio ``r = exp(logp - old)``,
+    the clipped flag and the KL estimate (0 without ``HAS_REF``). The math of :func:`_policy_token_pass`'s token
+    mode; :mod:`rlkernels.fused_policy`'s one-kernel logits loss calls it per row."""
+    log_ratio = lp - old
+    r = tl.exp(log_ratio)
+    pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
+    x = pg
+    g = dpg * r * m
+    kl = tl.full(lp.shape, 0.0, tl.float32)
+    if HAS_REF:
+        kl, dkl = _kl_and_grad(lp - ref, KL_EST)
+        x += kl_coef * kl
+        g += kl_coef * dkl * m
+    g_ent = tl.full(lp.shape, 0.0, tl.float32)
+    if HAS_ENT:
+        x -= entropy_coef * ent
+        g_ent = -entropy_coef * m
+    return x, g, g_ent, log_ratio, r, clipped, kl
 
 
 @jit
@@ -355,6 +385,117 @@ def _value_kernel(
                     0.0, 0.0, block_sum(v * m, 0))
 
 
+# the agg mode a reduction computes: its index in AGG_MODES (the AGG constexpr)
+AGG_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_MEAN = (_constexpr(AGG_MODES.index(n)) for n in ("token-mean", "seq-mean-token-mean"))
+BLOCK_ROWS = 32  # rows per step of the reduction kernel: [32, NSLOTS] partial sums per tile
+BLOCK_SCALE = 1024  # tokens per program of the backward's scaling kernel (8 fp32 per thread at 4 warps)
+
+
+@jit
+def _row_sums(part_ptr, b0, B, C, BLOCK_B: tl.constexpr):
+    """Rows ``b0 .. b0 + BLOCK_B`` of ``part`` [B, C, NSLOTS] summed over their C chunks: [BLOCK_B, NSLOTS]
+    (0 past B)."""
+    rows = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+    slots = tl.arange(0, NSLOTS)  # [NSLOTS]
+    offs = rows.to(tl.int64)[:, None] * C * NSLOTS + slots[None, :]  # [BLOCK_B, NSLOTS] at chunk 0
+    inb = (rows < B)[:, None] & (slots < NSLOTS)[None, :]
+    acc = tl.full([BLOCK_B, NSLOTS], 0.0, tl.float32)
+    for c in range(0, C):
+        acc += tl.load(part_ptr + offs + c * NSLOTS, mask=inb, other=0.0)
+    return acc
+
+
+@jit
+def _slot(tile, s: tl.constexpr):
+    """Column ``s`` of a [BLOCK_B, NSLOTS] tile: [BLOCK_B]."""
+    return block_sum(tl.where(tl.arange(0, NSLOTS)[None, :] == s, tile, 0.0), 1)
+
+
+@jit
+def _reduce_kernel(
+    part_ptr,  # [B, C, NSLOTS] fp32: per-(row, chunk) sums in SLOT_* order
+    w_ptr,  # [B] fp32 out: each row's agg weight w_b (dloss/dx_bt = w_b · m_bt)
+    loss_ptr,  # [] fp32 out: Σ_b w_b · Σ_t m·x
+    metrics_ptr,  # [N_METRICS] fp32 out: masked means of slots M_FIRST + j·M_STEP
+    B,
+    C,
+    w_const,  # every row's weight in the token-sum modes (1 / B, 1 / (B·norm_length)), rounded to fp32 once
+    AGG: tl.constexpr,
+    M_FIRST: tl.constexpr,
+    M_STEP: tl.constexpr,
+    N_METRICS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """The loss's epilogue in one program: every row's weight of ``rlkernels.reference.agg_weights``, the loss
+    and the metrics, from the partial sums the loss kernel wrote. Two sweeps over the (small) partials: totals
+    and the count of rows with a token first, as the token-mean and seq-mean weights need them."""
+    totals = tl.full([NSLOTS], 0.0, tl.float32)  # [NSLOTS]
+    nonempty = tl.full([BLOCK_B], 0.0, tl.float32)  # [BLOCK_B]
+    for b0 in range(0, B, BLOCK_B):
+        rows = _row_sums(part_ptr, b0, B, C, BLOCK_B)  # [BLOCK_B, NSLOTS]
+        totals += block_sum(rows, 0)
+        nonempty += (_slot(rows, SLOT_MASK) > 0).to(tl.float32)
+    slots = tl.arange(0, NSLOTS)  # [NSLOTS]
+    count = block_sum(tl.where(slots == SLOT_MASK, totals, 0.0), 0)  # Σ m over the batch
+    n_seq = block_sum(nonempty, 0)  # rows that have a token
+    acc = tl.full([BLOCK_B], 0.0, tl.float32)  # [BLOCK_B]
+    for b0 in range(0, B, BLOCK_B):
+        rows = _row_sums(part_ptr, b0, B, C, BLOCK_B)  # [BLOCK_B, NSLOTS]
+        tokens = _slot(rows, SLOT_MASK)  # [BLOCK_B]
+        if AGG == AGG_TOKEN_MEAN:
+            w = tl.full([BLOCK_B], 0.0, tl.float32) + 1.0 / tl.maximum(count, 1.0)
+        elif AGG == AGG_SEQ_MEAN_TOKEN_MEAN:  # has_tokens / max(tokens, 1) / max(rows with tokens, 1)
+            w = (tokens > 0).to(tl.float32) / tl.maximum(tokens, 1.0) / tl.maximum(n_seq, 1.0)
+        else:
+            w = tl.full([BLOCK_B], 0.0, tl.float32) + w_const
+        b = b0 + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        tl.store(w_ptr + b, w, mask=b < B)
+        acc += w * _slot(rows, SLOT_LOSS)
+    tl.store(loss_ptr, block_sum(acc, 0))
+    means = totals / tl.maximum(count, 1.0)  # [NSLOTS]
+    for j in tl.static_range(N_METRICS):  # metric j is the masked mean of slot M_FIRST + j·M_STEP
+        tl.store(metrics_ptr + j, block_sum(tl.where(slots == M_FIRST + j * M_STEP, means, 0.0), 0))
+
+
+@jit
+def _scale_rows_kernel(
+    d_ptr,  # [] fp32: the upstream gradient of the loss
+    w_ptr,  # [B] fp32: each row's agg weight
+    g0_ptr,  # [B, T] fp32: saved m · dx/dinput of the first input
+    g1_ptr,  # [B, T] fp32 (HAS_1)
+    g2_ptr,  # [B, T] fp32 (HAS_2)
+    out0_ptr,  # [B, T] out, in the first input's dtype: g0 · upstream · w_b
+    out1_ptr,  # [B, T] out (HAS_1)
+    out2_ptr,  # [B, T] out (HAS_2)
+    T,
+    HAS_1: tl.constexpr,
+    HAS_2: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # running under Triton's interpreter (CPU tensors)
+    BLOCK: tl.constexpr,
+):
+    """The losses' backward in one launch: every saved per-token gradient times ``upstream · w_b``, rounded to
+    its input's dtype once (as ``(g * scale).to(dtype)`` does)."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    inb = t < T
+    offs = b * T + t  # [BLOCK]
+    scale = tl.load(d_ptr).to(tl.float32) * tl.load(w_ptr + b)
+    _store_scaled(out0_ptr + offs, tl.load(g0_ptr + offs, mask=inb, other=0.0) * scale, inb, INTERPRETED)
+    if HAS_1:
+        _store_scaled(out1_ptr + offs, tl.load(g1_ptr + offs, mask=inb, other=0.0) * scale, inb, INTERPRETED)
+    if HAS_2:
+        _store_scaled(out2_ptr + offs, tl.load(g2_ptr + offs, mask=inb, other=0.0) * scale, inb, INTERPRETED)
+
+
+@jit
+def _store_scaled(ptrs, g, inb, INTERPRETED: tl.constexpr):
+    """Store float32 ``g`` [BLOCK] rounded to nearest in the pointers' dtype (the interpreter's bf16 cast
+    truncates: round the bits first there; compiled, the hardware rounds)."""
+    if INTERPRETED and ptrs.dtype.element_ty == tl.bfloat16:
+        g = _bf16_round_bits(g)
+    tl.store(ptrs, g.to(ptrs.dtype.element_ty), mask=inb)
+
+
 def aot_configs() -> list[KernelConfig]:
     """Every (kernel, constexpr, warps, stages) combination the launchers below can pick."""
     from rlkernels.testing.aot import KernelConfig
@@ -383,6 +524,22 @@ def aot_configs() -> list[KernelConfig]:
     for has_clip in (False, True):
         configs.append(KernelConfig(_value_kernel, value_sig, {"HAS_CLIP": has_clip, "BLOCK": BLOCK_T}, num_warps=NUM_WARPS,
                                     elements=BLOCK_T))
+    reduce_sig = {"part_ptr": "*fp32", "w_ptr": "*fp32", "loss_ptr": "*fp32", "metrics_ptr": "*fp32", "B": "i32", "C": "i32",
+                  "w_const": "fp32", "AGG": "constexpr", "M_FIRST": "constexpr", "M_STEP": "constexpr",
+                  "N_METRICS": "constexpr", "BLOCK_B": "constexpr"}
+    for slots in (_POLICY_METRIC_SLOTS, _VALUE_METRIC_SLOTS):
+        first, step = _progression(slots)
+        for agg in range(len(AGG_MODES)):  # one program over tiny partials: no per-element figure
+            configs.append(KernelConfig(_reduce_kernel, reduce_sig, {"AGG": agg, "M_FIRST": first, "M_STEP": step,
+                                                                     "N_METRICS": len(slots), "BLOCK_B": BLOCK_ROWS},
+                                        num_warps=NUM_WARPS))
+    scale_sig = {"d_ptr": "*fp32", "w_ptr": "*fp32", "g0_ptr": "*fp32", "g1_ptr": "*fp32", "g2_ptr": "*fp32",
+                 "out0_ptr": "*bf16", "out1_ptr": "*bf16", "out2_ptr": "*bf16", "T": "i32", "HAS_1": "constexpr",
+                 "HAS_2": "constexpr", "INTERPRETED": "constexpr", "BLOCK": "constexpr"}
+    for n_grads in (1, 2, 3):
+        configs.append(KernelConfig(_scale_rows_kernel, scale_sig, {"HAS_1": n_grads > 1, "HAS_2": n_grads > 2,
+                                                                    "INTERPRETED": False, "BLOCK": BLOCK_SCALE},
+                                    num_warps=NUM_WARPS, elements=BLOCK_SCALE))
     return configs
 
 
@@ -513,6 +670,50 @@ def _masked_means(totals: torch.Tensor, slots: list[int]) -> torch.Tensor:
     return totals[slots] / totals.select(0, SLOT_MASK).clamp(min=1.0)
 
 
+def _reduce_torch(partials: torch.Tensor, agg: str, T: int, norm_length: float | None, slots: list[int]):
+    """Partial sums [B, C, NSLOTS] -> (w [B], loss [], masked means of ``slots`` [len(slots)]), in PyTorch."""
+    w, loss, totals = _reduce(partials, agg, T, norm_length)
+    return w, loss, _masked_means(totals, slots)
+
+
+def _progression(slots: list[int]) -> tuple[int, int]:
+    """``(first, step)`` of metric slots in arithmetic progression (how the reduction kernel addresses them)."""
+    step = slots[1] - slots[0] if len(slots) > 1 else 1
+    assert step > 0 and slots == list(range(slots[0], slots[0] + step * len(slots), step)), slots
+    return slots[0], step
+
+
+def _reduce_triton(partials: torch.Tensor, agg: str, T: int, norm_length: float | None, slots: list[int]):
+    """The same outputs as :func:`_reduce_torch` from one launch of :func:`_reduce_kernel` (one program)."""
+    B, C, _ = partials.shape
+    f32 = dict(dtype=torch.float32, device=partials.device)
+    w, loss, metrics = torch.empty(B, **f32), torch.empty((), **f32), torch.empty(len(slots), **f32)  # [B], [], [M]
+    first, step = _progression(slots)
+    w_const = _ref.token_sum_weight(agg, B, T, norm_length) if agg.startswith("seq-mean-token-sum") else 0.0
+    _reduce_kernel.launch((1,), partials, w, loss, metrics, B, C, w_const, AGG=AGG_MODES.index(agg), M_FIRST=first,
+                          M_STEP=step, N_METRICS=len(slots), BLOCK_B=BLOCK_ROWS, num_warps=NUM_WARPS)
+    return w, loss, metrics
+
+
+def _scale_rows_torch(d_loss, w, grads, dtypes):
+    """Saved per-token gradients [B, T] fp32 each -> ``g · upstream · w_b`` in their dtypes."""
+    scale = (d_loss * w).unsqueeze(-1)  # [B, 1]: upstream gradient times the agg weight
+    return [(g * scale).to(dt) for g, dt in zip(grads, dtypes)]
+
+
+def _scale_rows_triton(d_loss, w, grads, dtypes):
+    """The same outputs as :func:`_scale_rows_torch` from one launch of :func:`_scale_rows_kernel`."""
+    B, T = grads[0].shape
+    outs = [torch.empty((B, T), dtype=dt, device=g.device) for g, dt in zip(grads, dtypes)]  # [B, T] each
+    if B and T:
+        g_in = grads + [grads[0]] * (3 - len(grads))  # placeholders, never read
+        g_out = outs + [outs[0]] * (3 - len(outs))
+        _scale_rows_kernel.launch((B, cdiv(T, BLOCK_SCALE)), d_loss, w, *g_in, *g_out, T, HAS_1=len(grads) > 1,
+                                  HAS_2=len(grads) > 2, INTERPRETED=w.device.type == "cpu", BLOCK=BLOCK_SCALE,
+                                  num_warps=NUM_WARPS)
+    return outs
+
+
 def _empty_like_rows(x: torch.Tensor, present: bool) -> torch.Tensor:
     return torch.empty(x.shape if present else (0,), dtype=torch.float32, device=x.device)
 
@@ -566,9 +767,9 @@ def _policy_triton(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Pol
     g_ent = _empty_like_rows(logp, has_ent)  # [B, T] or [0]
     chunk = max(T, 1) if seq_ratio else BLOCK_T  # one chunk per row in sequence mode (T = 0: nothing to do)
     n_chunks = max(1, cdiv(T, chunk))
-    partials = torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=logp.device)  # [B, C, NSLOTS]
     if B == 0 or T == 0:
-        return partials, g_logp, g_ref, g_ent
+        return torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=logp.device), g_logp, g_ref, g_ent
+    partials = torch.empty((B, n_chunks, NSLOTS), dtype=torch.float32, device=logp.device)  # [B, C, NSLOTS], all written
     _policy_kernel.launch(
         (B, n_chunks),
         logp, old_logp, advantages, mask, ref, ent,
@@ -646,9 +847,9 @@ def _value_triton(values, old_values, returns, mask, opt: ValueOptions):
     old = unit_stride(old_values) if has_clip else values  # [B, T] (not read without clip)
     g_v = torch.empty((B, T), dtype=torch.float32, device=values.device)  # [B, T]
     n_chunks = max(1, cdiv(T, BLOCK_T))
-    partials = torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=values.device)  # [B, C, NSLOTS]
     if B == 0 or T == 0:
-        return partials, g_v
+        return torch.zeros((B, n_chunks, NSLOTS), dtype=torch.float32, device=values.device), g_v
+    partials = torch.empty((B, n_chunks, NSLOTS), dtype=torch.float32, device=values.device)  # [B, C, NSLOTS], all written
     _value_kernel.launch(
         (B, n_chunks), values, old, returns, mask, g_v, partials,
         T, values.stride(0), old.stride(0), returns.stride(0), mask.stride(0), opt.clip if has_clip else 0.0,
@@ -689,6 +890,27 @@ def _value_torch(values, old_values, returns, mask, opt: ValueOptions):
 _KL_IMPLS = {"torch": _kl_torch, "triton": _kl_triton}
 _POLICY_IMPLS = {"torch": _policy_torch, "triton": _policy_triton}
 _VALUE_IMPLS = {"torch": _value_torch, "triton": _value_triton}
+_REDUCE_IMPLS = {"torch": _reduce_torch, "triton": _reduce_triton}  # the epilogue, by the loss's backend
+_SCALE_IMPLS = {"torch": _scale_rows_torch, "triton": _scale_rows_triton}  # the backward
+
+@torch.library.custom_op("rlkernels::scale_rows", mutates_args=(),
+                         schema="(Tensor d_loss, Tensor w, Tensor g0, Tensor? g1, Tensor? g2, ScalarType dt0, "
+                                "ScalarType? dt1, ScalarType? dt2) -> (Tensor, Tensor, Tensor)")
+def _scale_rows_op(d_loss, w, g0, g1, g2, dt0, dt1, dt2):
+    """The losses' backward: saved ``g0`` [B, T] fp32 (and ``g1``, ``g2`` when given) times ``d_loss · w_b``
+    [B], each in its dtype ``dt*`` (an absent one comes back as [0]); one launch on the Triton backend."""
+    present = [(g, dt) for g, dt in ((g0, dt0), (g1, dt1), (g2, dt2)) if g is not None]
+    run = _SCALE_IMPLS[_backend.resolve(g0.device, tuple(_SCALE_IMPLS), dt0)]
+    outs = run(d_loss, w, [g for g, _ in present], [dt for _, dt in present])
+    outs = iter(outs)
+    return tuple(next(outs) if g is not None else g0.new_empty(0) for g in (g0, g1, g2))
+
+
+@_scale_rows_op.register_fake
+def _(d_loss, w, g0, g1, g2, dt0, dt1, dt2):
+    return tuple(g.new_empty(g.shape, dtype=dt) if g is not None else g0.new_empty(0)
+                 for g, dt in ((g0, dt0), (g1, dt1), (g2, dt2)))
+
 
 @torch.library.custom_op("rlkernels::kl_penalty", mutates_args=(),
                          schema=op_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
@@ -725,10 +947,10 @@ _POLICY_TENSORS = "Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask,
 def _policy_op(logp, old_logp, advantages, mask, ref_logp, entropy, *options):
     """-> (loss [], metrics [5], g_logp [B, T], g_ref [B, T] or [0], g_ent [B, T] or [0], w [B])."""
     opt = PolicyOptions(*options)
-    run = _backend.implementation(_POLICY_IMPLS, logp)
-    partials, g_logp, g_ref, g_ent = run(logp, old_logp, advantages, mask, ref_logp, entropy, opt)
-    w, loss, totals = _reduce(partials, opt.agg, logp.shape[1], opt.norm_length)
-    return loss, _masked_means(totals, _POLICY_METRIC_SLOTS), g_logp, g_ref, g_ent, w
+    name = _backend.resolve(logp.device, tuple(_POLICY_IMPLS), logp.dtype)
+    partials, g_logp, g_ref, g_ent = _POLICY_IMPLS[name](logp, old_logp, advantages, mask, ref_logp, entropy, opt)
+    w, loss, metrics = _REDUCE_IMPLS[name](partials, opt.agg, logp.shape[1], opt.norm_length, _POLICY_METRIC_SLOTS)
+    return loss, metrics, g_logp, g_ref, g_ent, w
 
 
 @_policy_op.register_fake
@@ -749,16 +971,20 @@ def _policy_setup(ctx, inputs, output):
     logp, ref_logp, entropy = inputs[0], inputs[4], inputs[5]
     _, _, g_logp, g_ref, g_ent, w = output
     ctx.save_for_backward(g_logp, g_ref, g_ent, w)
+    ctx.set_materialize_grads(False)  # the outputs other than the loss get no gradient: no zeros to fill
     ctx.dtypes = (logp.dtype, None if ref_logp is None else ref_logp.dtype, None if entropy is None else entropy.dtype)
 
 
 def _policy_backward(ctx, d_loss, *_unused):
-    g_logp, g_ref, g_ent, w = ctx.saved_tensors  # [B, T] fp32 (x3), [B]
-    scale = (d_loss * w).unsqueeze(-1)  # [B, 1]: upstream gradient times the agg weight
+    if d_loss is None:  # only the (non-differentiable) metrics or saved outputs reached the backward
+        return (None,) * (6 + len(no_grads(PolicyOptions)))
+    g_logp, g_ref, g_ent, w = ctx.saved_tensors  # [B, T] fp32 (x3; [0] when absent), [B]
     dt_logp, dt_ref, dt_ent = ctx.dtypes
-    grad_ref = (g_ref * scale).to(dt_ref) if dt_ref is not None else None
-    grad_ent = (g_ent * scale).to(dt_ent) if dt_ent is not None else None
-    return ((g_logp * scale).to(dt_logp), None, None, None, grad_ref, grad_ent) + no_grads(PolicyOptions)
+    grad_logp, grad_ref, grad_ent = _scale_rows_op(d_loss, w, g_logp, g_ref if dt_ref is not None else None,
+                                                   g_ent if dt_ent is not None else None, dt_logp, dt_ref, dt_ent)
+    return ((grad_logp, None, None, None, grad_ref if dt_ref is not None else None,
+             grad_ent if dt_ent is not None else None)
+            + no_grads(PolicyOptions))
 
 
 _policy_op.register_autograd(_policy_backward, setup_context=_policy_setup)
@@ -770,9 +996,10 @@ _policy_op.register_autograd(_policy_backward, setup_context=_policy_setup)
 def _value_op(values, old_values, returns, mask, *options):
     """-> (loss [], metrics [2] (clipfrac, values_mean), g_values [B, T], w [B])."""
     opt = ValueOptions(*options)
-    partials, g_v = _backend.implementation(_VALUE_IMPLS, values)(values, old_values, returns, mask, opt)
-    w, loss, totals = _reduce(partials, opt.agg, values.shape[1], None)
-    return loss, _masked_means(totals, _VALUE_METRIC_SLOTS), g_v, w
+    name = _backend.resolve(values.device, tuple(_VALUE_IMPLS), values.dtype)
+    partials, g_v = _VALUE_IMPLS[name](values, old_values, returns, mask, opt)
+    w, loss, metrics = _REDUCE_IMPLS[name](partials, opt.agg, values.shape[1], None, _VALUE_METRIC_SLOTS)
+    return loss, metrics, g_v, w
 
 
 @_value_op.register_fake
@@ -784,12 +1011,16 @@ def _(values, old_values, returns, mask, *options):
 
 def _value_setup(ctx, inputs, output):
     ctx.save_for_backward(output[2], output[3])
+    ctx.set_materialize_grads(False)
     ctx.dtype = inputs[0].dtype
 
 
 def _value_backward(ctx, d_loss, *_unused):
+    if d_loss is None:
+        return (None,) * (4 + len(no_grads(ValueOptions)))
     g_v, w = ctx.saved_tensors  # [B, T] fp32, [B]
-    return ((g_v * (d_loss * w).unsqueeze(-1)).to(ctx.dtype), None, None, None) + no_grads(ValueOptions)
+    grad, _, _ = _scale_rows_op(d_loss, w, g_v, None, None, ctx.dtype, None, None)
+    return (grad, None, None, None) + no_grads(ValueOptions)
 
 
 _value_op.register_autograd(_value_backward, setup_context=_value_setup)

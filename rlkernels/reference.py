@@ -134,12 +134,19 @@ def agg_weights(tokens: torch.Tensor, agg: str, T: int, norm_length: float | Non
     if agg == "seq-mean-token-mean":
         has_tokens = (tokens > 0).to(tokens.dtype)  # [B]
         return has_tokens / tokens.clamp(min=1.0) / has_tokens.sum().clamp(min=1.0)
-    if agg == "seq-mean-token-sum":
-        return torch.full_like(tokens, 1.0 / max(B, 1))
-    if agg == "seq-mean-token-sum-norm":
-        denom = B * (T if norm_length is None else norm_length)  # 0 only for an empty batch (sum 0)
-        return torch.full_like(tokens, 1.0 / (denom if denom > 0 else 1))
+    if agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        return torch.full_like(tokens, token_sum_weight(agg, B, T, norm_length))
     raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def token_sum_weight(agg: str, B: int, T: int, norm_length: float | None = None) -> float:
+    """Every sequence's weight in the token-sum modes (a constant of the batch's shape): ``1 / B`` for
+    ``seq-mean-token-sum``, ``1 / (B·norm_length)`` (``norm_length`` defaults to ``T``) for
+    ``seq-mean-token-sum-norm``; a zero divisor (an empty batch, whose sum is 0) divides by 1."""
+    if agg == "seq-mean-token-sum":
+        return 1.0 / max(B, 1)
+    denom = B * (T if norm_length is None else norm_length)
+    return 1.0 / (denom if denom > 0 else 1)
 
 
 def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_length: float | None = None) -> torch.Tensor:

@@ -129,6 +129,41 @@ def _online_row_stats(row_ptr, V, v_end, inv_temp, BLOCK_V: tl.constexpr, ROWS: 
 
 
 @jit
+def _row_forward(row_ptr, label, V, inv_temp, ignore_index, BLOCK_V: tl.constexpr, ROWS: tl.constexpr,
+                 VEC: tl.constexpr):
+    """One row's forward from one read of its logits (:func:`_online_row_stats`): ``(valid, in_range, x_max, s,
+    log_s, logp_raw, logp, entropy)``, scalars. ``x_max`` and ``s`` are the saved statistics (0 and 1 on ignored
+    rows, NaN for a label out of range); ``logp_raw`` is ``log p_y`` as the backward forms it (before the clamp
+    to <= 0); ``logp`` and ``entropy`` are the returned values (0 on ignored rows). Shared by the forward kernel
+    and :mod:`rlkernels.fused_policy`'s one-kernel policy loss."""
+    valid = label != ignore_index
+    in_range = (label >= 0) & (label < V)
+    # ignored rows run zero iterations: their logits are never read
+    x_max, s, w = _online_row_stats(row_ptr, V, tl.where(valid, V, 0), inv_temp, BLOCK_V, ROWS, VEC)
+    s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
+    # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
+    x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
+    log_s = tl.log(s)
+    entropy = log_s - w / s
+    # the chosen logit, read in float32 from the row itself; never read out of bounds
+    safe_label = tl.where(valid & in_range, label, 0)
+    x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
+    # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
+    # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
+    logp_raw = (x_y - x_max) * inv_temp - log_s
+    # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
+    # valid range; comparisons are false for NaN, so NaN stays NaN
+    logp = tl.where(logp_raw > 0, 0.0, logp_raw)
+    entropy = tl.where(entropy < 0, 0.0, entropy)
+    bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
+    logp = tl.where(bad, float("nan"), logp)
+    entropy = tl.where(bad, float("nan"), entropy)
+    x_max = tl.where(bad, float("nan"), x_max)
+    s = tl.where(bad, float("nan"), s)
+    return valid, in_range, x_max, s, log_s, logp_raw, tl.where(valid, logp, 0.0), tl.where(valid, entropy, 0.0)
+
+
+@jit
 def _logprobs_fwd_kernel(
     logits_ptr,  # [O, I, V] rows at outer/inner strides, last stride 1; fp32/bf16/fp16
     labels_ptr,  # [N] int64, N = O * I
@@ -148,32 +183,10 @@ def _logprobs_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
     label = tl.load(labels_ptr + row)
-    valid = label != ignore_index
-    in_range = (label >= 0) & (label < V)
-    # ignored rows run zero iterations: their logits are never read
-    x_max, s, w = _online_row_stats(row_ptr, V, tl.where(valid, V, 0), inv_temp, BLOCK_V, ROWS, VEC)
-    s = tl.where(valid, s, 1.0)  # an ignored row read nothing: keep its (discarded) values finite
-    # the saved shift: 0 on ignored rows and on rows that are all -inf (as the torch backend's)
-    x_max = tl.where(valid & (x_max != float("-inf")), x_max, 0.0)
-    log_s = tl.log(s)
-    entropy = log_s - w / s
-    # the chosen logit, read in float32 from the row itself; never read out of bounds
-    safe_label = tl.where(valid & in_range, label, 0)
-    x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
-    # (z_y - m) - log s, not z_y - lse: when y is the max, z_y - m is exactly 0 and logp
-    # keeps the full relative precision of log s (the backward's 1 - p_y depends on it)
-    logp = (x_y - x_max) * inv_temp - log_s
-    # round-off can leave log p a few ulps above 0 (or H below 0) on confident rows: return the
-    # valid range; comparisons are false for NaN, so NaN stays NaN
-    logp = tl.where(logp > 0, 0.0, logp)
-    entropy = tl.where(entropy < 0, 0.0, entropy)
-    bad = valid & (~in_range)  # a label out of [0, V) gives NaN, on the GPU nothing raises
-    logp = tl.where(bad, float("nan"), logp)
-    entropy = tl.where(bad, float("nan"), entropy)
-    x_max = tl.where(bad, float("nan"), x_max)
-    s = tl.where(bad, float("nan"), s)
-    tl.store(logp_ptr + row, tl.where(valid, logp, 0.0))
-    tl.store(entropy_ptr + row, tl.where(valid, entropy, 0.0))
+    _v, _r, x_max, s, _ls, _lr, logp, entropy = _row_forward(row_ptr, label, V, inv_temp, ignore_index, BLOCK_V,
+                                                             ROWS, VEC)
+    tl.store(logp_ptr + row, logp)
+    tl.store(entropy_ptr + row, entropy)
     tl.store(stats_ptr + 2 * row, x_max)
     tl.store(stats_ptr + 2 * row + 1, s)
 
@@ -209,48 +222,72 @@ def _logprobs_bwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + (row // inner) * stride_outer + (row % inner) * stride_inner
-    out_ptr = dlogits_ptr + row * V
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
     in_range = (label >= 0) & (label < V)
     x_max = tl.load(stats_ptr + 2 * row)  # the max logit
     s = tl.load(stats_ptr + 2 * row + 1)
     log_s = tl.log(s)
-    inv_s = 1.0 / s
     ent = tl.load(entropy_ptr + row)
     g_logp = tl.where(valid, tl.load(g_logp_ptr + row), 0.0)
     g_ent = tl.where(valid, tl.load(g_entropy_ptr + row), 0.0)
-    # log p_y as the forward formed it (before its clamp to <= 0), then 1 - p_y without cancellation
+    # log p_y as the forward formed it (before its clamp to <= 0)
     safe_label = tl.where(valid & in_range, label, 0)
     x_y = tl.load(row_ptr + safe_label, mask=valid & in_range, other=0.0).to(tl.float32)
     logp_y = (x_y - x_max) * inv_temp - log_s
+    _row_dlogits(row_ptr, dlogits_ptr + row * V, valid, tl.where(valid & in_range, label, -1).to(tl.int32), V, x_max,
+                 s, log_s, ent, logp_y, g_logp, g_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED, False)
+
+
+@jit
+def _row_dlogits(row_ptr, out_ptr, compute, label32, V, x_max, s, log_s, ent, logp_y, g_logp, g_ent, inv_temp,
+                 dlogits_ptr, BLOCK_V: tl.constexpr, INTERPRETED: tl.constexpr, REVERSE: tl.constexpr):
+    """One row's ``dlogits`` (``V`` entries at ``out_ptr``, the logits dtype) from one more read of its logits,
+    given the forward's statistics ``x_max``, ``s`` (``log_s = log s``), entropy ``ent`` and unclamped ``log p_y``
+    and the row's upstream gradients ``g_logp``, ``g_ent``; zeros without reading the row where ``compute`` is
+    false. ``label32``: the label's column, -1 when it has none. ``REVERSE``: the blocks last to first (the partial
+    block, then the full ones backwards), for a caller that has just read the row front to back: the blocks it
+    read last are the likeliest still in L2. Shared by the backward kernel and :mod:`rlkernels.fused_policy`'s
+    one-kernel policy loss."""
+    inv_s = 1.0 / s
     p_y = tl.exp(logp_y)
-    # the label's entry: [g_logp (1 - p_y) - g_H p_y (log p_y + H)] / T, its entropy term 0 where p_y = 0
+    # the label's entry: [g_logp (1 - p_y) - g_H p_y (log p_y + H)] / T, 1 - p_y without cancellation, its
+    # entropy term 0 where p_y = 0
     g_y = (g_logp * -expm1(logp_y) - g_ent * tl.where(p_y > 0, p_y * (logp_y + ent), 0.0)) * inv_temp
     # every other entry: dz_j = -[g_logp + g_H (log p_j + H)] p_j / T with p_j = 2^u_j / s, u_j = (x_j - max)·log2(e)/T
     # and log p_j = u_j ln 2 - log s, i.e. dz_j = 2^u_j (a + b u_j)
     a = -(g_logp + g_ent * (ent - log_s)) * inv_temp * inv_s
     b = -g_ent * 0.6931471805599453 * inv_temp * inv_s
     c = inv_temp * 1.4426950408889634  # log2(e) / T
-    label32 = tl.where(valid & in_range, label, -1).to(tl.int32)  # never equal to a column when out of range
     cols = tl.arange(0, BLOCK_V)  # [BLOCK_V]
     v_full = V - V % BLOCK_V
-    if valid:
-        for start in range(0, v_full, BLOCK_V):  # full blocks: no mask
+    if compute:
+        if REVERSE and v_full < V:
+            _dlogits_tail(row_ptr, out_ptr, v_full + cols, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)
+        for i in range(0, v_full, BLOCK_V):  # full blocks: no mask
+            if REVERSE:
+                start = v_full - BLOCK_V - i
+            else:
+                start = i
             offs = start + cols  # [BLOCK_V]
             x = tl.load(row_ptr + offs).to(tl.float32)  # [BLOCK_V]
             g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
             tl.store(out_ptr + offs, g)
-        if v_full < V:
-            offs = v_full + cols  # [BLOCK_V]
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
-            g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
-            tl.store(out_ptr + offs, g, mask=offs < V)
-    else:  # an ignored row: zeros, whatever its logits hold (they are never read)
+        if not REVERSE and v_full < V:
+            _dlogits_tail(row_ptr, out_ptr, v_full + cols, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)
+    else:  # an ignored row (or one with no gradient): zeros, whatever its logits hold (they are never read)
         zero = tl.zeros([BLOCK_V], dlogits_ptr.dtype.element_ty)  # [BLOCK_V]
         for start in range(0, V, BLOCK_V):
             offs = start + cols  # [BLOCK_V]
             tl.store(out_ptr + offs, zero, mask=offs < V)
+
+
+@jit
+def _dlogits_tail(row_ptr, out_ptr, offs, V, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl.constexpr):
+    """The last, partial block of a row's ``dlogits`` (columns ``offs`` [BLOCK_V], those < V exist)."""
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+    g = _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED)  # [BLOCK_V]
+    tl.store(out_ptr + offs, g, mask=offs < V)
 
 
 @jit
@@ -595,10 +632,15 @@ def _triton_forward(logits, labels, opt: LogprobsOptions):
 
 
 def _triton_backward(logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
+    return _triton_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entropy, opt)
+
+
+def _triton_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
+    """The backward kernel writing ``dlogits`` (contiguous, ``logits``' shape and dtype); returns it."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
-    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
     if N:
         lab = labels.reshape(-1).to(torch.int64).contiguous()  # [N]
         flat = lambda t: t.reshape(-1).to(torch.float32).contiguous()  # noqa: E731  [N]

@@ -40,12 +40,20 @@ def _sass_columns(r) -> str:
     return f"{ctas:2d} CTAs/SM  " + (f"{per_element:6.1f} SASS/elem  " if per_element else " " * 18)
 
 
+def _mma_columns(r) -> str:
+    """The pipelining depth, the wgmma shapes (HGMMA in the sm_90 SASS; '-' without) and the TMA loads."""
+    stages = getattr(r, "num_stages", 0)
+    shapes = "/".join(getattr(r, "wgmma_shapes", ())) or "-"
+    tma = getattr(r, "tma_loads", 0)
+    return f"s{stages}  wgmma {shapes:<10}  {f'{tma} UTMALDG' if tma else '':<10}  "
+
+
 def _aot_table(reports) -> str:
     lines = [f"Triton kernels compiled ahead of time: {len(reports)} (configuration x arch)"]
     for r in reports:
         lines.append(
             f"sm_{r.arch}  {r.registers:3d} regs  {r.spill_bytes:4d} B spilled  {r.shared_bytes:6d} B shared  "
-            f"loads {r.widest_load_bytes:2d} B  {'aligned  ' if r.aligned else 'unaligned'}  {_sass_columns(r)}{r.label}"
+            f"loads {r.widest_load_bytes:2d} B  {'aligned  ' if r.aligned else 'unaligned'}  {_sass_columns(r)}{_mma_columns(r)}{r.label}"
         )
     spilling = sum(1 for r in reports if r.spill_bytes)
     lines.append(f"{spilling} of {len(reports)} spill")

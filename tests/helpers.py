@@ -115,3 +115,17 @@ def on_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t if t.device == device else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
         for t in tensors
     )
+
+
+def recording_head(rows: list):
+    """A ``linear_logprobs`` stand-in for ``rlkernels.hf.response_logprobs(..., linear_logprobs=)`` that appends the
+    shape of every ``hidden`` [N, H] it is given to ``rows``, asserts no row is an ignored one, and computes the
+    real op: so a test sees which rows reach the head."""
+    import rlkernels
+
+    def recording(hidden, weight, labels, **kwargs):  # hidden [N, H], labels [N]
+        rows.append(tuple(hidden.shape))
+        assert bool((labels != -100).all())
+        return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
+
+    return recording

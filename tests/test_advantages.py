@@ -140,6 +140,29 @@ def test_gae_long_rows(backend, csrc_ops):
     check_gae(backend, r, v, m, 0.999, 0.95, 1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+def test_gae_masked_runs_across_chunks_and_blocks(backend, csrc_ops):
+    # The Triton kernel scans 16-token chunks inside 1024-token blocks (several rows per program when T is
+    # short), the CUDA kernel 8-token items inside 2048-token tiles: masked runs that cover whole chunks
+    # and cross block boundaries (1024 and 2048 here) must carry (A, V) through unchanged, and so must a block
+    # with no valid token.
+    gen = torch.Generator().manual_seed(11)
+    B, T = 2, 2048 + 48
+    r, v = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    m = torch.zeros(B, T, dtype=torch.bool)
+    m[0, :11] = m[0, 2080:] = True  # row 0: a hole from token 11 across the block boundary at 2048 to 2080
+    m[1, :40] = True  # row 1: the last block has no valid token at all
+    m[1, 1000:1003] = True
+    r[~m] = float("nan")
+    check_gae(backend, r, v, m, 0.99, 0.95, REL_TOL[torch.float32])
+    # several rows per program: 9 rows of 200 tokens, runs of 17-40 masked tokens
+    B, T = 9, 200
+    r, v = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    m = ((torch.arange(T)[None, :] + 7 * torch.arange(B)[:, None]) // 17 % 3 != 1) | (torch.arange(T) < 3)
+    r[~m] = float("nan")
+    check_gae(backend, r, v, m, 0.9, 0.8, REL_TOL[torch.float32])
+
+
 def test_gae_transparency_and_zero_rows(csrc_ops):
     # inserting masked tokens anywhere must not change the advantages of the valid ones
     gen = torch.Generator().manual_seed(6)
@@ -173,14 +196,35 @@ def check_group(backend, scores, group_size=None, index=None, mode="grpo", devic
 @pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
 def test_group_contiguous(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(7)
-    # 1-64: Triton's tile kernel (many groups per program, padded columns, a partial last tile); 1100: one program per group
-    for group_size in (1, 2, 5, 16, 64, 1100):
+    # 1-1100: Triton's tile kernel (many groups per program, padded columns, a partial last tile; one group of
+    # 1100 per program); 5000: one program per group, in a loop
+    for group_size in (1, 2, 5, 16, 64, 1100, 5000):
         scores = torch.randn(group_size * 6, generator=gen) * 3 + 1
         scores[group_size : 2 * group_size] = 0.7  # a constant group
         out = check_group(backend, scores, group_size, mode=mode, device=device)
         assert torch.all(out[group_size : 2 * group_size] == 0)
         if group_size == 1:
             assert torch.all(out == 0)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+def test_group_index_of_equal_groups(device, backend, mode, csrc_ops):
+    """Index-given groups of one size in shuffled order (GRPO's prompt ids): Triton's tile kernel gathers them
+    through the sorted permutation; a constant group gives 0, a NaN stays in its group."""
+    gen = torch.Generator().manual_seed(16)
+    for group_size, G in ((1, 7), (5, 300), (16, 9), (300, 5)):  # (5, 300): several programs and a partial tile
+        index = (torch.arange(G) * 7 - 3).repeat_interleave(group_size)[torch.randperm(G * group_size, generator=gen)]
+        scores = torch.randn(G * group_size, generator=gen) * 2 + 1  # [N]
+        const = index == index[0]
+        scores[const] = 0.7  # a constant group
+        out = check_group(backend, scores, index=index, mode=mode, device=device)
+        assert torch.all(out[const] == 0)
+        bad = index[-1].item()
+        if group_size > 1 and bad != index[0].item():
+            scores[-1] = float("nan")  # NaN in one group stays in that group
+            out = check_group(backend, scores, index=index, mode=mode, device=device)
+            assert torch.isnan(out[index == bad]).all() and not torch.isnan(out[index != bad]).any()
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
@@ -227,6 +271,36 @@ def test_masked_whiten(device, backend, dtype, shift_mean, csrc_ops):
         assert out.dtype == torch.float32 and out.shape == x.shape
         err = rel_error(out[mask], truth[mask])
         assert err <= REL_TOL[torch.float32] * (1 if shift_mean else 0.1), f"{backend}: rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
+@pytest.mark.parametrize("case", ["offset 1e6", "offset -3e5, empty prefix", "outlier first"])
+def test_masked_whiten_shifted_data_over_many_tiles(device, backend, case, csrc_ops):
+    """Float32 data far from 0 relative to its spread (1e6 + N(0, 1): a float32 mean is only known to ~0.03):
+    every backend whitens it as the float64 truth does, over enough elements for several tiles and programs
+    (and their merge); also with the first rows masked out (the first tiles hold no data) and with a masked-in
+    outlier first (a pivot far from the rest of the data). (Not the reference backend: its eager formulas in
+    float32 are off by ~5% at an offset of 1e6, which is why the kernels keep a pivot.)"""
+    gen = torch.Generator().manual_seed(15)
+    B, T = 40, 700  # 28000 elements: 7 tiles of the Triton whitening kernel, merged across 4 programs on CPU
+    noise = torch.randn(B, T, generator=gen, dtype=torch.float64)  # [B, T]
+    mask = torch.rand(B, T, generator=gen) < 0.8  # [B, T]
+    if case == "offset 1e6":
+        x = (1e6 + noise).float()
+    elif case == "offset -3e5, empty prefix":
+        x = (-3e5 + 0.5 * noise).float()
+        mask[:12] = False  # the first 8400 elements: two whole tiles
+    else:
+        x = (5.0 + noise).float()
+        x[0, 0], mask[0, 0] = 1e6, True
+    x[~mask] = float("nan")  # masked-out entries do not enter the statistics
+    # (with the outlier, shift_mean=False adds back a mean of ~45 to values that vary by ~1e-4: float32 output
+    # rounding, not the statistics, sets the error there)
+    for shift_mean in (True, False) if case != "outlier first" else (True,):
+        truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [B, T]
+        out = run_on(device, backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)  # [B, T]
+        err = rel_error(out[mask], truth[mask])
+        assert err <= REL_TOL[torch.float32], f"{backend} {case} shift_mean={shift_mean}: rel. error {err:.2e}"
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
@@ -616,3 +690,22 @@ def test_nvcc_compiles_cuda_sources(arch, tmp_path):
         usage = [line for line in result.stderr.splitlines() if "registers" in line or "spill" in line]
         print(f"sm_{arch} {src}:", *usage, sep="\n  ")
         assert not any(" 0 bytes spill" not in line for line in usage if "spill" in line), usage
+
+
+def test_group_kernels_triton_picks():
+    """Groups of one size, contiguous (up to 4096) or index-given, take the tile kernel (many groups per
+    program, one pass); unequal index-given groups and larger ones the per-group loop."""
+    pytest.importorskip("triton")
+    from rlkernels.testing.launches import count_launches
+
+    gen = torch.Generator().manual_seed(17)
+    cases = [
+        (dict(group_size=2048), 2 * 2048, "_group_tile_kernel"),
+        (dict(index=torch.arange(40).repeat_interleave(8)[torch.randperm(320, generator=gen)]), 320, "_group_tile_kernel"),
+        (dict(index=torch.arange(30) % 7), 30, "_group_kernel"),
+        (dict(group_size=5000), 2 * 5000, "_group_kernel"),
+    ]
+    for kwargs, N, kernel in cases:
+        with forced_backend("triton"), count_launches() as counted:
+            rlkernels.group_advantages(torch.randn(N, generator=gen), **kwargs)
+        assert [k for k in counted.launches if k.startswith("triton:")] == [f"triton:{kernel}"], (kwargs.keys(), counted.launches)

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import rlkernels
-from rlkernels import fused_policy
+from rlkernels import _backend, fused_policy
 from rlkernels import reference as ref
 from tests.helpers import DTYPES, assert_close_to_truth, devices, forced_backend, noncontiguous
 
-BACKENDS = ("torch", "reference")  # the ops' rows (no Triton row yet: RLKERNELS_BACKEND=triton keeps torch)
+BACKENDS = ("torch", "reference")  # the ops' CPU rows; the Triton rows (interpreter on CPU) have their own tests
+LOGITS_BACKENDS = BACKENDS + ("triton",)  # logits_policy_loss's rows: the Triton one is cheap under the interpreter
 AGGS = ref.AGG_MODES
 SCALAR_RTOL, SCALAR_ATOL = 1e-4, 1e-6
 
@@ -352,7 +353,7 @@ def test_return_entropy_reports_it_without_a_loss_term(backend):
     for g, p in zip(grads, plain_grads):
         torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-7)
     z = (x["hidden"] @ x["weight"].T + x["bias"]).requires_grad_()  # [B, T, V]
-    with forced_backend("reference" if backend == "reference" else "torch"):
+    with forced_backend(backend):
         _, l_metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
                                                     ref_logp=x["ref_logp"], return_entropy=True, **options)
     torch.testing.assert_close(l_metrics["entropy"].double(), t_metrics["entropy"], rtol=SCALAR_RTOL,
@@ -373,7 +374,7 @@ def test_on_policy_logits_policy_loss():
         return loss, torch.autograd.grad(loss, z)[0]
 
     t_loss, t_grad = truth()
-    for backend in BACKENDS:
+    for backend in LOGITS_BACKENDS:
         z = logits.clone().requires_grad_()
         with forced_backend(backend):
             loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], None, x["advantages"], x["mask"],
@@ -387,41 +388,161 @@ def test_on_policy_logits_policy_loss():
 # ---------------------------------------------------------------- logits_policy_loss
 
 
+def _logits_truth(logits, x, options, upstream, cast):
+    """Loss, metrics and d_logits of reference.logprobs then reference.policy_loss on ``cast(logits)`` (x's per-token
+    inputs; ``x["old_logp"]`` None: on-policy, old = the log-probs detached)."""
+    options = dict(options)
+    temperature = options.pop("temperature", 1.0)
+    ent_on = options.get("entropy_coef", 0.0) != 0 or options.pop("return_entropy", False)  # in the loss or logged
+    z = cast(logits).detach().requires_grad_()
+    out = ref.logprobs(z, x["labels"], temperature=temperature, return_entropy=ent_on)
+    logp, ent = out if ent_on else (out, None)
+    old = logp.detach() if x["old_logp"] is None else x["old_logp"].to(logp.dtype)
+    loss, metrics = ref.policy_loss(logp, old, x["advantages"].to(logp.dtype), x["mask"],
+                                    ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **options)
+    return loss, metrics, torch.autograd.grad(loss * upstream, z)[0], logp
+
+
+def _logits_fused(logits, x, options, upstream, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    z = logits.detach().requires_grad_()
+    with forced_backend(backend):
+        if backend == "triton":  # the Triton row itself serves the call (not a fallback to torch)
+            assert _backend.implementation(fused_policy._LOGITS_IMPLS, z) is fused_policy._logits_triton
+        loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                     ref_logp=x["ref_logp"], **options)
+        (grad,) = torch.autograd.grad(loss * upstream, z)
+    return loss, metrics, grad
+
+
+def _check_logits_against_truth(logits, x, options, dtype, backend, upstream):
+    """The op on ``logits`` (any layout) against the float64 truth of the rounded logits, forward and backward,
+    and against eager PyTorch in ``dtype``; the caller's logits untouched."""
+    before = logits.clone()
+    t_loss, t_metrics, t_grad, t_logp = _logits_truth(logits, x, options, upstream, lambda t: t.double())
+    _, _, e_grad, _ = _logits_truth(logits, x, options, upstream, lambda t: t)
+    loss, metrics, grad = _logits_fused(logits, x, options, upstream, backend)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    assert_close_to_truth(grad, t_grad, dtype, eager=e_grad, name="d_logits")
+    assert torch.equal(logits, before)  # the caller's logits are never written
+    return loss, metrics, grad
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 @pytest.mark.parametrize("options", OPTION_CASES[1:], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_logits_policy_loss_matches_float64_truth(device, dtype, backend, options):
     x = _inputs(3, 6, 8, 1000, seed=11, adv_per_seq=options.get("ratio") == "sequence", device=device)
     logits = (torch.randn(3, 6, 1000, generator=_gen(12)) * 2).to(dtype).to(device)  # [B, T, V]
-    options = dict(options, agg="seq-mean-token-sum")
-    temperature = options.pop("temperature", 1.0)
-    ent_on = options.get("entropy_coef", 0.0) != 0
-
-    def run(fn_logits, cast):
-        z = cast(logits).detach().requires_grad_()
-        out = ref.logprobs(z, x["labels"], temperature=temperature, return_entropy=ent_on)
-        logp, ent = out if ent_on else (out, None)
-        loss, metrics = ref.policy_loss(logp, x["old_logp"].to(logp.dtype), x["advantages"].to(logp.dtype), x["mask"],
-                                        ref_logp=x["ref_logp"].to(logp.dtype), entropy=ent, **options)
-        return loss, metrics, torch.autograd.grad(loss * upstream, z)[0]
-
     # 16-bit logits: the gradient is stored rounded in the forward, so only loss.backward()'s upstream 1 keeps it
     # to one rounding (documented in logits_policy_loss); float32 takes a random upstream
     upstream = 1.0 if dtype in (torch.bfloat16, torch.float16) else 0.8
-    t_loss, t_metrics, t_grad = run(None, lambda t: t.double())
-    _, _, e_grad = run(None, lambda t: t)
+    _check_logits_against_truth(logits, x, dict(options, agg="seq-mean-token-sum"), dtype, backend, upstream)
+
+
+LOGITS_TRITON_CASES = [  # (dtype, agg, V, layout, options): every agg mode, odd vocabularies, both ratios, on-policy
+    (torch.float32, "token-mean", 4097, "noncontiguous", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02,
+                                                             dual_clip=3.0, temperature=1.3)),
+    (torch.float16, "seq-mean-token-mean", 1000, "contiguous", dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1")),
+    (torch.bfloat16, "seq-mean-token-sum", 4097, "sliced", dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28,
+                                                              return_entropy=True)),
+    (torch.float32, "seq-mean-token-sum-norm", 1000, "noncontiguous", dict(ratio="sequence", entropy_coef=0.01,
+                                                                          kl_coef=0.05, norm_length=8.0)),
+    (torch.bfloat16, "token-mean", 1000, "contiguous", dict(ratio="sequence", clip_low=3e-4, clip_high=4e-4)),
+    (torch.float32, "seq-mean-token-mean", 1000, "on-policy", dict(entropy_coef=0.01, kl_coef=0.05)),
+]
+
+
+def _layout(logits, layout):
+    """``logits`` [B, T, V] as the caller may hold them: contiguous, strided along V, or a [:, :-1] slice."""
+    if layout == "noncontiguous":
+        return noncontiguous(logits)
+    if layout == "sliced":  # the usual logits[:, :-1]: rows at two strides, no copy needed
+        wide = torch.randn(logits.shape[0], logits.shape[1] + 1, logits.shape[2], generator=_gen(3)).to(logits.dtype)
+        wide[:, :-1] = logits
+        return wide[:, :-1]
+    return logits
+
+
+@pytest.mark.parametrize("dtype, agg, V, layout, options", LOGITS_TRITON_CASES,
+                         ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
+                         ",".join(f"{k}={v}" for k, v in o.items()))
+def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V, layout, options, monkeypatch):
+    """The Triton row (one kernel for ratio=token; the logprobs kernels around the policy loss for GSPO) under
+    the interpreter: against the float64 truth of the rounded logits and against the torch row, which must agree
+    on the loss and every metric to float32 rounding. V = 4097 runs at the small tile (1024-wide blocks): four
+    full blocks and a partial one, so both passes' loops (the second one backwards) run several iterations."""
+    pytest.importorskip("triton")
+    if V > fused_policy._sm._SMALL_V.block_v:
+        monkeypatch.setattr(fused_policy._sm, "_launch_config", lambda V: fused_policy._sm._SMALL_V)
+    B, T = 3, 5
+    x = _inputs(B, T, 8, V, seed=zlib.crc32(f"{agg}{V}".encode()) % 1000, adv_per_seq=options.get("ratio") == "sequence")
+    x["labels"][1, 2] = -100  # a masked-in ignored label: log-prob 0, no gradient
+    x["mask"][1, 2] = True
+    if layout == "on-policy":
+        x["old_logp"] = None
+    logits = _layout((torch.randn(B, T, V, generator=_gen(V)) * 2).to(dtype), layout)  # [B, T, V]
+    options = dict(options, agg=agg)
+    upstream = 1.0 if dtype != torch.float32 else 1.4
+    loss, metrics, grad = _check_logits_against_truth(logits, x, options, dtype, "triton", upstream)
+    assert torch.count_nonzero(grad[1, 2]) == 0 and torch.count_nonzero(grad[~x["mask"]]) == 0
+    t_loss, t_metrics, t_grad = _logits_fused(logits, x, options, upstream, "torch")
+    torch.testing.assert_close(loss, t_loss, rtol=1e-5, atol=1e-7)
+    assert set(metrics) == set(t_metrics)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    if layout == "on-policy":
+        assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
+
+
+@pytest.mark.parametrize("backend", ("torch", "triton"))
+def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend):
+    """loss.backward() hands the stored d_logits out as they are (no [B, T, V] copy); with the graph retained,
+    .grad accumulation copies them, so two backward passes give exactly twice the gradient and a third pass
+    still sees the stored one unchanged; an upstream other than 1 scales it."""
+    x = _inputs(2, 3, 8, 90, seed=5)
+    logits = torch.randn(2, 3, 90, generator=_gen(6))  # [B, T, V]
+    _, _, g1 = _logits_fused(logits, x, dict(kl_coef=0.1), 1.0, backend)
     z = logits.clone().requires_grad_()
     with forced_backend(backend):
-        loss, metrics = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
-                                                     ref_logp=x["ref_logp"], temperature=temperature, **options)
-        (grad,) = torch.autograd.grad(loss * upstream, z)
-    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
-    for k, v in t_metrics.items():
-        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
-    assert grad.dtype == dtype
-    assert_close_to_truth(grad, t_grad, dtype, eager=e_grad, name="d_logits")
-    assert torch.equal(z.detach(), logits)  # the caller's logits are never written
+        loss, _ = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                               ref_logp=x["ref_logp"], kl_coef=0.1)
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    assert torch.equal(z.grad, 2 * g1)
+    (again,) = torch.autograd.grad(loss, z, retain_graph=True)
+    (twice,) = torch.autograd.grad(loss, z, retain_graph=True)
+    assert torch.equal(again, g1) and twice.data_ptr() == again.data_ptr()  # the stored tensor, not a copy
+    (scaled,) = torch.autograd.grad(loss * -0.5, z)
+    torch.testing.assert_close(scaled, -0.5 * g1)
+
+
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_logits_empty_mask_and_empty_batch(backend, ratio):
+    """An all-zero mask: loss 0, finite metrics, d_logits exactly 0 (every agg mode's weights are 0 or finite); an
+    empty batch: loss 0 and an empty gradient."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    x = _inputs(3, 4, 8, 70, seed=3)
+    x["mask"] = torch.zeros(3, 4, dtype=torch.bool)
+    logits = torch.randn(3, 4, 70, generator=_gen(4))  # [B, T, V]
+    for agg in AGGS:
+        loss, metrics, grad = _logits_fused(logits, x, dict(agg=agg, ratio=ratio, entropy_coef=0.1, kl_coef=0.1), 1.0,
+                                            backend)
+        assert float(loss) == 0.0, agg
+        assert torch.count_nonzero(grad) == 0, agg
+        assert all(torch.isfinite(v).all() for v in metrics.values()), agg
+    x = {k: v[:0] for k, v in x.items()}
+    loss, _, grad = _logits_fused(logits[:0], x, dict(ratio=ratio), 1.0, backend)
+    assert float(loss) == 0.0 and grad.shape == (0, 4, 70)
 
 
 # ---------------------------------------------------------------- Triton row (interpreter on CPU)
@@ -464,13 +585,15 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_aot_compiles_every_config_without_spills(arch):
-    """Both Triton kernels, every dtype (and bias on/off for kernel 1), build for sm_80/sm_90 with no register
-    spills; kernel 1's 16-bit GEMM runs on the tensor cores."""
+    """Every Triton kernel, every dtype (and bias on/off for linear's kernel 1; logits_policy_loss's kernel at both
+    logprobs tiles and its flag sets), builds for sm_80/sm_90 with no register spills; linear's kernel 1 runs its
+    16-bit GEMM on the tensor cores."""
     pytest.importorskip("triton")
     from rlkernels.testing.aot import compile_config
 
     configs = fused_policy.aot_configs()
-    assert len(configs) == 9  # 3 dtypes x (kernel 1 with and without bias, kernel 2)
+    # 3 dtypes x (kernel 1 with and without bias, kernel 2) + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
+    assert len(configs) == 9 + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from rlkernels import hf  # noqa: E402
 from rlkernels.hf import response_logprobs, smollm2_gguf  # noqa: E402
-from tests.helpers import assert_close_to_truth, devices, forced_backend, on_device  # noqa: E402
+from tests.helpers import assert_close_to_truth, devices, forced_backend, on_device, recording_head  # noqa: E402
 
 V = 97  # odd vocabulary
 
@@ -322,17 +322,10 @@ def test_position_ids_of_left_padded_prompts(kind):
 
 def test_only_response_positions_reach_the_head():
     """The head's kernel sees the scored positions only (N rows), and the result equals scoring every position."""
-    import rlkernels
-
     model = _tiny("llama", False)
     ids, am, rm = _batch()
     rows = []
-
-    def recording(hidden, weight, labels, **kwargs):  # hidden [N, H]
-        rows.append(tuple(hidden.shape))
-        assert bool((labels != -100).all())
-        return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
-
+    recording = recording_head(rows)
     with torch.no_grad(), forced_backend("torch"):
         logp, ent = response_logprobs(model, ids, am, rm, return_entropy=True, linear_logprobs=recording)
         want_lp, want_ent, lp_bound, ent_bound = _head_truth(model, ids, am, rm, 1.0)

@@ -601,7 +601,7 @@ def test_aot_compile_every_config(arch):
 
     configs = losses.aot_configs()
     labels = {c.label for c in configs}
-    assert len(labels) == len(configs) == 4 * 2 + 5 * 2 * 2 + 2
+    assert len(labels) == len(configs) == 4 * 2 + 5 * 2 * 2 + 2 + 2 * 4 + 3  # kl, policy, value, reduce, scale
     for config in configs:
         report = compile_config(config, arch)
         print(report)
@@ -715,3 +715,68 @@ def test_backend_is_resolved_at_run_time_inside_the_op(monkeypatch):
     with forced_backend("triton"):
         step(*[a.double() if a.is_floating_point() else a for a in args])
     assert calls == ["torch"] * 3 + ["triton"] * 3 + ["torch"] * 3
+
+
+# ---------------------------------------------------------------- launches on CUDA
+
+
+def test_launch_counter_counts_kernels_not_views():
+    """The counter sees an elementwise op, a reduction and a fill, and no view, select or allocation."""
+    from rlkernels.testing.launches import count_launches
+
+    x = torch.randn(4, 6)
+    with count_launches() as counted:
+        y = x.view(24)[3:].unsqueeze(0).expand(2, 21)  # views only
+        z = torch.empty(5)  # no kernel on CUDA
+        s = (y + 1.0).sum()  # 2 kernels
+        zeros = torch.zeros(3)  # a fill
+    assert z.shape == (5,) and s.dim() == 0 and zeros.shape == (3,)
+    assert counted.launches == ["aten.add.Tensor", "aten.sum.default", "aten.zero_.default"] or \
+        counted.launches == ["aten.add.Tensor", "aten.sum.default", "aten.zeros.default"], counted.launches
+
+
+LAUNCH_CASES = [(agg, ratio, mask_kind) for agg in losses.AGG_MODES for ratio in ref.RATIO_MODES
+                for mask_kind in ("bool", "float")]
+
+
+@pytest.mark.parametrize("agg,ratio,mask_kind", LAUNCH_CASES)
+def test_policy_loss_launches_at_most_3_forward_1_backward(agg, ratio, mask_kind):
+    """One policy_loss call with every term (KL, entropy, dual clip) is at most 3 kernel launches forward
+    (the loss kernel, the reduction epilogue, and the comparison of a non-bool mask with 0) and exactly one
+    backward, counted on the Triton path (interpreted on CPU tensors) as CUDA would launch them."""
+    pytest.importorskip("triton")
+    from rlkernels.testing.launches import count_launches
+
+    inputs = _policy_inputs(4, 1100, torch.float32, seed=31, mask_kind=mask_kind)  # two token blocks per row
+    leaves = {k: inputs[k].detach().requires_grad_() for k in GRAD_NAMES}
+    upstream = torch.full((), 1.5)
+    with forced_backend("triton"):
+        with count_launches() as fwd:
+            loss, metrics = rlkernels.policy_loss(
+                leaves["logp"], inputs["old_logp"], inputs["advantages"], inputs["mask"], ref_logp=leaves["ref_logp"],
+                entropy=leaves["entropy"], clip_low=0.2, clip_high=0.28, dual_clip=3.0, ratio=ratio, kl_coef=0.1,
+                entropy_coef=0.01, agg=agg)
+        with count_launches() as bwd:
+            grads = torch.autograd.grad(loss, [leaves[k] for k in GRAD_NAMES], upstream)
+    assert len(fwd.launches) <= 3, fwd.launches
+    assert len(bwd.launches) == 1, bwd.launches
+    assert all(g.shape == (4, 1100) for g in grads) and set(metrics) == set(losses.POLICY_METRICS)
+    if mask_kind == "bool":
+        assert len(fwd.launches) == 2, fwd.launches
+
+
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+def test_value_loss_launches_2_forward_1_backward(agg):
+    pytest.importorskip("triton")
+    from rlkernels.testing.launches import count_launches
+
+    v, old, ret, m = _value_inputs(4, 1100, torch.float32, seed=32)
+    leaf = v.detach().requires_grad_()
+    upstream = torch.full((), 1.5)
+    with forced_backend("triton"):
+        with count_launches() as fwd:
+            loss, _ = rlkernels.value_loss(leaf, old, ret, m.bool(), clip=0.2, agg=agg)
+        with count_launches() as bwd:
+            torch.autograd.grad(loss, [leaf], upstream)
+    assert len(fwd.launches) == 2, fwd.launches
+    assert len(bwd.launches) == 1, bwd.launches

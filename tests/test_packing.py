@@ -13,7 +13,7 @@ import torch
 import rlkernels
 from rlkernels import packing
 from rlkernels import reference as ref
-from tests.helpers import assert_close_to_truth, forced_backend
+from tests.helpers import assert_close_to_truth, forced_backend, recording_head
 
 LENGTHS = [5, 1, 0, 9, 4]  # an empty sequence and a one-token one among them
 CU = torch.tensor([0, 5, 6, 6, 15, 19])  # [S + 1]
@@ -205,18 +205,26 @@ def _sequences(seed=7):
     return ids, rms
 
 
+def _scored(logits, x, rm):
+    """One sequence's float64 log-probs and entropies from its logits [n-1, V] predicting x[1:]: [n] each, 0 at
+    its first token (nothing predicts it) and wherever the response mask rm [n] is 0."""
+    logp_all = torch.log_softmax(logits, -1)  # [n-1, V]
+    lp = logp_all.gather(-1, x[1:, None]).squeeze(-1)  # [n-1]
+    ent = -(logp_all.exp() * logp_all).sum(-1)  # [n-1]
+    keep = rm[1:].bool()  # [n-1]
+    return (torch.cat([lp.new_zeros(1), torch.where(keep, lp, 0.0)]),
+            torch.cat([ent.new_zeros(1), torch.where(keep, ent, 0.0)]))
+
+
 def _alone_truth(model, ids, rms):
     """Each sequence alone through the float64 model's own logits: [total] log-probs and entropies."""
     m64 = __import__("copy").deepcopy(model).double()
     logps, ents = [], []
     with torch.no_grad():
         for x, rm in zip(ids, rms):
-            logp_all = torch.log_softmax(m64(input_ids=x[None]).logits[0, :-1], -1)  # [n-1, V]
-            lp = logp_all.gather(-1, x[1:, None]).squeeze(-1)  # [n-1]
-            ent = -(logp_all.exp() * logp_all).sum(-1)  # [n-1]
-            keep = rm[1:].bool()
-            logps.append(torch.cat([lp.new_zeros(1), torch.where(keep, lp, 0.0)]))
-            ents.append(torch.cat([ent.new_zeros(1), torch.where(keep, ent, 0.0)]))
+            lp, ent = _scored(m64(input_ids=x[None]).logits[0, :-1], x, rm)  # [n] each
+            logps.append(lp)
+            ents.append(ent)
     return torch.cat(logps)[None], torch.cat(ents)[None]  # [1, total] x2
 
 
@@ -229,12 +237,9 @@ def _alone_head_truth(model, ids, rms):
     with torch.no_grad():
         for x, rm in zip(ids, rms):
             h = model.base_model(input_ids=x[None], use_cache=False).last_hidden_state[0, :-1].double()  # [n-1, H]
-            logp_all = torch.log_softmax(h @ weight.T, -1)  # [n-1, V]
-            lp = logp_all.gather(-1, x[1:, None]).squeeze(-1)  # [n-1]
-            ent = -(logp_all.exp() * logp_all).sum(-1)  # [n-1]
-            keep = rm[1:].bool()
-            logps.append(torch.cat([lp.new_zeros(1), torch.where(keep, lp, 0.0)]))
-            ents.append(torch.cat([ent.new_zeros(1), torch.where(keep, ent, 0.0)]))
+            lp, ent = _scored(h @ weight.T, x, rm)  # [n] each
+            logps.append(lp)
+            ents.append(ent)
     return torch.cat(logps)[None], torch.cat(ents)[None]  # [1, total] x2
 
 
@@ -287,12 +292,7 @@ def test_only_response_rows_reach_the_head_packed():
     rms = [torch.ones_like(x) for x in ids]  # everything "response", first tokens included
     cu = torch.tensor([0, *torch.tensor([x.numel() for x in ids]).cumsum(0).tolist()])  # [S + 1]
     rows = []
-
-    def recording(hidden, weight, labels, **kwargs):  # hidden [N, H]
-        rows.append(tuple(hidden.shape))
-        assert bool((labels != -100).all())
-        return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
-
+    recording = recording_head(rows)
     with torch.no_grad(), forced_backend("torch"):
         logp = hf.response_logprobs(model, torch.cat(ids)[None], None, torch.cat(rms)[None], cu_seqlens=cu,
                                     linear_logprobs=recording)  # [1, total]

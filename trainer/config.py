@@ -158,6 +158,8 @@ class TrainConfig:
     """PPO value-loss aggregation, the modes of agg: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
     critic_init: str = "policy"
     """PPO critic start: 'policy' (the policy's backbone, or critic_model, with a zero value head) or 'reward' (the reward model's full weights, backbone and score head, as InstructGPT did; needs a reward-model directory with the policy's vocabulary as reward)."""
+    rule_reward: str = ""
+    """A registered rule ('exact', 'format', 'exact_format' or 'steps') also scored on every rollout and logged as reward/rule (its mean; with 'steps' the mean step reward), with reward_rule_first_fifth / reward_rule_last_fifth in summary.json; it never enters the advantages. For watching the task's true score while training on a reward model (see trainer/reward_model.py). Empty: none."""
 
     # --- issue 15: process/EOS/recipes ---
     recipe: str = ""
@@ -333,6 +335,11 @@ class TrainConfig:
         why = check_reward_spec(self.reward)
         if why:
             self._bad("reward", why)
+        if self.rule_reward:
+            from .rewards import REWARDS
+
+            if self.rule_reward not in REWARDS:
+                self._bad("rule_reward", f"must be empty or one of {sorted(REWARDS)}")
 
     def _check_device(self) -> None:
         if not (self.device in ("cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):

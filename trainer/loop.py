@@ -30,7 +30,7 @@ from . import distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
 from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
-from .rewards import RewardModel, load_reward
+from .rewards import REWARDS, RewardModel, load_reward
 
 
 class NonFiniteError(RuntimeError):
@@ -510,6 +510,12 @@ class Trainer:
         }
         if batch.raw_scores is not None:
             metrics["reward/normalized_mean"] = float(batch.scores.mean())
+        if self.cfg.rule_reward:  # the task's rule, logged only (e.g. the true score under a reward model)
+            raw_rule = process.call_reward(REWARDS[self.cfg.rule_reward], batch.prompts, batch.completions,
+                                           batch.answers, batch.eos, batch.labels, self.tokenizer)
+            rule, rule_steps = process.parse_rewards(raw_rule, batch.mask.long().sum(-1))  # [B]: mean step reward with steps
+            metrics["reward/rule"] = float(rule.mean())
+            metrics["reward/rule_solved"] = float(process.solved(rule, rule_steps).float().mean())
         if batch.kl_seq is not None:  # without a reference model there is no KL to report (it is not 0)
             metrics["policy/kl_seq"] = float(batch.kl_seq.mean())
         if self.cfg.algo == "ppo" or self.cfg.kl_target is not None:
@@ -699,6 +705,9 @@ class Trainer:
             "reward_first_fifth": sum(rewards[:fifth]) / fifth if rewards else float("nan"),
             "reward_last_fifth": sum(rewards[-fifth:]) / fifth if rewards else float("nan"),
             "solved_last_fifth": sum(r["reward/solved"] for r in rows[-fifth:]) / fifth if rows else float("nan"),
+            **({"reward_rule_first_fifth": sum(r["reward/rule"] for r in rows[:fifth]) / fifth,
+                "reward_rule_last_fifth": sum(r["reward/rule"] for r in rows[-fifth:]) / fifth}
+               if rows and "reward/rule" in rows[0] else {}),
             "output_dir": str(self.out),
         }
         if self.rank == 0:

@@ -45,6 +45,7 @@ class KernelConfig:
     # elements (tokens, scores, logits) one program handles per iteration of its main loop, or per program
     # when the kernel has no loop; 0: no per-element instruction count for this configuration
     elements: int = 0
+    archs: tuple = (80, 90)  # the targets the launcher may run it on (a Hopper-only kernel lists 90 only)
 
     @property
     def label(self) -> str:
@@ -70,6 +71,14 @@ class CompileReport:
     loop_instructions: int = 0  # SASS instructions in the main loop body (all outermost loops), or the whole kernel
     elements_per_thread: float = 0.0  # elements one thread handles per loop iteration (0: not given)
     ctas_per_sm: int = 0  # resident CTAs per SM (registers, warps, shared memory)
+    num_stages: int = 0  # the software-pipelining depth the configuration asked for (Triton's num_stages)
+    wgmma_shapes: tuple = ()  # distinct HGMMA shapes in the SASS, "MxNxK" (sm_90 wgmma; empty: none)
+    tma_loads: int = 0  # UTMALDG (TMA tensor loads) in the SASS
+
+    @property
+    def wgmma_n(self) -> int:
+        """The widest wgmma N in the SASS (0: no HGMMA)."""
+        return max((int(shape.split("x")[1]) for shape in self.wgmma_shapes), default=0)
 
     @property
     def instructions_per_element(self) -> float:
@@ -81,7 +90,9 @@ class CompileReport:
         return (
             f"sm_{self.arch} {self.label}{' aligned' if self.aligned else ''}: {self.registers} regs, "
             f"{self.spill_bytes} B spilled/local, {self.shared_bytes} B shared, loads up to {self.widest_load_bytes} B, "
-            f"{self.ctas_per_sm} CTAs/SM{per_element}"
+            f"{self.ctas_per_sm} CTAs/SM{per_element}, {self.num_stages} stages"
+            + (f", HGMMA {'/'.join(self.wgmma_shapes)}" if self.wgmma_shapes else "")
+            + (f", {self.tma_loads} UTMALDG" if self.tma_loads else "")
         )
 
 
@@ -135,6 +146,15 @@ def main_loop_instructions(sass: str) -> int:
         return sum(sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in outer)
     exits = [a for a, text, _ in rows if re.search(r"\bEXIT\b", text)]
     return sum(1 for a, _, _ in rows if a <= max(exits, default=-1))
+
+
+_HGMMA = re.compile(r"\bHGMMA\.(\d+x\d+x\d+)")
+
+
+def wgmma_shapes(sass: str) -> tuple[str, ...]:
+    """The distinct ``HGMMA`` (wgmma) shapes of an ``nvdisasm`` listing, ``"MxNxK"``, sorted by N then M."""
+    shapes = set(_HGMMA.findall(sass))
+    return tuple(sorted(shapes, key=lambda s: tuple(int(x) for x in s.split("x"))[1::-1]))
 
 
 def ctas_per_sm(arch: int, registers: int, num_warps: int, shared_bytes: int) -> int:
@@ -222,5 +242,8 @@ def _compile(config: KernelConfig, arch: int, aligned: bool) -> CompileReport:
         loop_instructions=main_loop_instructions(sass),
         elements_per_thread=config.elements / (32 * config.num_warps),
         ctas_per_sm=ctas_per_sm(arch, registers, config.num_warps, shared),
+        num_stages=config.num_stages,
+        wgmma_shapes=wgmma_shapes(sass),
+        tma_loads=len(re.findall(r"\bUTMALDG\b", sass)),
     )
     return report

@@ -1,0 +1,87 @@
+"""bench/model.py: the roofline model of linear_logprobs runs, its numbers are self-consistent, and its kernel facts
+are the launcher's."""
+import math
+
+import pytest
+import torch
+
+from bench import model
+
+
+def test_prints_every_device_and_size(capsys):
+    assert model.main([]) == 0
+    out = capsys.readouterr().out
+    for device in model.DEVICES.values():
+        for V in model.VOCABS:
+            assert f"{device.name}  N={model.N_TOKENS} H={model.HIDDEN} V={V} bf16" in out
+    assert out.count("  forward ") == 5 * len(model.DEVICES) * len(model.VOCABS)  # split, tma (3 ways), cublas
+
+
+@pytest.mark.parametrize("p", model.predictions(), ids=lambda p: f"{p['device']}-V{p['V']}")
+def test_predictions_are_self_consistent(p):
+    device = next(d for d in model.DEVICES.values() if d.name == p["device"])
+    one = model.one_gemm_s(p["N"], p["H"], p["V"], device) * 1e3
+    assert p["one_gemm_ms"] == pytest.approx(one) and p["four_gemms_ms"] == pytest.approx(4 * one)
+    # one GEMM: 2 N H V FLOPs at cuBLAS's measured fraction of the peak
+    assert one == pytest.approx(2 * p["N"] * p["H"] * p["V"] / (device.peak_tflops * 1e12 * device.gemm_efficiency) * 1e3)
+    for kind, fwd in p["forward_ms"].items():
+        assert p["fwd_bwd_ms"][kind] == pytest.approx(fwd + sum(p["backward_ms"].values()))
+        assert p["fwd_bwd_vs_four_gemms"][kind] == pytest.approx(p["fwd_bwd_ms"][kind] / p["four_gemms_ms"])
+        assert fwd >= one  # nothing beats one GEMM at cuBLAS's rate
+        # every input read at least once
+        assert p["forward_gb"][kind] * 1e9 >= (p["N"] + p["V"]) * p["H"] * 2
+    assert p["backward_ms"]["dh"] >= one and p["backward_ms"]["dW"] >= one
+    # the persistent grouped grid reads hidden once instead of once per vocabulary tile
+    assert p["forward_gb"]["tma"] < p["forward_gb"]["split"] / 4
+
+
+def test_wider_wgmma_is_no_slower_and_capped_at_cublas():
+    d = model.DEVICES["H100"]
+    assert model.wgmma_efficiency(64, d) == pytest.approx(model.TRITON_EFF_N64)
+    effs = [model.wgmma_efficiency(n, d) for n in (64, 128, 256)]
+    assert effs == sorted(effs) and effs[-1] <= d.gemm_efficiency
+
+
+def test_faster_memory_never_predicts_a_slower_forward():
+    h100, h200 = model.DEVICES["H100"], model.DEVICES["H200"]
+    same_tensor_rate = model.Device("H200 at H100's GEMM rate", h200.peak_tflops, h200.hbm_tbps, h200.l2_mb,
+                                    gemm_efficiency=h100.gemm_efficiency, copy_efficiency=h200.copy_efficiency)
+    for kind in ("split", "tma", "cublas"):
+        assert model.forward_s(kind, 8192, 4096, 128256, same_tensor_rate) <= model.forward_s(kind, 8192, 4096, 128256, h100)
+
+
+def test_measured_ceilings_make_a_device():
+    d = model.device_from_ceilings("H100 measured", matmul_tflops=798.0, copy_gbps=3000.0)
+    assert d.gemm_efficiency == pytest.approx(798 / 989) and d.hbm_bps == pytest.approx(3.0e12)
+    assert math.isclose(model.predict(d)["one_gemm_ms"], model.predict(model.DEVICES["H100"])["one_gemm_ms"])
+
+
+def test_kernel_facts_are_the_launchers():
+    """The model's tiles are the ones rlkernels.fused_linear launches (a change there must be carried here)."""
+    from rlkernels import fused_linear as fl
+
+    t, tb, tma = fl._tiles(torch.bfloat16), fl._tiles(torch.bfloat16, backward=True), fl._TMA_TILES
+    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma), ("tma 2cta", fl._TMA_TILES_2CTA)):
+        k = model.KERNELS[key]
+        assert (k.block_n, k.block_v, k.block_k) == (tiles.block_n, tiles.block_v, tiles.block_k), key
+        assert k.group_n == getattr(tiles, "group_n", 0), key
+    assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
+    assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
+    assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
+
+
+def test_gpu_record_puts_the_prediction_next_to_the_measurement():
+    """bench/gpu.py: the model at a run's measured ceilings, rendered beside the measured rows of the same shape."""
+    from bench import gpu
+
+    preds = gpu.model_at_ceilings({"device": "NVIDIA H200", "matmul_tflops": 788.0, "copy_gbps": 4300.0})
+    assert [p["V"] for p in preds] == list(model.VOCABS) and "H200" in preds[0]["device"]
+    shape = f"N={model.N_TOKENS} H={model.HIDDEN} V={model.VOCABS[0]} bfloat16"
+    rows = [{"op": "linear_logprobs fwd", "shape": shape, "provider": "rlkernels fwd tma", "median_ms": 12.345},
+            {"op": "linear_logprobs fwd+bwd", "shape": shape, "provider": "rlkernels", "median_ms": 54.321}]
+    lines = gpu._model_lines({"model": preds, "bench": {"rows": rows}})
+    tma = next(line for line in lines if line.startswith(f"| {shape} | forward tma |"))
+    assert tma.endswith(f"| {preds[0]['forward_ms']['tma']:.2f} | 12.35 |")
+    both = next(line for line in lines if line.startswith(f"| {shape} | fwd+bwd"))
+    assert both.endswith("| 54.32 |")
+    assert gpu._model_lines({}) == []
