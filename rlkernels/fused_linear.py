@@ -42,7 +42,10 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
   (float64 for float64 inputs), recomputing logits in backward (the same GEMM
-  call on the same tiles, so the same bits).
+  call on the same tiles, so the same bits). The tiles are shared out to
+  ``torch.get_num_threads()`` single-threaded workers (``rlkernels._cpu_workers``):
+  thousands of small two-thread ops each waited for a descheduled thread on a
+  loaded machine (2.8x slower beside one busy process); the workers meet once.
 
 Labels of any integer dtype are checked (CPU) and widened to int64 before any
 backend runs; tokens labelled ``ignore_index`` are dropped before any backend runs (both ops
@@ -73,11 +76,12 @@ with autograd -> public function.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from rlkernels import _backend, _checks, reference
+from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
 from rlkernels._triton import cdiv, jit, tl
@@ -430,6 +434,7 @@ _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): se
 _DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
 _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
+_TORCH_PARTIAL_ELEMS = 1 << 22  # the torch forward's per-(vocabulary chunk, row) partials of a group of rows
 
 
 def _tiles(dtype: torch.dtype, backward: bool = False) -> _Tiles:
@@ -883,10 +888,12 @@ def _logits_into(z, h_c, w_c, b_c, inv_t):
 
 
 def _partials_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
-    """Chunked over tokens and vocabulary; per tile: GEMM, max, subtract, exp, sum (and Σ e·d for the entropy), the
-    vocabulary chunks' partials merged by :func:`lse_merge`. Returns ``[4, N]`` rows ``(m, s, u, z_y)`` in the
-    compute dtype: row max, ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` (zeros without ``opt.return_entropy``: not
-    computed) and the label's logit (0 for a label outside ``[0, V)``)."""
+    """Tiled over tokens and vocabulary; per tile: GEMM, max, subtract, exp, sum (and Σ e·d for the entropy), the
+    vocabulary chunks' partials merged by :func:`lse_merge`. The tiles are shared out to single-threaded workers
+    (:mod:`rlkernels._cpu_workers`) as they come free: each tile's partials have their own slot, so the result does
+    not depend on which worker took it. Returns ``[4, N]`` rows ``(m, s, u, z_y)`` in the compute dtype: row max,
+    ``Σ exp(z - m)``, ``Σ exp(z - m)(z - m)`` (zeros without ``opt.return_entropy``: not computed) and the label's
+    logit (0 for a label outside ``[0, V)``)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
@@ -897,47 +904,58 @@ def _partials_torch(hidden, weight, labels, bias, opt: LinearLogprobsOptions) ->
     b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
     rows, vchunk = _torch_chunks(N, V)
     S = cdiv(V, vchunk)
-    last = V - (S - 1) * vchunk  # width of the last vocabulary chunk
-    out = torch.zeros(4, N, dtype=cdt, device=dev)  # [4, N] m, s, u, z_y
-    zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
-    ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if opt.return_entropy else None
-    part = torch.empty(4, S, rows, dtype=cdt, device=dev)  # per vocabulary chunk: max, Σ e, Σ e·d, z at the label's column
+    h = hidden.to(cdt)  # [N, H] (a view for float32)
     in_range = (labels >= 0) & (labels < V)  # [N]
     safe = torch.where(in_range, labels, torch.zeros_like(labels))  # [N]
-    for r0 in range(0, N, rows):
-        r1 = min(N, r0 + rows)
-        n = r1 - r0
-        h_c = hidden[r0:r1].to(cdt)  # [n, H]
-        chunk_of_y = torch.div(safe[r0:r1], vchunk, rounding_mode="floor")  # [n]
-        col = (safe[r0:r1] - chunk_of_y * vchunk)[:, None]  # [n, 1] label's column within its chunk
-        col_last = col.clamp(max=last - 1)  # stays inside the narrower last chunk
-        p_m, p_s, p_u, p_z = (x[:, :n] for x in part.unbind(0))  # each [S, n]
-        for j in range(S):
-            v0 = j * vchunk
-            v1 = min(V, v0 + vchunk)
-            # a 16-bit weight is widened one chunk at a time (no weight-sized float32 copy); float32: a view
-            z = _logits_into(zbuf[: n * (v1 - v0)].view(n, v1 - v0), h_c, weight[v0:v1].to(cdt),
-                             None if b is None else b[v0:v1], inv_t)  # [n, vc]
-            torch.gather(z, 1, col if j < S - 1 else col_last, out=p_z[j].unsqueeze(1))
-            torch.amax(z, 1, out=p_m[j])
-            # a chunk whose logits are all -inf (a masked block of the vocabulary) gets a finite
-            # max, so that z - max is -inf (p = 0) rather than -inf - -inf = NaN; NaN stays NaN
-            torch.clamp(p_m[j], min=lowest, out=p_m[j])
-            z.sub_(p_m[j].unsqueeze(1))  # d = z - max
-            if opt.return_entropy:
-                e = torch.exp(z, out=ebuf[: z.numel()].view_as(z))  # [n, vc]
-                torch.sum(e, 1, out=p_s[j])
-                # Σ e·d (in place: vecdot would allocate the product). e·d is NaN only where
-                # d = -inf (e = 0: p log p counts 0 there); a NaN logit already makes the row's
-                # max and Σ e NaN, so skipping NaN here hides nothing
-                torch.nansum(e.mul_(z), 1, out=p_u[j])
-            else:
-                torch.sum(z.exp_(), 1, out=p_s[j])
+    chunk_of_y = torch.div(safe, vchunk, rounding_mode="floor")  # [N] the label's vocabulary chunk
+    col = (safe - chunk_of_y * vchunk)[:, None]  # [N, 1] its column within that chunk
+    out = torch.zeros(4, N, dtype=cdt, device=dev)  # [4, N] m, s, u, z_y
+    # the partials of a group of rows: per vocabulary chunk max, Σ e, Σ e·d, z at the label's column
+    group = min(max(N, 1), max(rows, _TORCH_PARTIAL_ELEMS // (4 * S) // rows * rows))
+    part = torch.zeros(4, S, group, dtype=cdt, device=dev)  # [4, S, group]
+    for g0 in range(0, N, group):
+        g1 = min(N, g0 + group)
+        starts = range(g0, g1, rows)
+        tiles = itertools.count()  # tile t: vocabulary chunk t // len(starts), rows starts[t % len(starts)]
+
+        def work(_worker):
+            zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
+            ebuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if opt.return_entropy else None
+            j_held, w_j = -1, None
+            while (t := next(tiles)) < S * len(starts):
+                j, k = divmod(t, len(starts))
+                r0 = starts[k]
+                r1 = min(g1, r0 + rows)
+                v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
+                if j != j_held:  # a 16-bit weight is widened one chunk at a time; float32: a view
+                    j_held, w_j = j, weight[v0:v1].to(cdt)  # [vc, H]
+                p_m, p_s, p_u, p_z = (x[j, r0 - g0:r1 - g0] for x in part.unbind(0))  # [n] each
+                z = _logits_into(zbuf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0), h[r0:r1], w_j,
+                                 None if b is None else b[v0:v1], inv_t)  # [n, vc]
+                torch.gather(z, 1, col[r0:r1].clamp(max=v1 - v0 - 1), out=p_z.unsqueeze(1))  # used where j holds y
+                torch.amax(z, 1, out=p_m)
+                # a chunk whose logits are all -inf (a masked block of the vocabulary) gets a finite
+                # max, so that z - max is -inf (p = 0) rather than -inf - -inf = NaN; NaN stays NaN
+                torch.clamp(p_m, min=lowest, out=p_m)
+                z.sub_(p_m.unsqueeze(1))  # d = z - max
+                if opt.return_entropy:
+                    e = torch.exp(z, out=ebuf[: z.numel()].view_as(z))  # [n, vc]
+                    torch.sum(e, 1, out=p_s)
+                    # Σ e·d (in place: vecdot would allocate the product). e·d is NaN only where
+                    # d = -inf (e = 0: p log p counts 0 there); a NaN logit already makes the row's
+                    # max and Σ e NaN, so skipping NaN here hides nothing
+                    torch.nansum(e.mul_(z), 1, out=p_u)
+                else:
+                    torch.sum(z.exp_(), 1, out=p_s)
+
+        _cpu_workers.run(work, min(_cpu_workers.workers(), S * len(starts)))
+        n = g1 - g0
+        p_m, p_s, p_u, p_z = (x[:, :n] for x in part.unbind(0))  # [S, n] each
         m_all, s_all, u_all = lse_merge(p_m, p_s, p_u if opt.return_entropy else None)  # [n] each, O(S·n)
-        out[0, r0:r1], out[1, r0:r1] = m_all, s_all
+        out[0, g0:g1], out[1, g0:g1] = m_all, s_all
         if u_all is not None:
-            out[2, r0:r1] = u_all
-        out[3, r0:r1] = p_z.gather(0, chunk_of_y[None]).squeeze(0)
+            out[2, g0:g1] = u_all
+        out[3, g0:g1] = p_z.gather(0, chunk_of_y[None, g0:g1]).squeeze(0)
     out[3] = torch.where(in_range, out[3], torch.zeros_like(out[3]))  # no column of this weight is the label
     return out
 
@@ -1019,33 +1037,21 @@ def _dz_tile(z, m_c, coef, labels_of_tile, use_ent):
     return dz
 
 
-def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
-    """Chunked like :func:`_forward_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
-    (:func:`_dz_coefficients`, :func:`_dz_tile`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``. With
-    fewer tokens than vocabulary entries the vocabulary is the outer loop: ``d_hidden`` accumulates in a float32
-    ``[N, H]`` buffer and each ``d_weight`` slice is accumulated over the tokens in float32 and written once, so no
-    weight-sized float32 buffer (nor a float32 copy of a 16-bit weight) exists; otherwise the tokens are the outer
-    loop. Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
-    # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
-    N, H = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    cdt = reference.compute_dtype(hidden)
+def _dz_tiler(g_logp, g_ent, labels, stats, entropy, logp, b, V: int, rows: int, vchunk: int, cdt,
+              opt: LinearLogprobsOptions):
+    """The torch backward's tile: ``(tile, use_ent)``; ``tile(r0, j, h_c, w_j, zbuf, pbuf)`` is the ``dz`` [n, vc] of
+    rows ``r0..`` and vocabulary chunk ``j``: the forward's logits recomputed into ``zbuf``, then :func:`_dz_tile`
+    in place (``pbuf`` its scratch, None without ``use_ent``). ``h_c`` [n, H], ``w_j`` [vc, H] in ``cdt``; ``b``
+    [V] the bias divided by the temperature, or None; the other tensors as the backward gets them."""
     inv_t = 1.0 / opt.temperature
-    b = bias.to(cdt) * inv_t if bias is not None else None  # [V]
-    rows, vchunk = _torch_chunks(N, V)
-    S = cdiv(V, vchunk)
     row_max, a2, c2, a_s, at_y, valid, use_ent = _dz_coefficients(g_logp, g_ent, labels, stats, entropy, logp, V, cdt, opt)
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
-    zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # one tile, reused
-    pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
-    row_starts = list(range(0, N, rows))
+    S = cdiv(V, vchunk)
     # per chunk of rows, its label entries grouped by vocabulary chunk (O(N) in all)
     by_chunk = [_labels_by_chunk(valid[r0:r0 + rows], safe[r0:r0 + rows], at_y[r0:r0 + rows], vchunk, S)
-                for r0 in row_starts]
+                for r0 in range(0, labels.shape[0], rows)]
 
-    def tile(r0, j, h_c, w_j):
-        # (rows r0.., vocabulary chunk j): the forward's logits, then dz in place. h_c [n, H], w_j [vc, H] in cdt
+    def tile(r0, j, h_c, w_j, zbuf, pbuf):
         n, vc = h_c.shape[0], w_j.shape[0]
         z = _logits_into(zbuf[: n * vc].view(n, vc), h_c, w_j, None if b is None else b[j * vchunk:j * vchunk + vc],
                          inv_t)  # [n, vc]
@@ -1055,44 +1061,84 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
         coef = (a2[r0:r1, None], c2[r0:r1, None], a_s[r0:r1, None], pbuf)
         return _dz_tile(z, row_max[r0:r1, None], coef, (tok[k0:k1], cols[k0:k1], vals[k0:k1]), use_ent)
 
+    return tile, use_ent
+
+
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+    """Tiled like :func:`_partials_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
+    (:func:`_dz_coefficients`, :func:`_dz_tile`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``.
+
+    The outer loop runs over the smaller of the two gradients' axes, split into one contiguous share per
+    single-threaded worker (:mod:`rlkernels._cpu_workers`): with fewer tokens than vocabulary entries, the
+    vocabulary chunks: each ``d_weight`` slice is accumulated over the tokens in float32 and written once, and each
+    worker sums its chunks' ``d_hidden`` terms in its own float32 ``[N, H]`` buffer (no weight-sized float32 buffer,
+    no float32 copy of a 16-bit weight); otherwise the token chunks, each worker summing ``d_weight`` in a float32
+    ``[V, H]`` buffer. The workers' buffers are added in worker order: the same bits at the same thread count.
+    Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
+    # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    cdt = reference.compute_dtype(hidden)
+    b = bias.to(cdt) * (1.0 / opt.temperature) if bias is not None else None  # [V] as the forward scales it
+    rows, vchunk = _torch_chunks(N, V)
+    S = cdiv(V, vchunk)
+    row_starts = list(range(0, N, rows))
+    tile, use_ent = _dz_tiler(g_logp, g_ent, labels, stats, entropy, logp, b, V, rows, vchunk, cdt, opt)
+    vocab_outer = N < V
+    outer = S if vocab_outer else len(row_starts)  # the items split over the workers
+    n_workers = max(1, min(_cpu_workers.workers(), outer))
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
-    d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None else None  # [V]
-    if N < V:  # vocabulary outer: float32 [N, H] for d_hidden, one float32 [vc, H] slice of d_weight at a time
-        h = hidden.to(cdt)  # [N, H] (token-sized)
-        dh = torch.zeros(N, H, dtype=cdt, device=dev)  # [N, H]
-        d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
-        for j in range(S):
-            v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
-            w_j = weight[v0:v1].to(cdt)  # [vc, H]
-            dw_j = torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
-            for r0 in row_starts:
-                h_c = h[r0:r0 + rows]  # [n, H]
-                dz = tile(r0, j, h_c, w_j)  # [n, vc]
-                dh[r0:r0 + rows].addmm_(dz, w_j)
-                dw_j.addmm_(dz.T, h_c)
-                if d_bias is not None:
-                    d_bias[v0:v1] += dz.sum(0)
-            d_weight[v0:v1] = dw_j
-        d_hidden.copy_(dh)
-    else:  # tokens outer: d_weight accumulates in float32 (weight-sized, smaller than the tokens)
-        w = weight.to(cdt)  # [V, H]
-        d_weight = torch.zeros(V, H, dtype=cdt, device=dev)  # [V, H]
-        for r0 in row_starts:
-            h_c = hidden[r0:r0 + rows].to(cdt)  # [n, H]
-            dh_c = torch.zeros(h_c.shape[0], H, dtype=cdt, device=dev)  # [n, H]
-            for j in range(S):
-                v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
-                dz = tile(r0, j, h_c, w[v0:v1])  # [n, vc]
-                dh_c.addmm_(dz, w[v0:v1])
-                d_weight[v0:v1].addmm_(dz.T, h_c)
-                if d_bias is not None:
-                    d_bias[v0:v1] += dz.sum(0)
-            d_hidden[r0:r0 + rows] = dh_c
-    return (
-        d_hidden,
-        d_weight if d_weight.dtype == weight.dtype else d_weight.to(weight.dtype),
-        None if d_bias is None else d_bias.to(bias.dtype),
-    )
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+    d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None and vocab_outer else None  # [V]
+    h_all = hidden.to(cdt) if vocab_outer else None  # [N, H] (token-sized; a view for float32)
+    w_all = None if vocab_outer else weight.to(cdt)  # [V, H] (smaller than the tokens; a view for float32)
+
+    def work(worker):
+        zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
+        pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
+        # this worker's share of the gradient summed over the outer loop: d_hidden (vocabulary outer) or d_weight
+        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev)  # [N or V, H]
+        acc_b = torch.zeros(V, dtype=cdt, device=dev) if b is not None and not vocab_outer else None  # [V]
+        for o in range(outer * worker // n_workers, outer * (worker + 1) // n_workers):
+            if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once
+                v0, v1 = o * vchunk, min(V, (o + 1) * vchunk)
+                w_j = weight[v0:v1].to(cdt)  # [vc, H]
+                direct = d_weight.dtype == cdt  # float32 sums straight into d_weight
+                dw_j = d_weight[v0:v1].zero_() if direct else torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
+                for r0 in row_starts:
+                    h_c = h_all[r0:r0 + rows]  # [n, H]
+                    dz = tile(r0, o, h_c, w_j, zbuf, pbuf)  # [n, vc]
+                    acc[r0:r0 + rows].addmm_(dz, w_j)
+                    dw_j.addmm_(dz.T, h_c)
+                    if b is not None:
+                        d_bias[v0:v1] += dz.sum(0)
+                if not direct:
+                    d_weight[v0:v1] = dw_j
+            else:  # rows o against the whole vocabulary: their d_hidden, written once
+                r0 = row_starts[o]
+                h_c = hidden[r0:r0 + rows].to(cdt)  # [n, H]
+                dh_c = torch.zeros(h_c.shape[0], H, dtype=cdt, device=dev)  # [n, H]
+                for j in range(S):
+                    v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
+                    dz = tile(r0, j, h_c, w_all[v0:v1], zbuf, pbuf)  # [n, vc]
+                    dh_c.addmm_(dz, w_all[v0:v1])
+                    acc[v0:v1].addmm_(dz.T, h_c)
+                    if acc_b is not None:
+                        acc_b[v0:v1] += dz.sum(0)
+                d_hidden[r0:r0 + rows] = dh_c
+        return acc, acc_b
+
+    parts = _cpu_workers.run(work, n_workers)
+    acc, acc_b = parts[0]
+    for more, more_b in parts[1:]:  # in worker order
+        acc += more
+        if acc_b is not None:
+            acc_b += more_b
+    (d_hidden if vocab_outer else d_weight).copy_(acc)
+    if acc_b is not None:
+        d_bias = acc_b
+    return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
 
 # ---------------------------------------------------------------- torch.library ops with autograd
@@ -1245,7 +1291,8 @@ def linear_logprobs(
     backward. Extra memory is O(N) forward and O(N·H + chunk) backward beyond the
     gradients themselves (the chunk is a bounded workspace; with at least as many
     tokens as vocabulary entries the Triton backward accumulates ``weight``'s
-    gradient in a float32 ``[V, H]`` buffer, then no larger than O(N·H)).
+    gradient in a float32 ``[V, H]`` buffer, then no larger than O(N·H); on the CPU,
+    one float32 ``[min(N, V), H]`` buffer per worker thread).
 
     Args:
         hidden: ``[..., H]`` float16/bfloat16/float32/float64 final hidden states.

@@ -125,6 +125,50 @@ def test_torch_backend_chunks_over_vocabulary(monkeypatch):
         assert_close_to_truth(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,V", [(50, 3001), (70, 40)])  # fewer tokens than vocabulary (vocabulary outer), and more
+def test_torch_backend_on_two_workers(monkeypatch, dtype, N, V):
+    """With two threads the torch path shares its tiles out to two single-threaded workers: every backward share
+    runs on its own thread, the result matches the float64 truth and is the same bits run after run."""
+    import threading
+
+    import rlkernels.fused_linear as mod
+
+    monkeypatch.setattr(mod, "_TORCH_BUDGET_ELEMS", 64)  # several token and vocabulary chunks
+    where = []
+    original = mod._logits_into
+
+    def spy(*args):
+        where.append((threading.get_ident(), torch.get_num_threads()))
+        return original(*args)
+
+    monkeypatch.setattr(mod, "_logits_into", spy)
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, 32, V, bias=True, seed=N + V)
+    truth = _run(reference.linear_logprobs, *[x.clone().requires_grad_() for x in (hidden, weight, b)], labels,
+                 g_logp, g_ent, 0.9)
+    leaves = [_leaf(x, dtype) for x in (hidden, weight, b)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with forced_backend("torch"):
+            logp, ent = linear_logprobs(leaves[0], leaves[1], labels, bias=leaves[2], temperature=0.9,
+                                        return_entropy=True)
+            where.clear()
+            loss = (logp * g_logp.float()).sum() + (ent * g_ent.float()).sum()
+            grads = torch.autograd.grad(loss, leaves)
+            backward_threads = {ident for ident, _ in where}
+            again = _run(linear_logprobs, *leaves, labels, g_logp, g_ent, 0.9)
+    finally:
+        torch.set_num_threads(old)
+    assert len(backward_threads) == 2 and threading.get_ident() not in backward_threads
+    assert {n for _, n in where} == {1}  # each worker's ops run on one thread
+    for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], (logp, ent, *grads),
+                               (truth[0], truth[1], *truth[2])):
+        assert_close_to_truth(got, want, dtype, name=name)
+    for a, b_ in zip((logp, ent, *grads), (again[0], again[1], *again[2])):
+        assert torch.equal(a, b_)
+
+
 def _record_dz_launches(monkeypatch) -> list[tuple[int, int, int]]:
     """Spy on the Triton backward's ``_dz_kernel`` launches: ``(rows, vocabulary columns, col0)`` per launch."""
     launches = []
