@@ -40,14 +40,19 @@ def _eager(hidden, weight, labels, old, adv, mask, ref_logp):
     return loss
 
 
-_compiled = None
+def _compiled_at_first_call(fn):
+    """``torch.compile(fn)``, built when first called (a bench that never runs this provider compiles nothing)."""
+    compiled = []
+
+    def call(*args):
+        if not compiled:
+            compiled.append(torch.compile(fn))
+        return compiled[0](*args)
+
+    return call
 
 
-def _compiled_fn(*args):
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_eager)
-    return _compiled(*args)
+_compiled_fn = _compiled_at_first_call(_eager)
 
 
 def _two_op(hidden, weight, labels, old, adv, mask, ref_logp):
@@ -123,14 +128,7 @@ def _logits_eager(logits, labels, old, adv, mask, ref_logp):
     return reference.policy_loss(logp, old, adv, mask, ref_logp=ref_logp, entropy=entropy, **OPTIONS)[0]
 
 
-_compiled_logits = None
-
-
-def _logits_compiled(*args):
-    global _compiled_logits
-    if _compiled_logits is None:
-        _compiled_logits = torch.compile(_logits_eager)
-    return _compiled_logits(*args)
+_logits_compiled = _compiled_at_first_call(_logits_eager)
 
 
 def _logits_two_op(logits, labels, old, adv, mask, ref_logp):

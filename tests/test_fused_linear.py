@@ -865,24 +865,29 @@ def test_cpu_memory_is_a_fraction_of_eager():
     assert ours.peak_bytes * 8 <= eager_peak
 
 
-def test_cpu_memory_16bit_weight_needs_no_float32_weight_copy():
-    """N=4096, H=512, V=50257 bfloat16, torch backend: forward+backward peak above the inputs at most
-    1.25 x (d_weight + d_hidden in bfloat16) + 64 MiB. No float32 copy of the weight (the forward widens one
-    vocabulary chunk at a time) and no float32 [V, H] gradient accumulator (with N < V the backward runs over
-    vocabulary chunks, each d_weight slice accumulated in float32 and written once)."""
-    N, H, V = 4096, 512, 50257
+def _bf16_fwd_bwd_memory(backend: str, N: int, H: int, V: int):
+    """``linear_logprobs`` forward + backward on random bfloat16 hidden [N, H] and weight [V, H] with ``backend``
+    forced, measured on the CPU: ``(measurement, bytes of d_hidden + d_weight in bfloat16)``."""
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(N, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [N, H]
     weight = (torch.randn(V, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [V, H]
     labels = torch.randint(0, V, (N,), generator=g)  # [N]
 
     def fused():
-        with forced_backend("torch"):
+        with forced_backend(backend):  # the backward op resolves its backend when it runs: inside the block
             logp = linear_logprobs(hidden, weight, labels)
-        return torch.autograd.grad(logp.sum(), [hidden, weight])
+            return torch.autograd.grad(logp.sum(), [hidden, weight])
 
-    grads_bytes = (V * H + N * H) * 2
-    ours = measure_cpu(fused)
+    return measure_cpu(fused), (V * H + N * H) * 2
+
+
+def test_cpu_memory_16bit_weight_needs_no_float32_weight_copy():
+    """N=4096, H=512, V=50257 bfloat16, torch backend: forward+backward peak above the inputs at most
+    1.25 x (d_weight + d_hidden in bfloat16) + 64 MiB. No float32 copy of the weight (the forward widens one
+    vocabulary chunk at a time) and no float32 [V, H] gradient accumulator (with N < V the backward runs over
+    vocabulary chunks, each d_weight slice accumulated in float32 and written once)."""
+    N, H, V = 4096, 512, 50257
+    ours, grads_bytes = _bf16_fwd_bwd_memory("torch", N, H, V)
     print(f"\nfused peak {ours.peak_bytes / 2**20:.1f} MiB (largest {ours.largest_bytes / 2**20:.1f} MiB); "
           f"gradients {grads_bytes / 2**20:.1f} MiB")
     assert ours.largest_bytes < V * H * 4  # no weight-sized float32 tensor
@@ -901,18 +906,7 @@ def test_triton_16bit_backward_holds_no_float32_weight_sized_buffer(monkeypatch)
     N, H, V = 64, 64, 8192
     budget = 1 << 20
     monkeypatch.setattr(fl_module, "_DZ_BUDGET_BYTES", budget)
-    g = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(N, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [N, H]
-    weight = (torch.randn(V, H, generator=g) * 0.05).bfloat16().requires_grad_()  # [V, H]
-    labels = torch.randint(0, V, (N,), generator=g)  # [N]
-
-    def fused():
-        with forced_backend("triton"):  # the backward op resolves its backend when it runs: inside the block
-            logp = linear_logprobs(hidden, weight, labels)
-            return torch.autograd.grad(logp.sum(), [hidden, weight])
-
-    grads_bytes = (V * H + N * H) * 2
-    ours = measure_cpu(fused)
+    ours, grads_bytes = _bf16_fwd_bwd_memory("triton", N, H, V)
     print(f"\nTriton fused peak {ours.peak_bytes / 2**20:.2f} MiB (largest {ours.largest_bytes / 2**20:.2f} MiB); "
           f"gradients {grads_bytes / 2**20:.2f} MiB")
     assert ours.largest_bytes < V * H * 4  # no weight-sized float32 tensor
