@@ -91,6 +91,12 @@ _VBLOCK_MIN = 256
 # blocks this many times wider (8 MiB float32: 8192 columns at N = 256): fewer, larger ops. Side by side at N = 256
 # fp32 under load 12 (two threads on 2 cores): 2 MiB blocks 10.1 s, 8 MiB 4.5 s per fwd+bwd (1 MiB: 16.9 s).
 _ONE_CHUNK_BLOCK_SCALE = 4
+# The "chunks" layout's smallest worthwhile chunk, in tokens (_torch_layout takes "two-op" below it, float32
+# weights). Side by side on 2 cores at SmolLM2's head (N = 4096, H = 576, V = 49152, float32, fwd+bwd vs the
+# two-op path): chunks of 48 tokens (the 8 MiB / 4·N·H budget) 0.75x, of ~170 tokens 1.12x, of ~530 tokens 1.23x
+# (the latter two with 32 / 100 MiB tiles, more memory than the two-op path's); small chunks run small-M GEMMs and
+# read the weight and read-modify-write d_weight once per chunk.
+_MIN_CHUNK_TOKENS = 128
 # Rows of a 16-bit weight widened to float32 at a time (and of d_weight formed in float32 before its one rounding)
 # by the torch row's GEMMs: [_WIDEN_ROWS, H] float32 buffers, whatever the block width
 _WIDEN_ROWS = 1024
@@ -346,28 +352,69 @@ def _run_chunks(chunk_fn, tile, cdt, B, T, V, labels, old_logp, advantages, mask
     return loss, losses._masked_means(totals, losses._POLICY_METRIC_SLOTS), logp_all, ent_all
 
 
-def _tile_in_weight_grad(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> bool:
-    """Whether the torch row runs all ``N`` tokens as ONE chunk whose compute-dtype ``[N, V]`` logits tile lives in
-    the tail of ``d_weight``'s own ``[V, H]`` buffer (CPU, ``d_weight`` wanted, the tile no larger than that buffer:
-    ``N·c <= H·w`` bytes, ``c``/``w`` the compute and weight itemsizes -- ``N <= H`` for float32, ``N <= H/2`` for
-    16-bit weights). Then no tile is allocated, GEMMs 1 and 2 run over all ``N`` tokens at once, and each
-    ``d_weight`` block is written once (``dzᵀ·h`` over every token, in the compute dtype, rounded once to the
-    weight's dtype): so for 16-bit weights ``d_weight`` is returned in their dtype (no float32 ``[V, H]``
-    accumulator). Pass 2 writes ``d_weight``'s block ``[v0, v1)`` over bytes ``[v0·H·w, v1·H·w)``; the tile's
-    blocks not yet read start at ``V·H·w - N·V·c + v1·N·c``, which is past that since ``(V - v1)(H·w - N·c) >= 0``
-    (the block being read is first moved to the scratch buffer, :class:`_Tile`). The register_fake row and the
-    Triton row follow the same rule for ``d_weight``'s dtype."""
+def _torch_layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> str:
+    """How the torch row runs on the CPU with ``d_weight`` wanted (``"chunks"`` everywhere else):
+
+    - ``"one-chunk"``: all ``N`` tokens as ONE chunk whose compute-dtype ``[N, V]`` logits tile lives in the tail of
+      ``d_weight``'s own ``[V, H]`` buffer, when it fits there: ``N·c <= H·w`` bytes (``c``/``w`` the compute and
+      weight itemsizes: ``N <= H`` for float32, ``N <= H/2`` for 16-bit weights). No tile is allocated, GEMMs 1
+      and 2 run over all ``N`` tokens at once, and each ``d_weight`` block is written once (``dzᵀ·h`` over every
+      token, in the compute dtype, rounded once to the weight's dtype: no float32 ``[V, H]`` accumulator). Pass 2
+      writes ``d_weight``'s block ``[v0, v1)`` over bytes ``[v0·H·w, v1·H·w)``; the tile's blocks not yet read
+      start at ``V·H·w - N·V·c + v1·N·c``, which is past that since ``(V - v1)(H·w - N·c) >= 0`` (the block being
+      read is first moved to the scratch buffer, :class:`_Tile`).
+    - ``"two-op"``: no three-GEMM op at all, but :func:`_two_op` (``linear_logprobs`` then ``policy_loss``: four
+      GEMMs, the two-op path's memory, the head's gradient formed in the backward). Taken (a) for 16-bit weights
+      that the tile does not fit: three GEMMs then need either a tile of every token (``N·V`` float32, larger than
+      the weight) or a float32 ``[V, H]`` accumulator beside the 16-bit gradient, which the package never holds;
+      (b) for float32 weights when the chunks would hold fewer than ``_MIN_CHUNK_TOKENS`` tokens (see there:
+      small chunks made three GEMMs slower than four).
+    - ``"chunks"``: chunks of tokens, each with a tile of its own, ``d_weight`` (float32) accumulated over them.
+
+    The register_fake row and the Triton row follow the same rule for ``d_weight``'s dtype (the weight's for
+    ``"one-chunk"``, float32 otherwise)."""
     N, H = hidden.shape[0] * hidden.shape[1], hidden.shape[2]  # hidden [B, T, H]
+    if hidden.device.type != "cpu" or not opt.grad_weight or N == 0:
+        return "chunks"
     c = reference.compute_dtype(hidden).itemsize
-    return (hidden.device.type == "cpu" and opt.grad_weight and N > 0
-            and N * c <= H * weight.dtype.itemsize)
+    if N * c <= H * weight.dtype.itemsize:
+        return "one-chunk"
+    if weight.dtype.itemsize < c:
+        return "two-op"
+    V = weight.shape[0]
+    smallest = min(t1 - t0 for t0, t1 in _chunks(hidden.shape[0], hidden.shape[1], V, opt.ratio, H))
+    return "two-op" if smallest < _MIN_CHUNK_TOKENS else "chunks"
+
+
+def _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """The two-op path's second half, with this op's metrics: :func:`rlkernels.policy_loss` on differentiable
+    ``logp`` and ``entropy`` [B, T] (from :func:`rlkernels.linear_logprobs`, single-process or vocabulary-parallel),
+    the entropy used only when ``opt.with_entropy``. Returns ``(loss, metrics)``."""
+    ent = entropy if opt.with_entropy else None  # [B, T] or None
+    old_logp = logp.detach() if old_logp is None else old_logp  # on-policy (old_logp=None): ratio 1
+    loss, metrics = losses.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
+                                       **dataclasses.asdict(opt.policy))
+    metrics = dict(metrics, token_logp=logp.detach().float())  # what the three-GEMM op reports
+    if ent is not None:
+        metrics["token_entropy"] = ent.detach().float()
+    return loss, metrics
+
+
+def _two_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
+    """The ``"two-op"`` layout (:func:`_torch_layout`): :func:`rlkernels.linear_logprobs` (its torch row: the
+    vocabulary-outer backward, each ``d_weight`` slice summed over the tokens in float32 and written once, at
+    backward time, so a 16-bit gradient is rounded once whatever the upstream gradient) then the policy loss."""
+    out = _fl.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
+                              return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
+    logp, entropy = out if opt.with_entropy else (out, None)  # [B, T] each
+    return _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
 
 
 def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     """Three GEMMs over chunks of tokens, each chunk over vocabulary blocks (:class:`_Tile`); returns ``(loss,
     metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0], d_bias [V] or
-    [0])``, the gradients in float32 (float64 for float64 inputs), but ``d_weight`` in the weight's dtype when
-    :func:`_tile_in_weight_grad` holds."""
+    [0])``, the gradients in float32 (float64 for float64 inputs), but ``d_weight`` in the weight's dtype in the
+    ``"one-chunk"`` layout (:func:`_torch_layout`)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
@@ -376,7 +423,7 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
     h = hidden.reshape(N, H)  # [N, H]
     inv_t = 1.0 / opt.temperature
     b = None if bias is None else bias.to(cdt) * inv_t  # [V]
-    in_grad = _tile_in_weight_grad(hidden, weight, opt)
+    in_grad = _torch_layout(hidden, weight, opt) == "one-chunk"
     # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
     # a 16-bit dtype, not two), but for a one-chunk d_weight (in_grad: written once, in the weight's dtype);
     # d_hidden is O(N·H) float32; d_weight is written by the first chunk (no zero fill), then accumulated
@@ -439,36 +486,59 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
             empty() if d_bias is None else d_bias)
 
 
-def _logits_torch(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """Two passes over the logits (read once into the chunk's tile, ``d_logits`` written once); returns ``(loss,
-    metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])``."""
-    B, T, V = logits.shape
-    N = B * T
-    cdt = reference.compute_dtype(logits)
-    z_all = logits.reshape(N, V)  # [N, V]
-    inv_t = 1.0 / opt.temperature
-    d_logits = torch.empty(N, V, dtype=logits.dtype, device=logits.device) if opt.grad_input else None  # [N, V]
+class _LogprobsTile:
+    """The engine of ``logits_policy_loss`` for :func:`_run_chunks`, on both rows, over ONE chunk of all ``N``
+    tokens: the logprobs op's own forward (:mod:`rlkernels.softmax`, ``forward``) gives the statistics, and its
+    backward (``backward_into``) writes ``d_logits`` in place, so :func:`_run_chunks`' apply step has nothing to do.
+    The logits go in as their ``[O, I, V]`` view (:func:`rlkernels.softmax._as_rows`: no copy unless their strides
+    need one)."""
 
-    def chunk(t0, t1):
-        def block(v0, v1, out):  # a copy: the caller's logits are never written
-            out.copy_(z_all[t0:t1, v0:v1])
-            if inv_t != 1.0:
-                out.mul_(inv_t)
+    def __init__(self, logits, d_logits, opt: FusedPolicyOptions, forward, backward_into):
+        self.rows = _sm._as_rows(logits)  # [O, I, V]
+        self.d_rows = None if d_logits is None else d_logits.view(self.rows.shape)  # [O, I, V] (contiguous)
+        self.sopt = _sm.LogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
+        self.forward, self.backward_into = forward, backward_into
 
-        def apply(v0, v1, dz, _resid):
-            d_logits[t0:t1, v0:v1] = dz
+    def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        assert (t0, t1) == (0, labels.shape[0])
+        logp, ent, st = self.forward(self.rows, labels.view(self.rows.shape[:2]), self.sopt)  # [O, I] each
+        self.st = st  # [O, I, 2] (max logit, shifted sum)
+        flat = st.reshape(-1, 2)  # [N, 2]
+        return flat[:, 0], torch.log(flat[:, 1]), logp.reshape(-1), ent.reshape(-1)
 
-        return block, apply
-
-    chunks = _chunks(B, T, V, opt.ratio)
-    tile = _Tile(max((t1 - t0 for t0, t1 in chunks), default=0), V, cdt, logits.device)
-    loss, metrics, logp, ent = _run_chunks(chunk, tile, cdt, B, T, V, labels, old_logp, advantages, mask, ref_logp,
-                                           opt, chunks)
-    empty = logits.new_empty(0)
-    return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
-            empty if d_logits is None else d_logits.reshape(B, T, V))
+    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
+        g_ent = torch.zeros_like(coef_logp) if coef_ent is None else coef_ent  # [N]
+        shape = self.rows.shape[:2]
+        self.backward_into(self.d_rows, self.rows, labels.view(shape), self.st, entropy.view(shape),
+                           coef_logp.view(shape), g_ent.view(shape), self.sopt)
+        yield 0, self.rows.shape[-1], self.d_rows, None
 
 
+def _logits_with(forward, backward_into):
+    """A row of ``logits_policy_loss`` from a logprobs forward/backward pair (:class:`_LogprobsTile`)."""
+
+    def run(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+        B, T, V = logits.shape
+        d_logits = (torch.empty(B, T, V, dtype=logits.dtype, device=logits.device)
+                    if opt.grad_input else None)  # [B, T, V]
+        tile = _LogprobsTile(logits, d_logits, opt, forward, backward_into)
+        chunks = [(0, B * T)] if B * T else []
+        loss, metrics, logp, ent = _run_chunks(lambda t0, t1: (None, lambda *_: None), tile,
+                                               reference.compute_dtype(logits), B, T, V, labels.reshape(-1),
+                                               old_logp, advantages, mask, ref_logp, opt, chunks)
+        empty = logits.new_empty(0)
+        return loss, metrics, logp.reshape(B, T), ent.reshape(B, T), empty if d_logits is None else d_logits
+
+    return run
+
+
+# The torch row of logits_policy_loss: the logprobs op's torch forward over all tokens (one read of the logits), the
+# policy loss once, then its torch backward writing d_logits (a second read, one write). Interleaving the two per
+# chunk of tokens, so that a chunk is read once while in cache, measured slower here (2 cores, 32 MiB L3, N = 512
+# and 2048, V = 32000, float32: 0.59x / 0.57x the two-op path with 2 MiB chunks, 0.79x / 0.73x with 8 MiB ones,
+# 1.09x / 1.03x with this one chunk): each chunk costs about a millisecond of small ops (the policy loss, the
+# statistics' bookkeeping), more than the memory pass it saves.
+_logits_torch = _logits_with(_sm._torch_forward, _sm._torch_backward_into)
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -735,7 +805,7 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
                                            ref_logp, opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
-    if d_weight is not None and _tile_in_weight_grad(hidden, weight, opt):  # the interpreter on a CPU: the
+    if d_weight is not None and _torch_layout(hidden, weight, opt) == "one-chunk":  # the interpreter on a CPU: the
         d_weight = d_weight.to(weight.dtype)  # dtype the torch row (and the op's fake) gives there
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
@@ -864,42 +934,14 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-class _LogprobsKernelsTile:
-    """GSPO's engine for :func:`_run_chunks` over ONE chunk of all ``N`` tokens (d_logits is ``[N, V]`` anyway):
-    the logprobs forward kernel gives the statistics, the logprobs backward kernel writes ``d_logits`` in place
-    (the block it yields is the output itself, so the apply step has nothing to do)."""
-
-    def __init__(self, logits, d_logits, opt: FusedPolicyOptions):
-        self.logits, self.d_logits = logits, d_logits  # [B, T, V], [B, T, V] or None
-        self.sopt = _sm.LogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
-
-    def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
-        assert (t0, t1) == (0, labels.shape[0])
-        logp, ent, self.st = _sm._triton_forward(self.logits, labels.view(self.logits.shape[:2]), self.sopt)
-        st = self.st.reshape(-1, 2)  # [N, 2] (max logit, shifted sum)
-        return st[:, 0], torch.log(st[:, 1]), logp.reshape(-1), ent.reshape(-1)
-
-    def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
-        g_ent = torch.zeros_like(coef_logp) if coef_ent is None else coef_ent  # [N]
-        shape = self.logits.shape[:2]
-        _sm._triton_backward_into(self.d_logits, self.logits, labels.view(shape), self.st, entropy.view(shape),
-                                  coef_logp.view(shape), g_ent.view(shape), self.sopt)
-        yield 0, self.logits.shape[-1], self.d_logits, None
+_logits_triton_sequence = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
 
 
 def _logits_triton(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     """The Triton row of logits_policy_loss (see the section's note): one kernel for ``ratio="token"``; the
     logprobs kernels around the policy loss's own implementation for GSPO. Same outputs as :func:`_logits_torch`."""
-    if opt.ratio != "sequence":
-        return _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, opt)
-    B, T, V = logits.shape
-    d_logits = torch.empty(B, T, V, dtype=logits.dtype, device=logits.device) if opt.grad_input else None
-    tile = _LogprobsKernelsTile(logits, d_logits, opt)
-    chunks = [(0, B * T)] if B * T else []
-    loss, metrics, logp, ent = _run_chunks(lambda t0, t1: (None, lambda *_: None), tile, torch.float32, B, T, V,
-                                           labels, old_logp, advantages, mask, ref_logp, opt, chunks)
-    empty = logits.new_empty(0)
-    return loss, metrics, logp.reshape(B, T), ent.reshape(B, T), empty if d_logits is None else d_logits
+    run = _logits_triton_token if opt.ratio != "sequence" else _logits_triton_sequence
+    return run(logits, labels, old_logp, advantages, mask, ref_logp, opt)
 
 
 # Each op's backends, chosen at run time inside the op (rlkernels._backend.resolve); float64 never reaches Triton.
@@ -936,7 +978,7 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
     return (hidden.new_empty((), **f32), hidden.new_empty((len(losses.POLICY_METRICS),), **f32),
             hidden.new_empty((B, T), **f32), hidden.new_empty((B, T), **f32),
             hidden.new_empty((B, T, H), dtype=cdt) if opt.grad_input else hidden.new_empty(0),
-            weight.new_empty(weight.shape, dtype=weight.dtype if _tile_in_weight_grad(hidden, weight, opt) else cdt)
+            weight.new_empty(weight.shape, dtype=weight.dtype if _torch_layout(hidden, weight, opt) == "one-chunk" else cdt)
             if opt.grad_weight else hidden.new_empty(0),
             hidden.new_empty(bias.shape, dtype=cdt) if opt.grad_bias and bias is not None else hidden.new_empty(0))
 
@@ -1182,6 +1224,9 @@ def linear_policy_loss(
     with _backend.float32_compute(hidden.device):
         if _backend.serves_reference(_LINEAR_IMPLS, hidden):
             return _reference_linear(hidden, weight, labels, *constants, bias, opt)
+        if (_backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "torch"
+                and _torch_layout(hidden, weight, opt) == "two-op"):
+            return _two_op(hidden, weight, labels, *constants, bias, opt)
         loss, metrics, logp, ent, *_ = _linear_op(hidden, weight, labels.long(), *constants, bias,
                                                    *dataclasses.astuple(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)

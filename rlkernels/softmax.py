@@ -536,7 +536,14 @@ def _torch_forward(logits, labels, opt: LogprobsOptions):
 
 
 def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
-    """dz = p (a + b log p) per row with a = -(g_logp + g_H H)/T, b = -g_H/T (a = -g_logp/T, b = 0
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # [..., V]
+    return _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entropy, opt)
+
+
+def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entropy, opt: LogprobsOptions):
+    """Writes ``dlogits`` (contiguous, ``logits``' shape and dtype) and returns it.
+
+    dz = p (a + b log p) per row with a = -(g_logp + g_H H)/T, b = -g_H/T (a = -g_logp/T, b = 0
     without an entropy gradient); the label's entry then replaced by
     [g_logp (1 - p_y) - g_H p_y (log p_y + H)]/T with 1 - p_y = -expm1(log p_y) (its entropy term 0 where p_y = 0).
 
@@ -549,7 +556,6 @@ def _torch_backward(logits, labels, stats, entropy, g_logp, g_entropy, opt: Logp
     cdt = stats.dtype
     dev = logits.device
     on_cpu = dev.type == "cpu"
-    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=dev)  # [..., V]
     if N == 0:
         return dlogits
     d_rows = dlogits.view(N, V)  # [N, V]

@@ -220,9 +220,11 @@ def test_retain_graph_gives_same_gradients_and_double_backward_raises():
 
 @pytest.mark.parametrize("on_policy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compile_fullgraph(on_policy, dtype):
-    """H = 16, N = 8: the one-chunk row (d_weight in the weight's dtype for bf16, as the op's fake says)."""
-    x = _inputs(2, 4, 16, 64, seed=7)
+@pytest.mark.parametrize("H", [16, 8])
+def test_compile_fullgraph(on_policy, dtype, H):
+    """N = 8: H = 16 is the one-chunk row (d_weight in the weight's dtype for bf16, as the op's fake says); H = 8
+    in bf16 the two-op layout (linear_logprobs + policy_loss, chosen from shapes and dtypes when traced)."""
+    x = _inputs(2, 4, H, 64, seed=7)
     old = None if on_policy else x["old_logp"]  # [B, T] or None
 
     def step(h, w):
@@ -505,6 +507,22 @@ def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V
         assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
 
 
+@pytest.mark.parametrize("layout", ("contiguous", "noncontiguous", "sliced"))
+@pytest.mark.parametrize("ratio", ("token", "sequence"))
+def test_logits_torch_row_layouts_match_float64_truth(layout, ratio):
+    """The torch row hands the logits to the logprobs op's torch forward and backward as their [O, I, V] view: a
+    [:, :-1] slice (rows at two strides) and a tensor strided along V give the truth, and the ignored label's row
+    gets no gradient."""
+    B, T, V = 3, 7, 1000
+    x = _inputs(B, T, 8, V, seed=5, adv_per_seq=ratio == "sequence")
+    x["labels"][2, 6] = -100
+    x["mask"][2, 6] = True
+    logits = _layout((torch.randn(B, T, V, generator=_gen(9)) * 2).to(torch.float32), layout)  # [B, T, V]
+    options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, agg="seq-mean-token-mean")
+    _, _, grad = _check_logits_against_truth(logits, x, options, torch.float32, "torch", 0.7)
+    assert torch.count_nonzero(grad[2, 6]) == 0
+
+
 @pytest.mark.parametrize("backend", ("torch", "triton"))
 def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend):
     """loss.backward() hands the stored d_logits out as they are (no [B, T, V] copy); with the graph retained,
@@ -628,8 +646,8 @@ def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, monkeypatch):
                                                     kl_coef=0.05, kl_estimator="k3", entropy_coef=entropy_coef,
                                                     agg="token-mean", norm_length=None),
                                  grads=(True, True, True))
-    assert fused_policy._tile_in_weight_grad(h, w, opt)
-    assert not fused_policy._tile_in_weight_grad(h.detach().repeat(3, 1, 1), w, opt)  # N = 54 > H: chunked
+    assert fused_policy._torch_layout(h, w, opt) == "one-chunk"
+    assert fused_policy._torch_layout(h.detach().repeat(3, 1, 1), w, opt) != "one-chunk"  # N = 54 > H
     upstream = -0.6
     _, _, t_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype).double())
     _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
@@ -637,13 +655,16 @@ def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, monkeypatch):
     for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
         assert g.dtype == dtype, name
         assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
-    # the chunked path (many chunks, the tile its own buffer) on the same inputs gives the same gradients
-    monkeypatch.setattr(fused_policy, "_tile_in_weight_grad", lambda *a: False)
+    # the chunked layout (many chunks, the tile its own buffer) and the two-op layout (four GEMMs) on the same
+    # inputs give the same gradients
     monkeypatch.setattr(fused_policy, "_CHUNK_BYTES", 4 * 317 * 5)  # 5 tokens a chunk
-    c_loss, _, c_grads = _fused(x, options, upstream, dtype, "torch")
-    torch.testing.assert_close(loss, c_loss, rtol=1e-6, atol=1e-7)
-    for g, c in zip(grads, c_grads):
-        torch.testing.assert_close(g.float(), c.float(), **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)))
+    for layout in ("chunks", "two-op"):
+        monkeypatch.setattr(fused_policy, "_torch_layout", lambda *a, layout=layout: layout)
+        c_loss, _, c_grads = _fused(x, options, upstream, dtype, "torch")
+        torch.testing.assert_close(loss, c_loss, rtol=1e-6, atol=1e-7)
+        for g, c in zip(grads, c_grads):
+            torch.testing.assert_close(g.float(), c.float(),
+                                       **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)), msg=layout)
 
 
 def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
@@ -656,6 +677,84 @@ def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
 
     B, T, H, V = 2, 32, 160, 4096
     x = _inputs(B, T, H, V, seed=3)
+    h, w = (x[k].to(torch.bfloat16).requires_grad_() for k in ("hidden", "weight"))
+    args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
+
+    def fused():
+        loss, _ = rlkernels.linear_policy_loss(h, w, *args, ref_logp=x["ref_logp"], entropy_coef=0.01)
+        return torch.autograd.grad(loss, (h, w))
+
+    def two_op():
+        logp, ent = rlkernels.linear_logprobs(h, w, x["labels"], return_entropy=True)
+        loss, _ = rlkernels.policy_loss(logp, *args[1:], ref_logp=x["ref_logp"], entropy=ent, entropy_coef=0.01)
+        return torch.autograd.grad(loss, (h, w))
+
+    fused(), two_op()  # warm
+    ours, theirs = _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
+    assert ours.largest_bytes < 4 * V * H  # no float32 [V, H] buffer
+    assert ours.peak_bytes <= theirs.peak_bytes, (ours, theirs)
+
+
+def _layout_of(B, T, H, V, dtype, ratio="token", grads=(True, True, False)):
+    h = torch.zeros(B, T, H, dtype=dtype)  # [B, T, H]
+    w = torch.zeros(V, H, dtype=dtype)  # [V, H]
+    z = torch.zeros(B, T)  # [B, T]
+    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=z.long(), bias=None,
+                                 old_logp=z, advantages=z, mask=z.bool(), ref_logp=None, temperature=1.0,
+                                 ignore_index=-100, return_entropy=False,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio=ratio,
+                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+                                                    agg="token-mean", norm_length=None), grads=grads)
+    return fused_policy._torch_layout(h, w, opt)
+
+
+def test_torch_layout_rule():
+    """The CPU torch row's layout: the tile inside d_weight's buffer when it fits (N <= H float32, N <= H/2
+    16-bit); beyond that 16-bit weights take the two-op path (no float32 [V, H] accumulator beside the gradient)
+    and float32 weights take chunks unless they would be smaller than _MIN_CHUNK_TOKENS tokens; without a weight
+    gradient always chunks."""
+    assert _layout_of(2, 8, 16, 300, torch.float32) == "one-chunk"  # N = 16 <= H
+    assert _layout_of(2, 8, 16, 300, torch.bfloat16) == "two-op"  # N = 16 > H/2
+    assert _layout_of(1, 8, 16, 300, torch.bfloat16) == "one-chunk"  # N = 8 <= H/2
+    assert _layout_of(2, 8, 16, 300, torch.bfloat16, grads=(True, False, False)) == "chunks"  # frozen head
+    # float32, N > H: the chunk budget max(8 MiB, 4·N·H) holds 8 MiB / (4·V) tokens
+    assert _layout_of(1, 300, 64, 1000, torch.float32) == "chunks"  # 2097 tokens a chunk
+    small = (8 << 20) // (4 * 70000)  # 29 tokens a chunk < _MIN_CHUNK_TOKENS
+    assert small < fused_policy._MIN_CHUNK_TOKENS
+    assert _layout_of(1, 300, 64, 70000, torch.float32) == "two-op"
+    assert _layout_of(1, 300, 64, 70000, torch.float32, ratio="sequence") == "chunks"  # one sequence: 300 tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_two_op_layout_for_16bit_weights_matches_truth_rounded_once(dtype, ratio):
+    """16-bit weights with N > H/2 on the CPU: linear_logprobs + policy_loss inside linear_policy_loss (four
+    GEMMs, the head's gradient formed in the backward): against the float64 truth with an upstream other than 1
+    (each 16-bit gradient rounded once), the metrics as the three-GEMM layouts report them."""
+    x = _inputs(3, 7, 8, 1000, seed=23, adv_per_seq=ratio == "sequence")  # N = 21 > H/2 = 4
+    options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-sum")
+    upstream = -0.6
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, "torch")
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    assert set(metrics) >= {"clipfrac", "approx_kl", "ratio_mean", "kl", "entropy", "token_logp", "token_entropy"}
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+
+
+def test_bf16_beyond_one_chunk_holds_no_float32_weight_sized_buffer():
+    """16-bit weights, N > H/2: no float32 [V, H] buffer at any time, and no more peak memory than
+    linear_logprobs + policy_loss (before, the chunked three-GEMM layout summed d_weight in a float32 [V, H]
+    buffer: twice the bf16 gradient's size beside it)."""
+    from rlkernels.testing import memory as _memory
+
+    B, T, H, V = 2, 64, 64, 4096  # N = 128 > H/2
+    x = _inputs(B, T, H, V, seed=4)
     h, w = (x[k].to(torch.bfloat16).requires_grad_() for k in ("hidden", "weight"))
     args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
 
