@@ -27,19 +27,30 @@ token at once, so every sequence is whole there.
 Torch row, per chunk (CPU): ONE compute-dtype ``[chunk, V]`` logits tile, held as vocabulary blocks (:class:`_Tile`).
 Pass 1 fills each block (GEMM 1; a 16-bit weight widened ``_WIDEN_ROWS`` rows at a time, never a float32 copy of
 the weight) and reduces it while it is in cache; pass 2 re-centres each block on the row max, turns it into ``dz``
-(``exp`` recomputed rather than stored) and runs GEMMs 2 and 3 on it right away. Two layouts:
+(``exp`` recomputed rather than stored) and runs GEMMs 2 and 3 on it right away. Three layouts on the CPU
+(:func:`_torch_layout`):
 
-- one chunk (:func:`_tile_in_weight_grad`: CPU, ``d_weight`` wanted, ``N <= H`` for float32, ``N <= H/2`` for
-  16-bit weights -- a GRPO minibatch of a few sequences on a small model): all ``N`` tokens at once, the tile held
-  in the tail of ``d_weight``'s own buffer, which pass 2 overwrites from the front block by block (each block's
-  ``d_weight`` rows formed over every token and written once: rounded once to a 16-bit weight's dtype, so no float32
-  ``[V, H]`` buffer exists). Memory beyond the gradients: one scratch block (8 MiB float32) and ``[_WIDEN_ROWS, H]``
-  float32 buffers for 16-bit weights; the GEMMs run at ``M = N`` (not a 42-token chunk);
-- otherwise chunks of tokens with a tile of their own (``_CHUNK_BYTES``, or the float32 ``[N, H]`` size when
-  larger) in ~2 MiB blocks, ``d_weight`` accumulated over the chunks in float32 ``[V, H]`` (for a float32 weight
-  that is the gradient itself; for 16-bit weights it is a weight-sized float32 buffer, which the two-op path avoids
-  when N < V by running its backward vocabulary-outer -- a three-GEMM order cannot, since no dz exists before a
-  token's whole vocabulary row has been reduced, and a tile of all N tokens would then be larger than that buffer).
+- one chunk (CPU, ``d_weight`` wanted, ``N <= H`` for float32, ``N <= H/2`` for 16-bit weights -- a GRPO
+  minibatch of a few sequences on a small model): all ``N`` tokens at once, the tile held in the tail of
+  ``d_weight``'s own buffer, which pass 2 overwrites from the front block by block (each block's ``d_weight`` rows
+  formed over every token and written once: rounded once to a 16-bit weight's dtype, so no float32 ``[V, H]``
+  buffer exists). Memory beyond the gradients: one scratch block (8 MiB float32) and ``[_WIDEN_ROWS, H]`` float32
+  buffers for 16-bit weights; the GEMMs run at ``M = N`` (not a 42-token chunk);
+- chunks of tokens with a tile of their own (``_CHUNK_BYTES``, or the float32 ``[N, H]`` size when larger) in
+  ~2 MiB blocks, ``d_weight`` accumulated over the chunks in float32 ``[V, H]``: the gradient itself for a float32
+  weight. Taken for float32 weights when the chunks hold at least ``_MIN_CHUNK_TOKENS`` tokens, and wherever no
+  ``d_weight`` is wanted (a frozen head: two GEMMs);
+- the two-op path itself (:func:`_two_op`: ``linear_logprobs`` + ``policy_loss``, four GEMMs, the head's gradient
+  formed in the backward) for 16-bit weights beyond the one-chunk tile and for float32 weights whose chunks would
+  be smaller. Why three GEMMs cannot go further here: no ``dz`` exists before a token's whole vocabulary row has
+  been reduced, so between GEMM 1 and GEMM 3 either every token's logits are held (``N·V`` float32) or ``d_weight``
+  is summed over chunks of tokens -- in float32, which for 16-bit weights is a float32 ``[V, H]`` buffer beside the
+  gradient (the package never holds one; the two-op path runs its backward vocabulary-outer instead), and for small
+  chunks means small-M GEMMs that read the weight and read-modify-write ``d_weight`` once per chunk (measured slower
+  than four GEMMs; see ``_MIN_CHUNK_TOKENS``). So the three-GEMM saving on the CPU is for ``N <= H`` (or larger
+  ``N`` with float32 weights and a large ``N·H``), with no more memory than the two-op path.
+
+The Triton row (CUDA) always runs chunks, ``d_weight`` summed in float32 ``[V, H]``.
 
 ``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
 a 16-bit dtype), except a one-chunk 16-bit ``d_weight``, rounded in the forward (an upstream gradient other than 1
@@ -49,11 +60,13 @@ rounds it a second time); with an upstream gradient of exactly 1 the backward ha
 log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no separate log-prob pass.
 
 ``logits_policy_loss(logits, labels, old_logp, advantages, mask, ...)`` is the same for users who already hold
-``[B, T, V]`` logits: it reads them once (the statistics and the loss) and writes ``d_logits`` once, in the forward.
+``[B, T, V]`` logits: ``d_logits`` is written in the forward. Its Triton row (CUDA) reads the logits once and writes
+``d_logits`` once; its torch row runs the logprobs op's torch forward (one read), the policy loss, then its torch
+backward (a second read, one write) -- see ``_logits_torch`` for why not per chunk.
 
 Backends: ``triton`` (CUDA default for ``linear_policy_loss``; see the Triton kernels section: kernel 1 stores the
 chunk's float32 logits tile while reducing it, kernel 2 forms dz from the stored tile, cuBLAS runs GEMMs 2 and 3),
-``torch`` (chunked PyTorch, every device) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
+``torch`` (chunked PyTorch, every device; the CPU layouts above) and ``reference`` (:mod:`rlkernels.reference`'s formulas through autograd,
 served before the ops). ``logits_policy_loss``'s Triton row (its CUDA default; see the section "Triton row of
 logits_policy_loss") is ONE kernel for ``ratio="token"``: each program reads its token's row for the statistics, forms
 the loss coefficients in registers and re-reads the row (from L2) to write ``d_logits`` -- the logits read once from
@@ -87,7 +100,7 @@ _CHUNK_BYTES = 8 << 20
 # matched the two-op path there.
 _BLOCK_ELEMS = 1 << 19
 _VBLOCK_MIN = 256
-# The one-chunk row (_tile_in_weight_grad: no tile of its own, the scratch block its only block-sized buffer) takes
+# The one-chunk row (_torch_layout: no tile of its own, the scratch block its only block-sized buffer) takes
 # blocks this many times wider (8 MiB float32: 8192 columns at N = 256): fewer, larger ops. Side by side at N = 256
 # fp32 under load 12 (two threads on 2 cores): 2 MiB blocks 10.1 s, 8 MiB 4.5 s per fwd+bwd (1 MiB: 16.9 s).
 _ONE_CHUNK_BLOCK_SCALE = 4
@@ -239,7 +252,7 @@ class _Tile:
         self.spans = [(v0, min(V, v0 + self.vb)) for v0 in range(0, V, self.vb)]
         S = len(self.spans)
         # the tile, [n, V] in blocks; ``buf`` (n_max·V elements of cdt): memory the caller lends, which it may
-        # overwrite from the front while pass 2 runs (:func:`_tile_in_weight_grad`), so pass 2 then hands out
+        # overwrite from the front while pass 2 runs (:func:`_torch_layout`'s one chunk), so pass 2 then hands out
         # every dz from the scratch buffer, never from the tile
         self.lent = buf is not None
         self.buf = torch.empty(n_max * V, dtype=cdt, device=device) if buf is None else buf
@@ -1020,7 +1033,7 @@ def _upstream_is_one(d_loss: torch.Tensor) -> bool:
 def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
     """A stored gradient ``g`` (compute dtype) times the upstream scalar, in ``dtype``, rounded once (the product
     is formed in ``g``'s dtype and written straight into the output); a one-chunk 16-bit ``d_weight``
-    (:func:`_tile_in_weight_grad`) is stored in ``dtype`` already, so an upstream other than 1 rounds it a second
+    (:func:`_torch_layout`) is stored in ``dtype`` already, so an upstream other than 1 rounds it a second
     time. ``[0]``: not computed -> None."""
     if g.numel() == 0 and g.dim() == 1:
         return None

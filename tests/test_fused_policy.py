@@ -76,6 +76,23 @@ def _fused(x, options, upstream, dtype, backend, *, with_bias=True, hidden_view=
     return loss, metrics, grads
 
 
+def _check_fused_against_truth(x, options, upstream, dtype, backend):
+    """linear_policy_loss on ``backend`` against the float64 truth of the ``dtype``-rounded inputs: loss, metrics,
+    per-token log-probs, and each gradient (no worse than eager PyTorch's); returns ``(loss, metrics, grads,
+    truth's grads)``."""
+    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
+    loss, metrics, grads = _fused(x, options, upstream, dtype, backend)
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for k, v in t_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == dtype, name
+        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+    return loss, metrics, grads, t_grads
+
+
 OPTION_CASES = [
     dict(),
     dict(temperature=0.7, kl_coef=0.05, kl_estimator="k3"),
@@ -286,18 +303,9 @@ def _on_policy_check(x, agg, options, dtype, backend):
     x = dict(x, old_logp=None)
     options = dict(options, agg=agg)
     upstream = 1.0 if dtype == torch.bfloat16 else 1.3
-    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
-    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
-    loss, metrics, grads = _fused(x, options, upstream, dtype, backend)
-    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
-    for k, v in t_metrics.items():
-        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
+    loss, metrics, grads, t_grads = _check_fused_against_truth(x, options, upstream, dtype, backend)
     torch.testing.assert_close(metrics["ratio_mean"], torch.tensor(1.0), rtol=0, atol=0)  # ratio 1 in value
     assert float(metrics["clipfrac"]) == 0.0
-    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
-    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
-        assert g.dtype == dtype, name
-        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
     # the two-op path the trainer falls back to: policy_loss on linear_logprobs' output, old = it detached
     h, w, b = (x[k].to(dtype).detach().requires_grad_() for k in ("hidden", "weight", "bias"))
     temperature = options.pop("temperature", 1.0)
@@ -592,16 +600,7 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
     assert len(fused_policy._triton_chunks(4, 5, 200, options.get("ratio", "token"), dtype)) == 2
     options = dict(options, agg=agg)
     upstream = 1.0 if dtype == torch.bfloat16 else 1.7
-    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
-    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
-    loss, metrics, grads = _fused(x, options, upstream, dtype, "triton")
-    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
-    for k, v in t_metrics.items():
-        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
-    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
-    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
-        assert g.dtype == dtype, name
-        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
+    _check_fused_against_truth(x, options, upstream, dtype, "triton")
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -667,16 +666,12 @@ def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, monkeypatch):
                                        **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-4)), msg=layout)
 
 
-def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
-    """16-bit weights, N <= H/2: no float32 [V, H] d_weight accumulator (nor a tile: it lives in d_weight), so
-    linear_policy_loss's fwd+bwd allocates less than linear_logprobs + policy_loss's (measured the same way;
-    vocabulary blocks of 512 columns, as at a real vocabulary's size)."""
+def _bf16_memory_fused_and_two_op(B, T, H, V, seed):
+    """fwd+bwd memory reports (rlkernels.testing.memory) of linear_policy_loss and of linear_logprobs +
+    policy_loss on the same bf16 inputs, each warmed once first."""
     from rlkernels.testing import memory as _memory
 
-    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 64 * 512)
-
-    B, T, H, V = 2, 32, 160, 4096
-    x = _inputs(B, T, H, V, seed=3)
+    x = _inputs(B, T, H, V, seed=seed)
     h, w = (x[k].to(torch.bfloat16).requires_grad_() for k in ("hidden", "weight"))
     args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
 
@@ -690,7 +685,16 @@ def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
         return torch.autograd.grad(loss, (h, w))
 
     fused(), two_op()  # warm
-    ours, theirs = _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
+    return _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
+
+
+def test_one_chunk_bf16_peak_memory_below_two_op_path(monkeypatch):
+    """16-bit weights, N <= H/2: no float32 [V, H] d_weight accumulator (nor a tile: it lives in d_weight), so
+    linear_policy_loss's fwd+bwd allocates less than linear_logprobs + policy_loss's (measured the same way;
+    vocabulary blocks of 512 columns, as at a real vocabulary's size)."""
+    monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 64 * 512)
+    H, V = 160, 4096
+    ours, theirs = _bf16_memory_fused_and_two_op(2, 32, H, V, seed=3)
     assert ours.largest_bytes < 4 * V * H  # no float32 [V, H] buffer
     assert ours.peak_bytes <= theirs.peak_bytes, (ours, theirs)
 
@@ -734,41 +738,16 @@ def test_two_op_layout_for_16bit_weights_matches_truth_rounded_once(dtype, ratio
     x = _inputs(3, 7, 8, 1000, seed=23, adv_per_seq=ratio == "sequence")  # N = 21 > H/2 = 4
     options = dict(ratio=ratio, kl_coef=0.05, entropy_coef=0.01, temperature=0.9, agg="seq-mean-token-sum")
     upstream = -0.6
-    t_loss, t_metrics, t_grads, t_logp = _truth(x, options, upstream, lambda t: t.to(dtype).double())
-    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t.to(dtype))
-    loss, metrics, grads = _fused(x, options, upstream, dtype, "torch")
-    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    _, metrics, _, _ = _check_fused_against_truth(x, options, upstream, dtype, "torch")
     assert set(metrics) >= {"clipfrac", "approx_kl", "ratio_mean", "kl", "entropy", "token_logp", "token_entropy"}
-    for k, v in t_metrics.items():
-        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL, msg=k)
-    assert_close_to_truth(metrics["token_logp"], t_logp, torch.float32, name="token_logp")
-    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
-        assert g.dtype == dtype, name
-        assert_close_to_truth(g, t, dtype, eager=e, name=f"d_{name}")
 
 
 def test_bf16_beyond_one_chunk_holds_no_float32_weight_sized_buffer():
     """16-bit weights, N > H/2: no float32 [V, H] buffer at any time, and no more peak memory than
     linear_logprobs + policy_loss (before, the chunked three-GEMM layout summed d_weight in a float32 [V, H]
     buffer: twice the bf16 gradient's size beside it)."""
-    from rlkernels.testing import memory as _memory
-
-    B, T, H, V = 2, 64, 64, 4096  # N = 128 > H/2
-    x = _inputs(B, T, H, V, seed=4)
-    h, w = (x[k].to(torch.bfloat16).requires_grad_() for k in ("hidden", "weight"))
-    args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
-
-    def fused():
-        loss, _ = rlkernels.linear_policy_loss(h, w, *args, ref_logp=x["ref_logp"], entropy_coef=0.01)
-        return torch.autograd.grad(loss, (h, w))
-
-    def two_op():
-        logp, ent = rlkernels.linear_logprobs(h, w, x["labels"], return_entropy=True)
-        loss, _ = rlkernels.policy_loss(logp, *args[1:], ref_logp=x["ref_logp"], entropy=ent, entropy_coef=0.01)
-        return torch.autograd.grad(loss, (h, w))
-
-    fused(), two_op()  # warm
-    ours, theirs = _memory.measure_cpu(fused), _memory.measure_cpu(two_op)
+    H, V = 64, 4096
+    ours, theirs = _bf16_memory_fused_and_two_op(2, 64, H, V, seed=4)  # N = 128 > H/2
     assert ours.largest_bytes < 4 * V * H  # no float32 [V, H] buffer
     assert ours.peak_bytes <= theirs.peak_bytes, (ours, theirs)
 
