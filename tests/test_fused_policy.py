@@ -742,6 +742,31 @@ def test_two_op_layout_for_16bit_weights_matches_truth_rounded_once(dtype, ratio
     assert set(metrics) >= {"clipfrac", "approx_kl", "ratio_mean", "kl", "entropy", "token_logp", "token_entropy"}
 
 
+@pytest.mark.parametrize("options", [dict(), dict(entropy_coef=0.01), dict(return_entropy=True), dict(kl_coef=0.1),
+                                     dict(ratio="sequence", entropy_coef=0.1, return_entropy=True, dual_clip=3.0)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_layouts_report_the_same_metrics(options, monkeypatch):
+    """Whichever layout _torch_layout picks, a caller sees the same loss, metric names and values, and gradients."""
+    x = _inputs(2, 8, 16, 50, seed=31, adv_per_seq=options.get("ratio") == "sequence")  # N = H: one chunk fits
+    if not options.get("kl_coef"):
+        x["ref_logp"] = None
+    seen = {}
+    for layout in ("chunks", "two-op", "one-chunk"):
+        monkeypatch.setattr(fused_policy, "_torch_layout", lambda *a, layout=layout: layout)
+        h, w = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+        loss, metrics = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                     ref_logp=x["ref_logp"], **options)
+        seen[layout] = (loss, metrics, torch.autograd.grad(loss, (h, w)))
+    loss, metrics, grads = seen.pop("chunks")
+    for layout, (l2, m2, g2) in seen.items():
+        torch.testing.assert_close(l2, loss, msg=layout)
+        assert set(m2) == set(metrics), layout
+        for k in metrics:
+            torch.testing.assert_close(m2[k], metrics[k], msg=f"{layout} {k}")
+        for a, b in zip(g2, grads):
+            torch.testing.assert_close(a, b, msg=layout)
+
+
 def test_bf16_beyond_one_chunk_holds_no_float32_weight_sized_buffer():
     """16-bit weights, N > H/2: no float32 [V, H] buffer at any time, and no more peak memory than
     linear_logprobs + policy_loss (before, the chunked three-GEMM layout summed d_weight in a float32 [V, H]
