@@ -8,6 +8,7 @@ CPU kernels always, the CUDA kernels too when the installed torch has CUDA and
 ``pip install --no-build-isolation .``); it is never a build requirement.
 """
 import os
+import sys
 import shutil
 
 from setuptools import setup
@@ -20,6 +21,8 @@ def extension_modules():
     here = os.path.dirname(os.path.abspath(__file__))
     csrc = os.path.join("csrc")
     sources = [os.path.join(csrc, "advantages.cpp")]
+    # at::parallel_for runs its OpenMP pragma only in code compiled with -fopenmp (see rlkernels._extension)
+    omp = ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
     nvcc = cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
     with_cuda = torch.version.cuda is not None and bool(nvcc or shutil.which("nvcc"))
     if with_cuda:
@@ -28,10 +31,12 @@ def extension_modules():
             "rlkernels._C",
             sources,
             include_dirs=[os.path.join(here, csrc)],
-            extra_compile_args={"cxx": ["-O3", "-DRLKERNELS_WITH_CUDA"], "nvcc": ["-O3", "--use_fast_math"]},
+            extra_compile_args={"cxx": ["-O3", "-DRLKERNELS_WITH_CUDA", *omp], "nvcc": ["-O3", "--use_fast_math"]},
+            extra_link_args=omp,
         )
     else:
-        ext = cpp_extension.CppExtension("rlkernels._C", sources, extra_compile_args={"cxx": ["-O3"]})
+        ext = cpp_extension.CppExtension("rlkernels._C", sources, extra_compile_args={"cxx": ["-O3", *omp]},
+                                         extra_link_args=omp)
     return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(no_python_abi_suffix=True)}
 
 

@@ -56,6 +56,13 @@ def cuda_build_possible() -> bool:
     return bool(home and os.path.exists(os.path.join(home, "bin", "nvcc"))) or shutil.which("nvcc") is not None
 
 
+def openmp_flags() -> list[str]:
+    """``-fopenmp`` where torch's own CPU parallelism is OpenMP (Linux builds): ``at::parallel_for`` is a header
+    template whose ``#pragma omp parallel`` runs only in code compiled with it -- without the flag every CPU kernel
+    of the extension runs on one thread."""
+    return ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
+
+
 def build_directory() -> str:
     root = os.environ.get("RLKERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rlkernels")
     flavour = f"torch{torch.__version__}".replace("+", "_") + (f"_cu{torch.version.cuda}" if cuda_build_possible() else "_cpu")
@@ -105,7 +112,8 @@ def _build() -> None:
     cpp_extension.load(
         name=NAMESPACE,
         sources=sources,
-        extra_cflags=["-O3"] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
+        extra_cflags=["-O3", *openmp_flags()] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
+        extra_ldflags=openmp_flags(),
         extra_cuda_cflags=["-O3", "--use_fast_math"] if with_cuda else None,
         build_directory=directory,
         is_python_module=False,
