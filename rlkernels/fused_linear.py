@@ -288,15 +288,26 @@ def _dz_kernel(
                      stride_hn, stride_wv, temperature,
                      HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
     label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+    # the label's column in this vocabulary chunk (outside [0, V): another chunk's)
+    _dz_store(z, rows, cols, row_ok, col_ok, label - col0, label != ignore_index, m_ptr, logs_ptr, ent_ptr, glogp_ptr,
+              gent_ptr, dz_ptr, resid_ptr, V, temperature, pid_v * BLOCK_V, BLOCK_V)
+
+
+@jit
+def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr, resid_ptr,
+              V, temperature, v_first, BLOCK_V: tl.constexpr):
+    """dL/dz of a ``[BLOCK_N, BLOCK_V]`` tile of logits / T ``z`` (columns ``cols`` of the rows ``rows``), stored in
+    ``dz_ptr``'s dtype at ``rows x cols`` of the ``[n, V]`` buffer, and the label entry's 16-bit rounding loss in
+    ``resid_ptr`` [n] float32 (only where the label's column ``y`` [BLOCK_N] lies in this tile, whose first column
+    is ``v_first``; ``valid``: not ignored). The one place the backward's ``dz`` formula is written: ``_dz_kernel``
+    (logits recomputed) and :mod:`rlkernels.fused_policy`'s kernel 2 (logits read back from the forward's tile)
+    call it. Per row it reads the forward's row max, log Σ exp, entropy and the upstream gradients of log p and
+    the entropy, each [n] float32."""
     m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
     log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
     ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
-    g_lp = tl.load(glogp_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
-    g_h = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_N]
-    valid = label != ignore_index
-    g_lp = tl.where(valid, g_lp, 0.0)
-    g_h = tl.where(valid, g_h, 0.0)
-    y = label - col0  # [BLOCK_N] the label's column in this vocabulary chunk (outside [0, V): another chunk's)
+    g_lp = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dlogp
+    g_h = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dentropy
     # log p = (z - max) - log s, as eager's log_softmax forms it: one float32 lse = max + log s
     # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
     logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
@@ -315,7 +326,7 @@ def _dz_kernel(
     # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
     # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
     lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
-    has_y = (y >= pid_v * BLOCK_V) & (y < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
+    has_y = (y >= v_first) & (y < v_first + BLOCK_V) & valid & row_ok
     tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
 
 

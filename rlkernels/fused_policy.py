@@ -621,26 +621,8 @@ def _dz_from_tile_kernel(
     io_ok = row_ok[:, None] & col_ok[None, :]
     z = tl.load(z_ptr + offs, mask=io_ok, other=0.0)  # [BLOCK_N, BLOCK_V] the forward's logits, bit for bit
     label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
-    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
-    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
-    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-    valid = label != ignore_index
-    g_lp = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dlogp
-    g_h = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0), 0.0)  # [BLOCK_N] dL/dentropy
-    # the dz of fused_linear's _dz_kernel: log p = (z - max) - log s; p (log p + H) is 0 where p = 0;
-    # 1 - p_y = -expm1(log p_y) per row (no cancellation where p_y ~ 1)
-    logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
-    p = tl.exp(logp)
-    ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
-    is_y = cols[None, :] == label[:, None]  # [BLOCK_N, BLOCK_V]
-    one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
-    dz = tl.where(is_y, (g_lp * one_minus_p_y)[:, None], -g_lp[:, None] * p) - ent_term
-    dz = tl.where(valid[:, None], dz / temperature, 0.0)
-    dz_low = dz.to(dz_ptr.dtype.element_ty)
-    tl.store(dz_ptr + offs, dz_low, mask=io_ok)
-    lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)  # what rounding the label's entry lost
-    has_y = (label >= pid_v * BLOCK_V) & (label < pid_v * BLOCK_V + BLOCK_V) & valid & row_ok
-    tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
+    _fl._dz_store(z, rows, cols, row_ok, col_ok, label, label != ignore_index, m_ptr, logs_ptr, ent_ptr, glogp_ptr,
+                  gent_ptr, dz_ptr, resid_ptr, V, temperature, pid_v * BLOCK_V, BLOCK_V)  # fused_linear's dz
 
 
 # Tiles, the largest found to compile with no register spills (0 B local memory) on sm_80 and sm_90, aligned and
