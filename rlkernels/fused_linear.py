@@ -153,10 +153,12 @@ def _online_update(z, cols, col_ok, label, m, s, u, zy):
 @jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
+    z_ptr,  # [N, V] float32: the logits / T, written with STORE_Z (rlkernels.fused_policy's kernel 1); else unused
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32
     N, V, H, stride_hn, stride_wv, temperature,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    STORE_Z: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -177,6 +179,9 @@ def _fwd_kernel(
             z = _logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H,
                              stride_hn, stride_wv, temperature,
                              HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
+            if STORE_Z:  # 64-bit row offsets
+                tl.store(z_ptr + rows[:, None].to(tl.int64) * V + cols[None, :], z,
+                         mask=row_ok[:, None] & col_ok[None, :])
             m, s, u, zy = _online_update(z, cols, col_ok, label, m, s, u, zy)
     out = split.to(tl.int64) * N + rows  # [BLOCK_N]
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -469,7 +474,7 @@ _SIZES = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "
 
 
 def _fwd_signature(ty: str) -> dict:
-    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
+    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64", "z_ptr": "*fp32"}
     partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32"}
     return {**inputs, **partials, **_SIZES}
 
@@ -489,7 +494,7 @@ def aot_configs() -> list[KernelConfig]:
     for dtype, ty in TRITON_DTYPE_NAMES.items():
         t, tb = _tiles(dtype), _tiles(dtype, backward=True)
         for has_bias in (False, True):
-            fwd_consts = {**_kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles}
+            fwd_consts = {**_kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles, "STORE_Z": False}
             dz_consts = _kernel_flags(dtype, has_bias, False, tb)
             fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
             dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
@@ -615,11 +620,11 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     elif N > 0:
         grid = (cdiv(N, t.block_n), S)
         _fwd_kernel.launch(
-            grid, hidden, weight, bias if bias is not None else weight, labels,
+            grid, hidden, weight, bias if bias is not None else weight, labels, part,  # part: z_ptr, unused
             part[0], part[1], part[2], part[3],
             N, V, H, hidden.stride(0), weight.stride(0), opt.temperature,
             **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t), SPLIT_TILES=t.split_tiles,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            STORE_Z=False, num_warps=t.num_warps, num_stages=t.num_stages,
         )
     m, s, u, zy = part.unbind(0)  # each [S, N]
     m_all, s_all, u_all = lse_merge(m, s, u)  # [N] each

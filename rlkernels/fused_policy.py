@@ -556,50 +556,15 @@ _logits_torch = _logits_with(_sm._torch_forward, _sm._torch_backward_into)
 
 # ---------------------------------------------------------------- Triton kernels
 #
-# The Triton row keeps the three-GEMM structure with the logits tile in global memory: kernel 1 runs GEMM 1
-# (fused_linear's _logits_tile, the same float32 accumulation as linear_logprobs' forward) over a chunk of tokens,
-# folds each [BLOCK_N, BLOCK_V] tile into online statistics (row max, Σ exp, Σ exp·d, the label's logit) and also
-# stores the float32 tile in a [chunk, V] workspace; the host merges the vocabulary splits' partials and runs the
-# policy loss's own implementation for the per-token coefficients; kernel 2 reads the stored tile back (no GEMM:
-# this is where the two-op path recomputes the logits) and writes dz in the inputs' dtype, with the label
-# entry's 16-bit rounding error kept in float32, as fused_linear's _dz_kernel does. GEMMs 2 and 3 are cuBLAS
+# The Triton row keeps the three-GEMM structure with the logits tile in global memory: kernel 1 is
+# linear_logprobs' own forward kernel (fused_linear._fwd_kernel with STORE_Z: GEMM 1 in the same float32
+# accumulation, each [BLOCK_N, BLOCK_V] tile folded into online statistics -- row max, Σ exp, Σ exp·d, the label's
+# logit) which also stores the float32 tile in a [chunk, V] workspace; the host merges the vocabulary splits'
+# partials and runs the policy loss's own implementation for the per-token coefficients; kernel 2
+# (_dz_from_tile_kernel) reads the stored tile back (no GEMM: this is where the two-op path recomputes the logits)
+# and writes dz in the inputs' dtype through fused_linear's _dz_store, the backward's one dz formula (the label
+# entry's 16-bit rounding error kept in float32). GEMMs 2 and 3 are cuBLAS
 # (torch.mm on the dz chunk, float32 output for 16-bit inputs), as in linear_logprobs' Triton backward.
-
-
-@jit
-def _stats_store_kernel(
-    h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n]
-    z_ptr,  # [n, V] float32 workspace: the logits / T
-    m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, n] float32
-    N, V, H, stride_hn, stride_wv, temperature,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    row_ok = rows < N
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
-    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)  # running max (finite start: no 0 * inf)
-    s = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)
-    u = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # Σ exp(z - m)(z - m)
-    zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)  # the label's logit, from the float32 accumulator
-    z_rows = z_ptr + rows[:, None].to(tl.int64) * V  # [BLOCK_N, 1] 64-bit row offsets
-    v_start = split * SPLIT_TILES * BLOCK_V
-    for t in range(0, SPLIT_TILES):
-        v0 = v_start + t * BLOCK_V
-        if v0 < V:
-            cols = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            col_ok = cols < V
-            z = _fl._logits_tile(h_ptr, w_ptr, b_ptr, rows, cols, row_ok, col_ok, H, stride_hn, stride_wv,
-                                 temperature, HAS_BIAS, IEEE, DOT_F32, BLOCK_N, BLOCK_V, BLOCK_K)  # [BLOCK_N, BLOCK_V]
-            tl.store(z_rows + cols[None, :], z, mask=row_ok[:, None] & col_ok[None, :])
-            m, s, u, zy = _fl._online_update(z, cols, col_ok, label, m, s, u, zy)  # linear_logprobs' forward's fold
-    out = split.to(tl.int64) * N + rows  # [BLOCK_N]
-    tl.store(m_ptr + out, m, mask=row_ok)
-    tl.store(s_ptr + out, s, mask=row_ok)
-    tl.store(u_ptr + out, u, mask=row_ok)
-    tl.store(zy_ptr + out, zy, mask=row_ok)
 
 
 @jit
@@ -644,13 +609,6 @@ _STATS_TILES = {torch.float32: _fl._Tiles(block_n=32, block_v=64, block_k=16, sp
 _TRITON_CHUNK_BYTES = 1 << 30
 
 
-def _stats_signature(ty: str) -> dict:
-    inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64", "z_ptr": "*fp32"}
-    partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32"}
-    sizes = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
-    return {**inputs, **partials, **sizes}
-
-
 def _dz2_signature(ty: str) -> dict:
     rows = {"labels_ptr": "*i64", "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32",
             "gent_ptr": "*fp32"}
@@ -667,8 +625,8 @@ def aot_configs() -> list:
     for dtype, ty in TRITON_DTYPE_NAMES.items():
         t = _STATS_TILES[dtype]
         for has_bias in (False, True):
-            consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles}
-            configs.append(KernelConfig(_stats_store_kernel, {**_stats_signature(ty), **dict.fromkeys(consts, "constexpr")},
+            consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles, "STORE_Z": True}
+            configs.append(KernelConfig(_fl._fwd_kernel, {**_fl._fwd_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                         consts, t.num_warps, t.num_stages))
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
@@ -721,10 +679,11 @@ class _TritonTile:
         n, V, t = t1 - t0, self.V, self.t
         part = self.part[:, :, :n]  # [4, S, n]
         h_c = self.h[t0:t1]  # [n, H]
-        _stats_store_kernel.launch(
+        _fl._fwd_kernel.launch(
             (cdiv(n, t.block_n), self.S), h_c, self.w, self.b if self.b is not None else self.w, labels,
             self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
-            opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, num_warps=t.num_warps, num_stages=t.num_stages)
+            opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, STORE_Z=True, num_warps=t.num_warps,
+            num_stages=t.num_stages)
         m, s, u, zy = part.unbind(0)  # [S, n] each
         m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
         log_s = torch.log(s_all)  # [n]
