@@ -112,3 +112,23 @@ def labels(x, V: int, ignore_index: int, name: str = "labels") -> torch.Tensor:
         if bool(bad.any()):
             raise ValueError(f"{name} must lie in [0, {V}) or equal ignore_index={ignore_index}; found {int(x[bad][0])}")
     return x
+
+
+def lm_head(hidden: torch.Tensor, weight, bias) -> None:
+    """An LM head's ``weight`` ``[V, H]`` (V >= 1, H = ``hidden.shape[-1]``) and optional ``bias`` ``[V]``, both
+    floating and of ``hidden``'s dtype (``hidden`` itself checked by the caller); each error names its argument."""
+    floating(weight, "weight")
+    rank(weight, "weight", 2)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, "
+                         f"got weight of shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        floating(bias, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")

@@ -354,27 +354,12 @@ def _validate(*, hidden, weight, labels, bias, temperature, return_entropy, igno
     """Checks :func:`linear_logprobs`'s arguments (each error names its argument); returns the options. The labels'
     range is checked where they are read (the op, or the reference path), on the CPU."""
     _checks.floating(hidden, "hidden")
-    _checks.floating(weight, "weight")
     _checks.integer(labels, "labels")
     if hidden.dim() < 1:
         raise ValueError(f"hidden must have at least one dimension [..., H], got shape {tuple(hidden.shape)}")
-    _checks.rank(weight, "weight", 2)
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight of shape {tuple(weight.shape)}"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1)")
+    _checks.lm_head(hidden, weight, bias)
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
-    if bias is not None:
-        _checks.floating(bias, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}")
     _checks.same_device((hidden, "hidden"), (weight, "weight"), (labels, "labels"), (bias, "bias"))
     return LinearLogprobsOptions(temperature=_checks.positive(temperature, "temperature"),
                                  return_entropy=bool(return_entropy), ignore_index=int(ignore_index))

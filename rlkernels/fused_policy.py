@@ -165,21 +165,7 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
             raise ValueError(f"old_logp must have shape {head_name}.shape[:2] = {(B, T)}, "
                              f"got {tuple(old_logp.shape)}")
     if weight is not None:
-        _checks.floating(weight, "weight")
-        _checks.rank(weight, "weight", 2)
-        if weight.shape[1] != head_input.shape[-1]:
-            raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {head_input.shape[-1]}, "
-                             f"got weight of shape {tuple(weight.shape)}")
-        if weight.shape[0] == 0:
-            raise ValueError("weight must have at least one row (V >= 1)")
-        if weight.dtype != head_input.dtype:
-            raise TypeError(f"weight must have the dtype of hidden ({head_input.dtype}), got {weight.dtype}")
-        if bias is not None:
-            _checks.floating(bias, "bias")
-            if bias.shape != (weight.shape[0],):
-                raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
-            if bias.dtype != head_input.dtype:
-                raise TypeError(f"bias must have the dtype of hidden ({head_input.dtype}), got {bias.dtype}")
+        _checks.lm_head(head_input, weight, bias)
     elif head_input.shape[-1] == 0:
         raise ValueError("logits must have at least one entry per token (V >= 1)")
     _checks.same_device((head_input, head_name), (weight, "weight"), (labels, "labels"), (bias, "bias"),
