@@ -25,14 +25,24 @@ namespace {
 // multiply-add), so a task walks kRows rows side by side: kRows independent dependency chains per time step,
 // written without branches (a select per state), which the core overlaps.
 constexpr int64_t kRows = 4;
+constexpr int64_t kSkew = 16;  // tokens (one 64-byte line of float32) between neighbouring rows of a tile
 
 template <typename scalar_t, int64_t R>
 void gae_row_tile(const scalar_t* r, const scalar_t* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
                   int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl) {
   float next_value[R], next_adv[R];  // the value and advantage of each row's next valid token (0 past the end)
   for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
-  for (int64_t t = T - 1; t >= 0; --t) {
+  // Row i runs kSkew·i tokens behind row 0: rows T floats apart (a multiple of 4 KiB for T = 1024, 2048, ...)
+  // would otherwise put the same token of all R rows of all five arrays into one L1 set (5R lines in an 8-way
+  // set: a conflict miss per access), and alias 4 KiB apart between the loads and the stores. Measured with
+  // bench/cpu_gae_rows.cpp (one thread, B=64 T=2048, arrays from malloc, so their bases agree mod 4 KiB): 4 rows
+  // unskewed 903-1004 us, skewed 108-113 us (2 rows unskewed: 108 us; 8 rows skewed 152 us). Inside torch the
+  // tensors' addresses happened not to line up and both took ~100-200 us: the skew makes that independent of
+  // where the allocator puts them.
+  for (int64_t s = T - 1 + (R - 1) * kSkew; s >= 0; --s) {
     for (int64_t i = 0; i < R; ++i) {
+      const int64_t t = s - i * kSkew;
+      if (t < 0 || t >= T) continue;
       const int64_t b = b0 + i;
       const float vt = static_cast<float>(v[b * vs0 + t * vs1]);
       const float rt = static_cast<float>(r[b * rs0 + t * rs1]);
