@@ -1132,7 +1132,10 @@ def linear_policy_loss(
 
     but the head's gradient is formed during the forward (the loss is known then), which saves the backward's
     logits recomputation: three GEMMs instead of four, and never an ``[N, V]`` tensor (chunks of tokens;
-    whole sequences with ``ratio="sequence"``).
+    whole sequences with ``ratio="sequence"``). On the CPU, where three GEMMs would need a float32 ``[V, H]``
+    buffer beside a 16-bit weight's gradient (more than ``H/2`` tokens) or chunks of fewer than 128 tokens
+    (float32), it runs exactly that two-op composition itself -- four GEMMs, the two-op path's memory, the same
+    outputs and metrics (the module docstring says why).
 
     Args:
         hidden: ``[B, T, H]`` final hidden states at the positions that predict ``labels`` (float32/bf16/fp16).

@@ -177,7 +177,7 @@ class TrainConfig:
 
     # --- issue 12 ---
     policy_head: str = "fused"
-    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward), off-policy (PPO, epochs or minibatches > 1: old log-probs from a separate pass) and on-policy (GRPO's default epochs = minibatches = 1: old = the op's own log-probs, detached), except under shard='fsdp'; 'two-op' always uses linear_logprobs then policy_loss. With losses='eager' the reference path runs either way."""
+    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward; on the CPU, for heads where that would cost more memory or time, the op runs linear_logprobs + policy_loss inside), off-policy (PPO, epochs or minibatches > 1: old log-probs from a separate pass) and on-policy (GRPO's default epochs = minibatches = 1: old = the op's own log-probs, detached), except under shard='fsdp'; 'two-op' always uses linear_logprobs then policy_loss. With losses='eager' the reference path runs either way."""
 
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
