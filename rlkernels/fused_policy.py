@@ -189,13 +189,15 @@ def _chunks(B: int, T: int, V: int, ratio: str, H: int = 0, budget: int | None =
     whole sequences for ``"sequence"``, each with a float32 ``[chunk, V]`` tile within ``budget`` bytes
     (default ``max(_CHUNK_BYTES, 4·N·H)``) where possible (a sequence longer than that still takes one chunk)."""
     N = B * T
-    budget = max(_CHUNK_BYTES, 4 * N * H) if budget is None else budget
+    step = _chunk_tokens(B, T, V, ratio, H, budget)
+    return [(t0, min(N, t0 + step)) for t0 in range(0, N, step)]
+
+
+def _chunk_tokens(B: int, T: int, V: int, ratio: str, H: int = 0, budget: int | None = None) -> int:
+    """Tokens of every chunk of :func:`_chunks` but the last (at least 1)."""
+    budget = max(_CHUNK_BYTES, 4 * B * T * H) if budget is None else budget
     budget_tokens = max(1, budget // (4 * max(V, 1)))
-    if ratio == "sequence":
-        step = max(1, budget_tokens // max(T, 1)) * T
-    else:
-        step = budget_tokens
-    return [(t0, min(N, t0 + step)) for t0 in range(0, N, max(step, 1))]
+    return max(1, budget_tokens // max(T, 1)) * max(T, 1) if ratio == "sequence" else budget_tokens
 
 
 def _vblock(n: int, V: int, scale: int = 1) -> int:
@@ -380,9 +382,8 @@ def _torch_layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOp
         return "one-chunk"
     if weight.dtype.itemsize < c:
         return "two-op"
-    V = weight.shape[0]
-    smallest = min(t1 - t0 for t0, t1 in _chunks(hidden.shape[0], hidden.shape[1], V, opt.ratio, H))
-    return "two-op" if smallest < _MIN_CHUNK_TOKENS else "chunks"
+    tokens = _chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0], opt.ratio, H)
+    return "two-op" if tokens < _MIN_CHUNK_TOKENS else "chunks"
 
 
 def _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):

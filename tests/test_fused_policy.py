@@ -727,6 +727,7 @@ def test_torch_layout_rule():
     assert small < fused_policy._MIN_CHUNK_TOKENS
     assert _layout_of(1, 300, 64, 70000, torch.float32) == "two-op"
     assert _layout_of(1, 300, 64, 70000, torch.float32, ratio="sequence") == "chunks"  # one sequence: 300 tokens
+    assert _layout_of(1, 2100, 64, 1000, torch.float32) == "chunks"  # chunks of 2097 tokens, the last one of 3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
