@@ -21,8 +21,10 @@ def extension_modules():
     here = os.path.dirname(os.path.abspath(__file__))
     csrc = os.path.join("csrc")
     sources = [os.path.join(csrc, "advantages.cpp")]
-    # at::parallel_for runs its OpenMP pragma only in code compiled with -fopenmp (see rlkernels._extension)
-    omp = ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
+    sys.path.insert(0, here)
+    from rlkernels._extension import openmp_flags  # at::parallel_for's OpenMP pragma needs -fopenmp
+
+    omp = openmp_flags()
     nvcc = cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
     with_cuda = torch.version.cuda is not None and bool(nvcc or shutil.which("nvcc"))
     if with_cuda:

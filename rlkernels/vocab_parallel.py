@@ -52,7 +52,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from rlkernels import _backend, _checks, fused_linear, reference
+from rlkernels import _backend, _checks, fused_linear, fused_policy, reference
 from rlkernels._host import lse_merge
 
 _OTHER_RANK = -1  # the local label of a token whose label lies in another rank's slice
@@ -216,9 +216,7 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, ref_l
     :func:`rlkernels.policy_loss` on them, replicated on every rank. Returns ``(loss, metrics)``."""
     lp_opt = fused_linear.LinearLogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
     logp, entropy = linear_logprobs(hidden, weight, labels, bias, lp_opt, process_group, vocab_start)  # [B, T] each
-    from rlkernels.fused_policy import _policy_on_logprobs
-
-    return _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
+    return fused_policy._policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
 
 
 @torch.compiler.disable
