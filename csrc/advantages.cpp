@@ -35,10 +35,10 @@ void gae_row_tile(const scalar_t* r, const scalar_t* v, const bool* m, float* a_
   // Row i runs kSkew·i tokens behind row 0: rows T floats apart (a multiple of 4 KiB for T = 1024, 2048, ...)
   // would otherwise put the same token of all R rows of all five arrays into one L1 set (5R lines in an 8-way
   // set: a conflict miss per access), and alias 4 KiB apart between the loads and the stores. Measured with
-  // bench/cpu_gae_rows.cpp (one thread, B=64 T=2048, arrays from malloc, so their bases agree mod 4 KiB): 4 rows
-  // unskewed 903-1004 us, skewed 108-113 us (2 rows unskewed: 108 us; 8 rows skewed 152 us). Inside torch the
-  // tensors' addresses happened not to line up and both took ~100-200 us: the skew makes that independent of
-  // where the allocator puts them.
+  // bench/cpu_gae_rows.cpp (one thread, B=64 T=2048, arrays from malloc, so their bases agree mod 4 KiB;
+  // bench/results/cpu-gae-rows-2026-11-23.txt): 4 rows unskewed 1075-1127 us, skewed 124-125 us (2 rows unskewed
+  // 119 us; 8 rows 1898-2043 us unskewed, 145 us skewed). Inside torch the tensors' addresses happened not
+  // to line up and both took ~100-200 us: the skew makes that independent of where the allocator puts them.
   for (int64_t s = T - 1 + (R - 1) * kSkew; s >= 0; --s) {
     for (int64_t i = 0; i < R; ++i) {
       const int64_t t = s - i * kSkew;
