@@ -54,9 +54,49 @@ def same_device(*named: tuple[torch.Tensor | None, str]) -> torch.device:
 
 
 def positive(value: float, name: str) -> float:
-    if not value > 0:  # also rejects NaN
+    """A finite number > 0 (NaN, inf and non-numbers are rejected naming ``name``)."""
+    value = finite(value, name)
+    if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
-    return float(value)
+    return value
+
+
+# the kernels multiply by 1 / temperature in float32: below this it overflows to inf
+_SMALLEST_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+
+
+def temperature(value) -> float:
+    """The softmax temperature: finite, > 0, and with a finite float32 reciprocal (every backend scales the logits
+    by ``1 / temperature``)."""
+    value = positive(value, "temperature")
+    if value < _SMALLEST_TEMPERATURE:
+        raise ValueError(f"temperature must be >= {_SMALLEST_TEMPERATURE:.3g} (1 / temperature overflows float32), got {value}")
+    return value
+
+
+def index(value, name: str) -> int:
+    """An integer option such as ``ignore_index``: a Python, NumPy or one-element integer tensor value; a float
+    (even 1.0), a bool or a string is refused rather than truncated."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def flag(value, name: str) -> bool:
+    """A boolean option (``return_entropy``, ``shift_mean``): ``True``/``False`` (NumPy's too) or 0/1; anything
+    else, e.g. the string ``"no"``, is refused rather than read as true."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
+        value = bool(value.item())
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value in (0, 1):
+        value = bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # not a numbers.Integral
+        value = bool(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
 
 
 def choice(value: str, name: str, allowed: tuple[str, ...]) -> str:

@@ -335,18 +335,19 @@ def _whiten_partial_kernel(
     cancellation either."""
     pid = tl.program_id(0)
     TILE: tl.constexpr = ROWS * THREADS * VEC
-    r = tl.arange(0, ROWS)[:, None, None] * (THREADS * VEC)  # [ROWS, 1, 1]
-    t = tl.arange(0, THREADS)[None, :, None] * VEC  # [1, THREADS, 1]
-    offs = r + t + tl.arange(0, VEC)[None, None, :]  # [ROWS, THREADS, VEC]
+    # offsets [ROWS, THREADS·VEC], each row contiguous, and the loads reshaped to [ROWS, THREADS, VEC]: a 3-D
+    # offset tensor shows Triton only VEC-long contiguity (Triton 3.6 then costs 14.0-15.1 SASS per element on
+    # sm_90 instead of 12.1-13.2; 3.9 is unchanged at 12.5-13.7)
+    offs = tl.arange(0, ROWS)[:, None] * (THREADS * VEC) + tl.arange(0, THREADS * VEC)[None, :]  # [ROWS, THREADS·VEC]
     cnt = tl.full([THREADS], 0.0, tl.float32)  # [THREADS] per thread: count, pivot K, mean of (x - K), M2
     piv = tl.full([THREADS], 0.0, tl.float32)
     mean = tl.full([THREADS], 0.0, tl.float32)
     m2 = tl.full([THREADS], 0.0, tl.float32)
     for start in range(pid * TILE, N, tl.num_programs(0) * TILE):
-        i = start + offs  # [ROWS, THREADS, VEC]
+        i = start + offs  # [ROWS, THREADS·VEC]
         ok = i < N
-        x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [ROWS, THREADS, VEC]
-        keep = tl.load(m_ptr + i, mask=ok, other=0) != 0  # [ROWS, THREADS, VEC]
+        x = tl.reshape(tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32), [ROWS, THREADS, VEC])  # [ROWS, THREADS, VEC]
+        keep = tl.reshape(tl.load(m_ptr + i, mask=ok, other=0) != 0, [ROWS, THREADS, VEC])  # [ROWS, THREADS, VEC]
         w = tl.where(keep, 1.0, 0.0)  # [ROWS, THREADS, VEC]
         y = tl.where(keep, x - piv[None, :, None], 0.0)  # where, not a product: masked-out NaN/inf stay out
         c_t = block_sum(block_sum(w, 2), 0)  # [THREADS]: in-thread sums
@@ -458,18 +459,22 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
         dist = torch.distributed
         if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}")
-    return bool(shift_mean), eps
+    return _checks.flag(shift_mean, "shift_mean"), eps
 
 
 # ---------------------------------------------------------------- launchers: Triton
 
 # (BLOCK_B, BLOCK_T, num_warps) by T: short rows share a program, long rows loop over blocks. VEC = 16 tokens per
 # thread (more per thread amortise the scan across chunks; 32 would not fit the registers). Up to 256 tokens a
-# row lies inside one warp (no cross-warp step in its scans); longer rows take 1024-token blocks of 2 warps.
-# sm_90 aligned: 39-41 and 44-45 SASS per token, 7-8 CTAs per SM. Rejected: 32 x 64 and 8 x 256 in 4 warps
-# (36-40 aligned, but the unaligned specialisation spills), 1 x 2048 in 4 warps (45.5-47.1), 4 x 512 in 4 warps
-# (40.8-42.6 with a quarter of the programs; `make gpu` may prefer it).
-_GAE_CONFIGS = ((4, 256, 2), (1, 1024, 2))
+# row lies inside one warp (no cross-warp step in its scans); longer rows take 512-token blocks, two rows per
+# program of 2 warps. sm_90 aligned, SASS per token: 39-41 (4 x 256) and 41-43 (2 x 512) with Triton 3.9,
+# 40-43 and 42-45 with 3.6; 7-8 CTAs per SM. One row per program is out: with BLOCK_B = 1, Triton 3.6 lays the
+# in-chunk scan's [1, NCH, 16] operands across 16 lanes instead of one thread's registers (1 x 1024 in 2 warps:
+# 130-134 per token with 3.6, 676 shuffles per iteration, against 44-45 with 3.9; 1 x 512 in 1 warp: 122.5).
+# Rejected too: 32 x 64 and 8 x 256 in 4 warps (36-40 aligned, but the unaligned specialisation spills),
+# 1 x 2048 in 4 warps (45.5-47.1 with 3.9), 4 x 512 in 4 warps (40.8-42.6, half the programs; `make gpu` may
+# prefer it).
+_GAE_CONFIGS = ((4, 256, 2), (2, 512, 2))
 _GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
 # _group_kernel (one program per group): index-given groups of unequal sizes, groups of > 4096
 _GROUP_BLOCK, _GROUP_WARPS = 256, 4
@@ -580,8 +585,8 @@ def _group_triton(scores, group_size, index, mode, eps):
 
 def _whiten_triton(x, mask, shift_mean, eps):
     (xf,) = _kernel_inputs(x)
-    xf = xf.reshape(-1)  # [N]
-    m = _host.mask_u8(mask).reshape(-1)  # [N]
+    xf = xf.reshape(-1).contiguous()  # [N] (reshape alone may keep a stride: a [:, ::2] slice, an expanded x)
+    m = _host.mask_u8(mask).reshape(-1).contiguous()  # [N]
     N = xf.numel()
     out = torch.empty(N, dtype=torch.float32, device=x.device)  # [N]
     if N == 0:

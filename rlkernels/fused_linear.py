@@ -361,8 +361,9 @@ def _validate(*, hidden, weight, labels, bias, temperature, return_entropy, igno
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
     _checks.same_device((hidden, "hidden"), (weight, "weight"), (labels, "labels"), (bias, "bias"))
-    return LinearLogprobsOptions(temperature=_checks.positive(temperature, "temperature"),
-                                 return_entropy=bool(return_entropy), ignore_index=int(ignore_index))
+    return LinearLogprobsOptions(temperature=_checks.temperature(temperature),
+                                 return_entropy=_checks.flag(return_entropy, "return_entropy"),
+                                 ignore_index=_checks.index(ignore_index, "ignore_index"))
 
 
 @dataclass(frozen=True)
@@ -593,6 +594,7 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     column matches)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None; the K loop reads unit-stride rows
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
+    bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
     N, H = hidden.shape
     V = weight.shape[0]
     tma = _fwd_kernel_choice(hidden, weight) == "tma"
@@ -692,6 +694,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
     del logp  # the kernel forms log p at the label from the recomputed logits tile itself
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
+    bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
     N, V = hidden.shape[0], weight.shape[0]
     t = _tiles(hidden.dtype, backward=True)
     flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)

@@ -177,7 +177,8 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
     entropy_stand_in = stand_in if policy_kwargs["entropy_coef"] != 0 else None
     popt = losses._validate_policy(logp=stand_in, old_logp=stand_in, advantages=advantages, mask=mask,
                                    ref_logp=ref_logp, entropy=entropy_stand_in, **policy_kwargs)
-    return FusedPolicyOptions(_checks.positive(temperature, "temperature"), int(ignore_index), bool(return_entropy),
+    return FusedPolicyOptions(_checks.temperature(temperature), _checks.index(ignore_index, "ignore_index"),
+                              _checks.flag(return_entropy, "return_entropy"),
                               *dataclasses.astuple(popt), *grads)
 
 
@@ -648,7 +649,8 @@ class _TritonTile:
     inputs' dtype with the label residual for 16-bit inputs."""
 
     def __init__(self, n_max: int, hidden, weight, bias, opt: FusedPolicyOptions):
-        self.h, self.w, self.b = hidden, weight, bias  # [N, H] (unit stride), [V, H], [V] or None
+        # [N, H] (unit stride), [V, H], [V] (unit stride, as the kernels read it) or None
+        self.h, self.w, self.b = hidden, weight, None if bias is None else bias.contiguous()
         V = weight.shape[0]
         self.V = V
         self.t = _STATS_TILES[hidden.dtype]
@@ -897,6 +899,21 @@ _LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor? old_log
 _LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp"
 
 
+def _masked_out_ignored(labels: torch.Tensor, mask: torch.Tensor, opt: FusedPolicyOptions) -> torch.Tensor:
+    """``labels`` [B, T] with ``ignore_index`` at the masked-out tokens: the head never meets those rows (their
+    logits and hidden states may hold NaN/inf, e.g. padding after a fully masked attention row), their log-prob and
+    entropy are 0 and they get no gradient, as for any ignored token; the loss never reads them either way."""
+    return torch.where(mask != 0, labels, torch.full_like(labels, opt.ignore_index))  # [B, T]
+
+def _zero_ignored_rows(hidden: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions) -> torch.Tensor:
+    """``hidden`` [B, T, H] with zeros in the rows of ignored tokens: every row meets the weight's gradient GEMM
+    with a zero ``dz`` row, and 0 · NaN would put a NaN hidden state there into the whole ``d_weight``. A copy only
+    where there is such a row (checked on the CPU, where it costs no sync; always on a GPU: one pass over hidden)."""
+    ignored = labels == opt.ignore_index  # [B, T]
+    if hidden.device.type == "cpu" and not bool(ignored.any()):
+        return hidden
+    return torch.where(ignored[..., None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+
 @torch.library.custom_op("rlkernels::linear_policy_loss", mutates_args=(),
                          schema=op_schema(_LINEAR_TENSORS, FusedPolicyOptions,
                                           "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
@@ -904,7 +921,8 @@ def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bia
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0],
     d_bias [V] or [0]): the gradients of the loss itself (upstream 1)."""
     opt = FusedPolicyOptions(*options)
-    labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [B, T] int64 (CPU: range checked)
+    labels = _masked_out_ignored(_checks.labels(labels, weight.shape[0], opt.ignore_index), mask, opt)  # [B, T] int64
+    hidden = _zero_ignored_rows(hidden, labels, opt)  # [B, T, H]
     with _backend.float32_compute(hidden.device):
         return _backend.implementation(_LINEAR_IMPLS, hidden)(hidden, weight, labels, old_logp, advantages, mask,
                                                                ref_logp, bias, opt)
@@ -929,7 +947,7 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
 def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])."""
     opt = FusedPolicyOptions(*options)
-    labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)  # [B, T] int64
+    labels = _masked_out_ignored(_checks.labels(labels, logits.shape[-1], opt.ignore_index), mask, opt)  # [B, T] int64
     with _backend.float32_compute(logits.device):
         return _backend.implementation(_LOGITS_IMPLS, logits)(logits, labels, old_logp, advantages, mask, ref_logp, opt)
 
@@ -1037,6 +1055,7 @@ def _metrics_dict(metrics, logp, entropy, opt: FusedPolicyOptions, has_ref: bool
 def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)
+    labels = _masked_out_ignored(labels, mask, opt)  # [B, T]
     out = reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                                     return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
@@ -1045,6 +1064,7 @@ def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_lo
 def _reference_logits(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)
+    labels = _masked_out_ignored(labels, mask, opt)  # [B, T]
     out = reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=opt.with_entropy,
                              ignore_index=opt.ignore_index)
     return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)

@@ -373,12 +373,14 @@ def _value_kernel(
         old = _masked_load(old_ptr + b * stride_old, t, inb, keep)  # [BLOCK]
         # clamp(v, old ± clip) equals v exactly inside the range, so "clipped wins" implies v is
         # outside it, where the clamp passes no gradient
-        err_c = tl.minimum(tl.maximum(v, old - clip), old + clip) - ret
+        nan_all = tl.PropagateNan.ALL  # tl.minimum/maximum default to fmin/fmax, which would drop a NaN old value
+        err_c = tl.minimum(tl.maximum(v, old - clip, propagate_nan=nan_all), old + clip, propagate_nan=nan_all) - ret
         loss_c = 0.5 * err_c * err_c
-        use_c = loss_c > per_token
+        clipped = (loss_c > per_token).to(tl.float32)
+        # the max propagates NaN (a NaN old value at a kept token, as torch.maximum does): NaN loss and gradient
+        use_c = (loss_c > per_token) | (loss_c != loss_c)
         per_token = tl.where(use_c, loss_c, per_token)
-        g = tl.where(use_c, 0.0, g)
-        clipped = use_c.to(tl.float32)
+        g = tl.where(use_c, tl.where(loss_c != loss_c, loss_c, 0.0), g)
     tl.store(g_v_ptr + b * T + t, g * m, mask=inb)
     part = part_ptr + (b * tl.num_programs(1) + c) * NSLOTS
     _store_partials(part, block_sum(m, 0), block_sum(per_token * m, 0), block_sum(clipped * m, 0), 0.0, 0.0,
@@ -720,7 +722,7 @@ def _empty_like_rows(x: torch.Tensor, present: bool) -> torch.Tensor:
 
 def _kl_triton(logp, ref_logp, opt: KLOptions):
     """Launch the elementwise KL kernel on flattened inputs; returns (kl, dkl/dlogp or [0]) fp32."""
-    lp, rf = logp.reshape(-1), ref_logp.reshape(-1)  # [N] (a copy only when not viewable)
+    lp, rf = logp.reshape(-1).contiguous(), ref_logp.reshape(-1).contiguous()  # [N] unit stride, as the kernel reads them
     n = lp.numel()
     kl = torch.empty(logp.shape, dtype=torch.float32, device=logp.device)  # [...]
     grad = torch.empty(logp.shape if opt.need_grad else (0,), dtype=torch.float32, device=logp.device)  # [...] or [0]
@@ -871,10 +873,11 @@ def _value_torch(values, old_values, returns, mask, opt: ValueOptions):
         old = torch.where(keep, old_values.float(), 0.0)  # [B, T]
         err_c = torch.clamp(v, old - opt.clip, old + opt.clip) - ret
         loss_c = 0.5 * err_c * err_c
-        use_c = loss_c > per_token
+        clipped = (loss_c > per_token).float()
+        # the max propagates NaN (a NaN old value at a kept token, as torch.maximum does): NaN loss and gradient
+        use_c = (loss_c > per_token) | loss_c.isnan()
         per_token = torch.where(use_c, loss_c, per_token)
-        g = torch.where(use_c, torch.zeros_like(g), g)
-        clipped = use_c.float()
+        g = torch.where(use_c, torch.where(loss_c.isnan(), loss_c, 0.0), g)
     zeros_b = torch.zeros(v.shape[0], dtype=torch.float32, device=v.device)
     partials = torch.stack(
         [m.sum(-1), (per_token * m).sum(-1), (clipped * m).sum(-1), zeros_b, zeros_b, zeros_b, zeros_b, (v * m).sum(-1)],

@@ -87,8 +87,11 @@ def linear_logprobs(
     from rlkernels._backend import float32_compute
 
     dtype = compute_dtype(hidden)
+    # an ignored token's row never meets the weight: its gradient is 0 even where its hidden state is NaN/inf
+    # (a product with it would put 0 * NaN into d_weight)
+    h = torch.where((labels == ignore_index)[..., None], torch.zeros((), dtype=dtype, device=hidden.device), hidden.to(dtype))
     with float32_compute(hidden.device):
-        logits = hidden.to(dtype) @ weight.to(dtype).T  # [..., V]
+        logits = h @ weight.to(dtype).T  # [..., V]
         if bias is not None:
             logits = logits + bias.to(dtype)  # [..., V]
     return logprobs(logits, labels, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index)

@@ -255,8 +255,10 @@ def logprobs_from_logits(
     if process_group is None:
         raise ValueError("process_group is required (rlkernels.logprobs serves logits that are not split)")
     vocab_start = check_group(process_group, vocab_start, V_local, "logits' last dimension")
-    opt = fused_linear.LinearLogprobsOptions(_checks.positive(temperature, "temperature"),
-                                             bool(return_entropy or entropy_only), int(ignore_index))
+    opt = fused_linear.LinearLogprobsOptions(_checks.temperature(temperature),
+                                             _checks.flag(return_entropy, "return_entropy")
+                                             or _checks.flag(entropy_only, "entropy_only"),
+                                             _checks.index(ignore_index, "ignore_index"))
     lead = logits.shape[:-1]
     cdt = reference.compute_dtype(logits)
     y = labels.reshape(-1).long()  # [N]

@@ -156,10 +156,10 @@ def test_gae_long_rows(backend, csrc_ops):
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
 def test_gae_masked_runs_across_chunks_and_blocks(backend, csrc_ops):
-    # The Triton kernel scans 16-token chunks inside 1024-token blocks (several rows per program when T is
-    # short), the CUDA kernel 8-token items inside 2048-token tiles: masked runs that cover whole chunks
-    # and cross block boundaries (1024 and 2048 here) must carry (A, V) through unchanged, and so must a block
-    # with no valid token.
+    # The Triton kernel scans 16-token chunks inside 512-token blocks (several rows per program), the CUDA
+    # kernel 8-token items inside 2048-token tiles: masked runs that cover whole chunks and cross block
+    # boundaries (512, 1024, 1536 and 2048 here) must carry (A, V) through unchanged, and so must a block with
+    # no valid token.
     gen = torch.Generator().manual_seed(11)
     B, T = 2, 2048 + 48
     r, v = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
@@ -723,3 +723,18 @@ def test_group_kernels_triton_picks():
         with forced_backend("triton"), count_launches() as counted:
             rlkernels.group_advantages(torch.randn(N, generator=gen), **kwargs)
         assert [k for k in counted.launches if k.startswith("triton:")] == [f"triton:{kernel}"], (kwargs.keys(), counted.launches)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+def test_masked_whiten_strided_and_expanded_inputs(backend, csrc_ops):
+    # Triton flattened x with reshape, which keeps a stride (a [:, ::2] slice) or stride 0 (expand), and read it
+    # at unit stride
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 12, generator=gen)[:, ::2]  # [3, 6] strided
+    m = torch.rand(3, 6, generator=gen) < 0.8  # [3, 6]
+    truth = reference.masked_whiten(x.double().contiguous(), m)
+    with forced_backend(backend):
+        out = rlkernels.masked_whiten(x, m)
+        constant = rlkernels.masked_whiten(torch.tensor(-0.7).expand(3, 6), (torch.arange(6) % 2 == 0).expand(3, 6))
+    assert_close_to_truth(out, truth, torch.float32)
+    assert torch.equal(constant, torch.zeros(3, 6))  # one value repeated: whitened to 0

@@ -37,7 +37,8 @@ BUDGETS: dict[str, float] = {
     "_whiten_apply_kernel": 30.0,
     # the losses' backward reads a float32 gradient and writes it in the input's dtype: >= 6 B per token -> 60
     "_scale_rows_kernel": 30.0,
-    # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the issue's budget (39-45 today)
+    # GAE: reads 2 x (2 or 4) B + 1 B and writes 8 B per token (13-17 B): 48 is the issue's budget (39-43 with
+    # Triton 3.9, 40-45 with 3.6)
     "_gae_kernel": 48.0,
     # logits_policy_loss in one kernel: the two loops of the logprobs kernels (a read pass, then a read-and-write
     # pass) per element, so its figure is theirs summed (budget 10 + 16). 2-byte logits: 4 B of HBM per element

@@ -1133,3 +1133,31 @@ def test_the_sass_reader_reads_wgmma_shapes():
 """
     assert wgmma_shapes(sass) == ("64x64x16", "64x128x16")
     assert wgmma_shapes("HMMA.16816.F32.BF16 R4, R8, R12, R4 ;") == ()
+
+
+@pytest.mark.parametrize("backend", backends("cpu"))
+def test_strided_and_expanded_bias(backend):
+    # Triton read the bias at unit stride: a [::2] slice gave wrong log-probs and a stride-0 (expanded) bias read
+    # past its one-element storage
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 8, generator=gen, dtype=torch.float64)  # [N, H]
+    w = torch.randn(29, 8, generator=gen, dtype=torch.float64) * 0.5  # [V, H]
+    labels = torch.randint(0, 29, (6,), generator=gen)  # [N]
+    for bias in (torch.randn(58, generator=gen, dtype=torch.float64)[::2], torch.tensor(0.3, dtype=torch.float64).expand(29)):
+        truth = reference.linear_logprobs(h, w, labels, bias=bias.contiguous(), return_entropy=True)  # ([N], [N])
+        with forced_backend(backend):
+            out = linear_logprobs(h.float(), w.float(), labels, bias=bias.float(), return_entropy=True)
+        for o, t in zip(out, truth):
+            assert_close_to_truth(o, t, torch.float32)
+
+
+def test_reference_ignored_rows_give_no_gradient_even_when_nan():
+    # the float64 truth itself: an ignored token's NaN hidden state used to reach d_weight through 0 * NaN
+    h = torch.randn(3, 4, dtype=torch.float64)
+    h[1] = float("nan")
+    h.requires_grad_()
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    logp = reference.linear_logprobs(h, w, torch.tensor([1, -100, 2]))  # [3]
+    g_h, g_w = torch.autograd.grad(logp.sum(), [h, w])
+    assert torch.isfinite(logp).all() and torch.isfinite(g_w).all()
+    assert torch.equal(g_h[1], torch.zeros(4, dtype=torch.float64))

@@ -780,3 +780,18 @@ def test_value_loss_launches_2_forward_1_backward(agg):
             torch.autograd.grad(loss, [leaf], upstream)
     assert len(fwd.launches) == 2, fwd.launches
     assert len(bwd.launches) == 1, bwd.launches
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_value_loss_clip_propagates_a_nan_old_value_at_a_kept_token(backend):
+    # max(unclipped, clipped) with a NaN old value is NaN (torch.maximum); a comparison that is false for NaN
+    # used to pick the unclipped loss and drop it silently. Masked out, the same NaN reaches nothing.
+    v = torch.tensor([[0.5, 1.0]], requires_grad=True)  # [1, 2]
+    old = torch.tensor([[0.4, float("nan")]])  # [1, 2]
+    ret = torch.zeros(1, 2)  # [1, 2]
+    with forced_backend(backend):
+        loss, _ = rlkernels.value_loss(v, old, ret, torch.ones(1, 2, dtype=torch.bool), clip=0.2)
+        assert loss.isnan()
+        loss, _ = rlkernels.value_loss(v, old, ret, torch.tensor([[True, False]]), clip=0.2)
+        (g,) = torch.autograd.grad(loss, [v])
+    assert loss.item() == pytest.approx(0.125) and g.tolist() == [[0.5, 0.0]]

@@ -795,3 +795,38 @@ def test_interpreter_bf16_rounding_is_nearest_even_and_keeps_nan():
     expected = x.to(torch.bfloat16)  # torch rounds to nearest even; NaN stays NaN
     assert torch.equal(torch.isnan(y), torch.isnan(x))
     assert torch.equal(y[~torch.isnan(x)], expected[~torch.isnan(x)])
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (float("inf"), ValueError, "temperature"), (float("nan"), ValueError, "temperature"),
+    (1e-40, ValueError, "temperature"), ("1", TypeError, "temperature"), (None, TypeError, "temperature"),
+])
+def test_temperature_must_be_a_finite_positive_number(bad, error, words):
+    # inf gave a uniform distribution on the CPU and NaN on Triton; 1e-40 an infinite 1 / T
+    logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    h, w = torch.randn(4, 5), torch.randn(7, 5)
+    with pytest.raises(error, match=words):
+        rlkernels.logprobs(logits, labels, temperature=bad)
+    with pytest.raises(error, match=words):
+        rlkernels.linear_logprobs(h, w, labels.view(-1)[:4], temperature=bad)
+    with pytest.raises(error, match=words):
+        rlkernels.logits_policy_loss(logits, labels, torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), temperature=bad)
+
+
+def test_integer_and_flag_options_are_not_coerced():
+    # ignore_index=1.5 used to become 1 (so label 1 was ignored); return_entropy="no" was true
+    logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    for bad, error in ((1.5, TypeError), ("a", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="ignore_index"):
+            rlkernels.logprobs(logits, labels, ignore_index=bad)
+        with pytest.raises(error, match="ignore_index"):
+            rlkernels.linear_logprobs(torch.randn(4, 5), torch.randn(7, 5), labels.view(-1)[:4], ignore_index=bad)
+    with pytest.raises(TypeError, match="return_entropy"):
+        rlkernels.logprobs(logits, labels, return_entropy="no")
+    with pytest.raises(TypeError, match="shift_mean"):
+        rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool), shift_mean="no")
+    # what is accepted: NumPy and tensor integers, 0/1 and NumPy booleans
+    np = pytest.importorskip("numpy")
+    out = rlkernels.logprobs(logits, labels, ignore_index=np.int64(-1), return_entropy=np.bool_(True))
+    assert len(out) == 2
+    assert rlkernels.logprobs(logits, labels, ignore_index=torch.tensor(-100), return_entropy=0).shape == (2, 3)
