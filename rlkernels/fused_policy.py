@@ -899,12 +899,6 @@ _LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor? old_log
 _LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp"
 
 
-def _masked_out_ignored(labels: torch.Tensor, mask: torch.Tensor, opt: FusedPolicyOptions) -> torch.Tensor:
-    """``labels`` [B, T] with ``ignore_index`` at the masked-out tokens: the head never meets those rows (their
-    logits and hidden states may hold NaN/inf, e.g. padding after a fully masked attention row), their log-prob and
-    entropy are 0 and they get no gradient, as for any ignored token; the loss never reads them either way."""
-    return torch.where(mask != 0, labels, torch.full_like(labels, opt.ignore_index))  # [B, T]
-
 def _zero_ignored_rows(hidden: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions) -> torch.Tensor:
     """``hidden`` [B, T, H] with zeros in the rows of ignored tokens: every row meets the weight's gradient GEMM
     with a zero ``dz`` row, and 0 · NaN would put a NaN hidden state there into the whole ``d_weight``. A copy only
@@ -921,7 +915,7 @@ def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bia
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0],
     d_bias [V] or [0]): the gradients of the loss itself (upstream 1)."""
     opt = FusedPolicyOptions(*options)
-    labels = _masked_out_ignored(_checks.labels(labels, weight.shape[0], opt.ignore_index), mask, opt)  # [B, T] int64
+    labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [B, T] int64 (CPU: range checked)
     hidden = _zero_ignored_rows(hidden, labels, opt)  # [B, T, H]
     with _backend.float32_compute(hidden.device):
         return _backend.implementation(_LINEAR_IMPLS, hidden)(hidden, weight, labels, old_logp, advantages, mask,
@@ -947,7 +941,7 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
 def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])."""
     opt = FusedPolicyOptions(*options)
-    labels = _masked_out_ignored(_checks.labels(labels, logits.shape[-1], opt.ignore_index), mask, opt)  # [B, T] int64
+    labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)  # [B, T] int64
     with _backend.float32_compute(logits.device):
         return _backend.implementation(_LOGITS_IMPLS, logits)(logits, labels, old_logp, advantages, mask, ref_logp, opt)
 
@@ -1055,7 +1049,6 @@ def _metrics_dict(metrics, logp, entropy, opt: FusedPolicyOptions, has_ref: bool
 def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)
-    labels = _masked_out_ignored(labels, mask, opt)  # [B, T]
     out = reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                                     return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
@@ -1064,7 +1057,6 @@ def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_lo
 def _reference_logits(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)
-    labels = _masked_out_ignored(labels, mask, opt)  # [B, T]
     out = reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=opt.with_entropy,
                              ignore_index=opt.ignore_index)
     return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
