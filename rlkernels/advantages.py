@@ -3,8 +3,8 @@
 Every op has four implementations, one entry each in its ``_*_IMPLS`` table:
 
 - ``reference``: :mod:`rlkernels.reference` (a Python loop over tokens / groups);
-- ``torch``: vectorized PyTorch, no Python loop over tokens (GAE in chunks of
-  ``_TORCH_CHUNK`` tokens: a weight matrix inside each chunk, a short carry
+- ``torch``: vectorized PyTorch (GAE in chunks of ``_TORCH_CHUNK`` tokens: one loop of
+  ``_TORCH_CHUNK`` steps runs the recursion inside every chunk at once, a short carry
   across chunks);
 - ``triton``: Triton kernels (interpreted on CPU tensors); groups of one size up to 4096,
   contiguous or given by an index (sorted into equal runs once on the host), take
@@ -661,11 +661,13 @@ _TORCH_CHUNK = 32
 
 
 def _gae_torch(rewards, values, mask, gamma, lam):
-    """Loop-free inside chunks of C tokens, a loop of T/C steps across them.
+    """Chunks of C tokens: a loop of C steps runs every chunk's recursion at once, a loop of T/C steps carries the
+    state across chunks.
 
-    Inside a chunk, ``S_t = Σ_{valid s ≥ t} (γλ)^{k(t,s)} δ_s`` with ``k(t,s)`` the
-    number of valid tokens in ``[t, s)``: one small batched matmul. Across chunks
-    the state carries as ``S_t += (γλ)^{k(t, end)} · S_end``.
+    Inside a chunk, ``S_t = δ_t + f_t S_{t+1}`` with ``f_t = γλ`` at a valid token and 1 at a masked one (which adds
+    no δ: transparent), the recursion itself, so a NaN or inf reaches only the tokens before it, as in the
+    reference (a matmul with the chunk's weights would multiply it by the zeros above the diagonal: 0 · NaN).
+    Across chunks the state carries as ``S_t += (γλ)^{k(t, end)} · S_end``, ``k`` the valid tokens in ``[t, end)``.
     """
     r, v = rewards.float(), values.float()  # [B, T]
     valid = mask.bool()  # [B, T]
@@ -688,10 +690,12 @@ def _gae_torch(rewards, values, mask, gamma, lam):
     w = torch.nn.functional.pad(valid.to(torch.float32), (0, pad)).view(B, nc, C)  # [B, nc, C]
     k = torch.flip(torch.cumsum(torch.flip(w, [2]), 2), [2])  # [B, nc, C]: valid tokens in [t, end of chunk)
     gl = torch.tensor(gamma * lam, dtype=torch.float32, device=dev)
-    expo = k.unsqueeze(-1) - k.unsqueeze(-2)  # [B, nc, C(t), C(s)]: k(t) - k(s) = valid tokens in [t, s)
-    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu()  # s >= t
-    weights = torch.where(upper, torch.pow(gl, expo.clamp(min=0)), torch.zeros((), device=dev))  # [B, nc, C, C]
-    local = (weights @ d.unsqueeze(-1)).squeeze(-1)  # [B, nc, C]
+    f = torch.where(w > 0, gl, torch.ones((), device=dev))  # [B, nc, C]: γλ at a valid token, 1 at a masked one
+    local = torch.empty_like(d)  # [B, nc, C]: the state inside each chunk, as if nothing followed it
+    acc = torch.zeros(B, nc, device=dev)  # [B, nc]
+    for t in range(C - 1, -1, -1):
+        acc = torch.addcmul(d[:, :, t], f[:, :, t], acc)
+        local[:, :, t] = acc
     decay = torch.pow(gl, k)  # [B, nc, C]
     carry = torch.zeros(B, device=dev)  # [B]: S at the start of the chunk after
     carries = torch.empty(B, nc, device=dev)  # [B, nc]

@@ -510,6 +510,10 @@ class _LogprobsTile:
     def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
         g_ent = torch.zeros_like(coef_logp) if coef_ent is None else coef_ent  # [N]
         shape = self.rows.shape[:2]
+        # a token without gradient (masked out) is passed as ignored: its d_logits row is then exactly 0 without
+        # its logits being read, where 0 · (their NaN/inf) would reach the gradient
+        quiet = (coef_logp == 0) & (g_ent == 0)  # [N]
+        labels = torch.where(quiet, torch.full_like(labels, opt.ignore_index), labels)  # [N]
         self.backward_into(self.d_rows, self.rows, labels.view(shape), self.st, entropy.view(shape),
                            coef_logp.view(shape), g_ent.view(shape), self.sopt)
         yield 0, self.rows.shape[-1], self.d_rows, None
@@ -899,14 +903,19 @@ _LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor? old_log
 _LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp"
 
 
-def _zero_ignored_rows(hidden: torch.Tensor, labels: torch.Tensor, opt: FusedPolicyOptions) -> torch.Tensor:
-    """``hidden`` [B, T, H] with zeros in the rows of ignored tokens: every row meets the weight's gradient GEMM
-    with a zero ``dz`` row, and 0 · NaN would put a NaN hidden state there into the whole ``d_weight``. A copy only
-    where there is such a row (checked on the CPU, where it costs no sync; always on a GPU: one pass over hidden)."""
-    ignored = labels == opt.ignore_index  # [B, T]
-    if hidden.device.type == "cpu" and not bool(ignored.any()):
+def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
+                        opt: FusedPolicyOptions) -> torch.Tensor:
+    """``hidden`` [B, T, H] with its NaN/±inf entries set to 0 in the rows the loss never reads (masked-out or
+    ignored tokens; padding after a fully masked attention row can hold NaN). Those rows get a zero ``dz`` row, but
+    every row meets the weight's gradient GEMM, where 0 · NaN would turn the whole ``d_weight`` into NaN. Their
+    per-token log-probs (a metric) then come from the cleaned row. A copy only where such an entry exists (checked
+    on the CPU, where it costs no sync; on a GPU always: three elementwise passes over ``hidden``)."""
+    unused = (mask == 0) | (labels == opt.ignore_index)  # [B, T]
+    if hidden.device.type == "cpu" and (not bool(unused.any()) or bool(torch.isfinite(hidden[unused]).all())):
         return hidden
-    return torch.where(ignored[..., None], torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+    bad = unused[..., None] & ~torch.isfinite(hidden)  # [B, T, H]
+    return torch.where(bad, torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
+
 
 @torch.library.custom_op("rlkernels::linear_policy_loss", mutates_args=(),
                          schema=op_schema(_LINEAR_TENSORS, FusedPolicyOptions,
@@ -916,7 +925,7 @@ def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bia
     d_bias [V] or [0]): the gradients of the loss itself (upstream 1)."""
     opt = FusedPolicyOptions(*options)
     labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [B, T] int64 (CPU: range checked)
-    hidden = _zero_ignored_rows(hidden, labels, opt)  # [B, T, H]
+    hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]
     with _backend.float32_compute(hidden.device):
         return _backend.implementation(_LINEAR_IMPLS, hidden)(hidden, weight, labels, old_logp, advantages, mask,
                                                                ref_logp, bias, opt)

@@ -738,3 +738,20 @@ def test_masked_whiten_strided_and_expanded_inputs(backend, csrc_ops):
         constant = rlkernels.masked_whiten(torch.tensor(-0.7).expand(3, 6), (torch.arange(6) % 2 == 0).expand(3, 6))
     assert_close_to_truth(out, truth, torch.float32)
     assert torch.equal(constant, torch.zeros(3, 6))  # one value repeated: whitened to 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "csrc"])
+def test_gae_nan_or_inf_reaches_only_earlier_tokens(backend, csrc_ops):
+    # The reverse recursion carries a non-finite δ_t to the tokens before t only; the torch backend's chunk matmul
+    # used to spread it over its whole 32-token chunk (0 · NaN above the diagonal)
+    for bad in (float("nan"), float("inf")):
+        r = torch.ones(2, 300)  # [B, T]
+        r[0, 2] = bad
+        r[1, 205] = bad
+        v, m = torch.zeros(2, 300), torch.ones(2, 300)  # [B, T] each
+        truth, _ = reference.gae(r.double(), v.double(), m)
+        with forced_backend(backend):
+            adv, _ = rlkernels.gae(r, v, m, gamma=1.0, lam=1.0)
+        finite = torch.isfinite(truth)
+        assert torch.equal(torch.isfinite(adv), finite) and torch.equal(adv.isnan(), truth.isnan())
+        assert torch.allclose(adv[finite].double(), truth[finite], rtol=1e-6)

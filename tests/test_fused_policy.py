@@ -818,3 +818,43 @@ def test_an_ignored_token_with_a_nan_hidden_state_gives_no_gradient(backend):
         g_h, g_w = torch.autograd.grad(loss, [hidden, weight])
     assert torch.isfinite(loss) and torch.isfinite(g_w).all() and torch.isfinite(g_h).all()
     assert torch.equal(g_h[0, 2], torch.zeros(H)) and metrics["token_logp"][0, 2] == 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_masked_out_nan_or_inf_reaches_no_gradient(device, backend, ratio, bad):
+    # Padding after a fully masked attention row can hold NaN hidden states: a masked-out token's logits or hidden
+    # state must reach neither the loss nor any gradient (0 · NaN made the whole d_weight NaN); the gradients equal
+    # those of the same call with clean rows there, and the rows the loss does read keep their log-probs.
+    gen = torch.Generator().manual_seed(5)
+    B, T, V, H = 2, 3, 11, 4
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool, device=device)  # [B, T]
+    old = -torch.rand(B, T, generator=gen).to(device)  # [B, T]
+    adv = torch.randn(B, T, generator=gen).to(device)  # [B, T]
+    labels = torch.randint(0, V, (B, T), generator=gen).to(device)  # [B, T]
+    hidden = torch.randn(B, T, H, generator=gen).to(device)  # [B, T, H]
+    weight = torch.randn(V, H, generator=gen).to(device)  # [V, H]
+    dirty = hidden.clone()
+    dirty[~mask] = bad
+    kw = dict(ratio=ratio, entropy_coef=0.01)
+    results = []
+    with forced_backend(backend):
+        for h in (hidden, dirty):
+            h = h.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            loss, metrics = rlkernels.linear_policy_loss(h, w, labels, old, adv, mask, **kw)
+            results.append((loss, metrics["token_logp"], *torch.autograd.grad(loss, [h, w])))
+        for z in (hidden @ weight.T, dirty @ weight.T):  # [B, T, V]
+            z = z.requires_grad_()
+            loss, metrics = rlkernels.logits_policy_loss(z, labels, old, adv, mask, **kw)
+            results.append((loss, metrics["token_logp"], *torch.autograd.grad(loss, [z])))
+    for clean, dirty_run in ((results[0], results[1]), (results[2], results[3])):
+        assert torch.isfinite(dirty_run[0]) and torch.allclose(clean[0], dirty_run[0], rtol=1e-6, atol=0)
+        assert torch.allclose(clean[1][mask], dirty_run[1][mask], rtol=1e-6, atol=1e-7)
+        for g_clean, g_dirty in zip(clean[2:], dirty_run[2:]):
+            assert torch.isfinite(g_dirty).all()
+            assert torch.allclose(g_clean, g_dirty, rtol=1e-6, atol=1e-7)
+    assert torch.equal(results[1][2][~mask], torch.zeros_like(results[1][2][~mask]))  # d_hidden rows
+    assert torch.equal(results[3][2][~mask], torch.zeros_like(results[3][2][~mask]))  # d_logits rows
