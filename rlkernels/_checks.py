@@ -36,6 +36,12 @@ def mask(x, name: str = "mask") -> torch.Tensor:
     tensor(x, name)
     if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int32, torch.int64):
         raise TypeError(f"{name} must be bool or 0/1 numeric, got {x.dtype}")
+    # a numeric mask must hold 0 and 1 only (a weight such as 0.5 would be read as 1 by some kernels and as 0.5 by
+    # others): checked where it costs no device sync (and not while torch.compile traces: a data-dependent branch)
+    if x.dtype != torch.bool and x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
+            and not bool(((x == 0) | (x == 1)).all()):
+        bad = x[(x != 0) & (x != 1)]  # NaN included
+        raise ValueError(f"{name} must hold only 0 and 1 (or be bool), found {bad[0].item()}")
     return x
 
 
@@ -164,6 +170,8 @@ def lm_head(hidden: torch.Tensor, weight, bias) -> None:
                          f"got weight of shape {tuple(weight.shape)}")
     if weight.shape[0] == 0:
         raise ValueError("weight must have at least one row (V >= 1)")
+    if weight.shape[1] == 0:
+        raise ValueError("hidden and weight must have a hidden size H >= 1, got H = 0")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     if bias is not None:

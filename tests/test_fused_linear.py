@@ -1161,3 +1161,8 @@ def test_reference_ignored_rows_give_no_gradient_even_when_nan():
     g_h, g_w = torch.autograd.grad(logp.sum(), [h, w])
     assert torch.isfinite(logp).all() and torch.isfinite(g_w).all()
     assert torch.equal(g_h[1], torch.zeros(4, dtype=torch.float64))
+
+
+def test_zero_hidden_size_is_refused_naming_it():
+    with pytest.raises(ValueError, match="H >= 1"):
+        linear_logprobs(torch.randn(3, 0), torch.randn(7, 0), torch.tensor([1, 2, 3]))

@@ -795,3 +795,18 @@ def test_value_loss_clip_propagates_a_nan_old_value_at_a_kept_token(backend):
         loss, _ = rlkernels.value_loss(v, old, ret, torch.tensor([[True, False]]), clip=0.2)
         (g,) = torch.autograd.grad(loss, [v])
     assert loss.item() == pytest.approx(0.125) and g.tolist() == [[0.5, 0.0]]
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")])
+def test_a_mask_that_is_not_zero_one_is_refused(value):
+    # the kernels read a numeric mask as "nonzero counts" and the torch rows as a weight: refused instead
+    mask = torch.tensor([[1.0, value, 0.0]])  # [1, 3]
+    x = torch.zeros(1, 3)  # [1, 3]
+    with pytest.raises(ValueError, match="mask"):
+        rlkernels.policy_loss(x, x, x, mask)
+    with pytest.raises(ValueError, match="mask"):
+        rlkernels.value_loss(x, x, x, mask)
+    with pytest.raises(ValueError, match="mask"):
+        rlkernels.masked_whiten(x, mask)
+    loss, _ = rlkernels.policy_loss(x, x, x, torch.tensor([[1, 0, 1]], dtype=torch.int64))  # 0/1 integers are fine
+    assert loss.item() == 0.0
