@@ -718,14 +718,16 @@ def _group_torch(scores, group_size, index, mode, eps):
     else:
         _, ids = torch.unique(index, return_inverse=True)  # [N] in 0..G-1
         G = int(ids.max()) + 1
-    zeros = torch.zeros(G, device=s.device)
-    n = torch.bincount(ids, minlength=G).float()  # [G]
-    mean = zeros.index_add(0, ids, s) / n  # [G]
-    dev_ = s - mean[ids]  # [N]
+    # the statistics in float64: a float32 square overflows once |s - mean| passes ~1.8e19, a float32 sum near 3e38
+    s64 = s.double()  # [N]
+    zeros = torch.zeros(G, dtype=torch.float64, device=s.device)
+    n = torch.bincount(ids, minlength=G).double()  # [G]
+    mean = zeros.index_add(0, ids, s64) / n  # [G]
+    dev_ = s64 - mean[ids]  # [N]
     ssq = zeros.index_add(0, ids, dev_ * dev_)  # [G]
     first = torch.full((G,), float("nan"), device=s.device).scatter_reduce(0, ids, s, "amin", include_self=False)
     last = torch.full((G,), float("nan"), device=s.device).scatter_reduce(0, ids, s, "amax", include_self=False)
-    has_nan = zeros.index_add(0, ids, torch.isnan(s).float()) > 0
+    has_nan = zeros.index_add(0, ids, torch.isnan(s64).double()) > 0
     constant = ((first == last) & ~has_nan) | (n < 2)  # [G]
     if mode == "grpo":
         scale = 1.0 / (torch.sqrt(ssq / (n - 1).clamp(min=1)) + eps)
@@ -733,7 +735,7 @@ def _group_torch(scores, group_size, index, mode, eps):
         scale = torch.ones_like(n)
     else:
         scale = n / (n - 1).clamp(min=1)
-    out = dev_ * scale[ids]
+    out = (dev_ * scale[ids]).float()  # [N]
     return torch.where(constant[ids], torch.zeros_like(out), out)
 
 

@@ -755,3 +755,13 @@ def test_gae_nan_or_inf_reaches_only_earlier_tokens(backend, csrc_ops):
         finite = torch.isfinite(truth)
         assert torch.equal(torch.isfinite(adv), finite) and torch.equal(adv.isnan(), truth.isnan())
         assert torch.allclose(adv[finite].double(), truth[finite], rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "csrc"])
+def test_group_advantages_of_huge_finite_scores(backend, csrc_ops):
+    # float32 squares of deviations past ~1.8e19 overflow (and sums near 3.4e38): the torch and csrc backends keep
+    # their statistics in float64. (The Triton kernels square in float32: scores this large overflow there.)
+    truth = reference.group_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38], dtype=torch.float64), 4)
+    with forced_backend(backend):
+        out = rlkernels.group_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38]), 4)
+    assert torch.allclose(out.double(), truth, rtol=1e-6)
