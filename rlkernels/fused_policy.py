@@ -952,7 +952,14 @@ def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     opt = FusedPolicyOptions(*options)
     labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)  # [B, T] int64
     with _backend.float32_compute(logits.device):
-        return _backend.implementation(_LOGITS_IMPLS, logits)(logits, labels, old_logp, advantages, mask, ref_logp, opt)
+        loss, metrics, logp, entropy, d_logits = _backend.implementation(_LOGITS_IMPLS, logits)(
+            logits, labels, old_logp, advantages, mask, ref_logp, opt)
+    # the per-token metrics of a masked-out token whose logits hold NaN/inf: 0, as linear_policy_loss reports the
+    # log-prob of such a row with its non-finite entries set to 0 (nothing at a masked-out position reaches an output)
+    unused = mask == 0  # [B, T]
+    logp = torch.where(unused & ~torch.isfinite(logp), torch.zeros_like(logp), logp)  # [B, T]
+    entropy = torch.where(unused & ~torch.isfinite(entropy), torch.zeros_like(entropy), entropy)  # [B, T]
+    return loss, metrics, logp, entropy, d_logits
 
 
 @_logits_op.register_fake

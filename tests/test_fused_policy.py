@@ -857,4 +857,5 @@ def test_masked_out_nan_or_inf_reaches_no_gradient(device, backend, ratio, bad):
             assert torch.isfinite(g_dirty).all()
             assert torch.allclose(g_clean, g_dirty, rtol=1e-6, atol=1e-7)
     assert torch.equal(results[1][2][~mask], torch.zeros_like(results[1][2][~mask]))  # d_hidden rows
+    assert torch.isfinite(results[1][1]).all() and torch.isfinite(results[3][1]).all()  # token_logp everywhere
     assert torch.equal(results[3][2][~mask], torch.zeros_like(results[3][2][~mask]))  # d_logits rows
