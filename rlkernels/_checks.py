@@ -37,12 +37,19 @@ def mask(x, name: str = "mask") -> torch.Tensor:
     if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int32, torch.int64):
         raise TypeError(f"{name} must be bool or 0/1 numeric, got {x.dtype}")
     # a numeric mask must hold 0 and 1 only (a weight such as 0.5 would be read as 1 by some kernels and as 0.5 by
-    # others): checked where it costs no device sync (and not while torch.compile traces: a data-dependent branch)
-    if x.dtype != torch.bool and x.device.type == "cpu" and x.numel() and not torch.compiler.is_compiling() \
+    # others): checked where it costs no device sync, and not while a trace runs (_tracing)
+    if x.dtype != torch.bool and x.device.type == "cpu" and x.numel() and not _tracing() \
             and not bool(((x == 0) | (x == 1)).all()):
         bad = x[(x != 0) & (x != 1)]  # NaN included
         raise ValueError(f"{name} must hold only 0 and 1 (or be bool), found {bad[0].item()}")
     return x
+
+
+def _tracing() -> bool:
+    """Whether the call is being traced rather than run: ``torch.compile``, or a Python dispatch mode (fake tensors,
+    rlkernels.testing's launch counter, which models a CUDA run, where a CPU-only check issues nothing). A check that
+    reads tensor values is skipped then: its branch would depend on data."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> None:

@@ -373,8 +373,9 @@ def _value_kernel(
         old = _masked_load(old_ptr + b * stride_old, t, inb, keep)  # [BLOCK]
         # clamp(v, old ± clip) equals v exactly inside the range, so "clipped wins" implies v is
         # outside it, where the clamp passes no gradient
-        nan_all = tl.PropagateNan.ALL  # tl.minimum/maximum default to fmin/fmax, which would drop a NaN old value
-        err_c = tl.minimum(tl.maximum(v, old - clip, propagate_nan=nan_all), old + clip, propagate_nan=nan_all) - ret
+        # propagate_nan: tl.minimum/maximum default to fmin/fmax, which would drop a NaN old value
+        err_c = tl.minimum(tl.maximum(v, old - clip, propagate_nan=tl.PropagateNan.ALL), old + clip,
+                           propagate_nan=tl.PropagateNan.ALL) - ret
         loss_c = 0.5 * err_c * err_c
         clipped = (loss_c > per_token).to(tl.float32)
         # the max propagates NaN (a NaN old value at a kept token, as torch.maximum does): NaN loss and gradient

@@ -396,3 +396,34 @@ def test_defaults_and_presets_are_not_refused(tmp_path):
     TrainConfig(output_dir=str(tmp_path)).validate()  # built directly: compared with the defaults
     with pytest.raises(ConfigError, match="^gamma:"):
         TrainConfig(output_dir=str(tmp_path), gamma=0.9).validate()
+
+
+# ------------------------------------------------------------------ start-up refusals found by hostile use
+
+
+@pytest.mark.parametrize("name", ["lr", "critic_lr", "temperature", "kl_coef", "entropy_coef", "weight_decay",
+                                  "value_coef", "dual_clip", "kl_target"])
+def test_an_infinite_value_is_refused_at_start_up(name):
+    # inf used to pass the range checks and fail later, deep in generate() or the loss, without naming the flag
+    with pytest.raises(ConfigError, match=f"^{name}: must be finite"):
+        from_dict({name: float("inf")})
+
+
+@pytest.mark.parametrize("values, name", [
+    ({"losses": "eager", "policy_head": "two-op"}, "policy_head"),
+    ({"losses": "eager", "policy_head": "fused"}, "policy_head"),
+    ({"shard": "fsdp", "policy_head": "fused"}, "policy_head"),
+    ({"shard": "fsdp", "fsdp_offload_ref": True, "kl_coef": 0.0}, "fsdp_offload_ref"),
+    ({"recipe": "dapo", "algo": "ppo", "group_size": 1}, "algo"),
+    ({"recipe": "instructgpt", "algo": "grpo", "group_size": 4}, "algo"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(values, name):
+    with pytest.raises(ConfigError, match=f"^{name}:"):
+        from_dict(values)
+
+
+def test_what_those_refusals_still_accept():
+    assert from_dict({"recipe": "dapo", "algo": "grpo"}).algo == "grpo"
+    assert from_dict({"shard": "fsdp", "policy_head": "two-op"}).policy_head == "two-op"
+    assert from_dict({"shard": "fsdp", "fsdp_offload_ref": True, "kl_coef": 0.01}).fsdp_offload_ref
+    assert from_dict({"max_grad_norm": float("inf")}).max_grad_norm == float("inf")  # no clipping: meaningful

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import textwrap
 import types
@@ -163,7 +164,7 @@ class TrainConfig:
 
     # --- issue 15: process/EOS/recipes ---
     recipe: str = ""
-    """A paper's hyperparameters on top of the preset: '' (none), 'instructgpt', 'deepseek-grpo', 'dr-grpo', 'dapo' or 'gspo'; flags and config files still override each value. Precedence: defaults < preset < recipe < config file < flags; config.json records the resolved values."""
+    """A paper's hyperparameters on top of the preset: '' (none), 'instructgpt', 'deepseek-grpo', 'dr-grpo', 'dapo' or 'gspo'; flags and config files still override each value, except algo: a recipe of the other algorithm is refused. Precedence: defaults < preset < recipe < config file < flags; config.json records the resolved values."""
     missing_eos_penalty: typing.Optional[float] = None
     """Added to the score of every completion that did not end with EOS (truncated at max_new_tokens), as in 'The N implementation details of RLHF with PPO' (e.g. -1.0); with step rewards, to its last step. None: no penalty. Reward functions that take an 'eos' keyword also receive the flags themselves."""
     truncation: str = "terminal"
@@ -173,11 +174,11 @@ class TrainConfig:
     shard: str = "ddp"
     """How the processes of a torchrun job share the models: 'ddp' (each holds all of them; DistributedDataParallel averages the gradients; in one process nothing is wrapped), 'fsdp' (FSDP2 fully_shard: every parameter, gradient and optimizer state split over the processes, one group per transformer block; checkpoints are sharded, written with torch.distributed.checkpoint; needs at least 2 processes) or 'none' (no wrapper; one process only)."""
     fsdp_offload_ref: bool = False
-    """With shard='fsdp': keep the shards of the reference policy and of a reward model in CPU memory, copied to the device block by block for their forward (CPUOffloadPolicy)."""
+    """With shard='fsdp': keep the shards of the reference policy and of a reward model in CPU memory, copied to the device block by block for their forward (CPUOffloadPolicy). Refused where there is neither (kl_coef 0 and a rule reward)."""
 
     # --- issue 12 ---
     policy_head: str = "fused"
-    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward; on the CPU, for heads where that would cost more memory or time, the op runs linear_logprobs + policy_loss inside), off-policy (PPO, epochs or minibatches > 1: old log-probs from a separate pass) and on-policy (GRPO's default epochs = minibatches = 1: old = the op's own log-probs, detached), except under shard='fsdp'; 'two-op' always uses linear_logprobs then policy_loss. With losses='eager' the reference path runs either way."""
+    """With losses='fused': 'fused' computes the policy loss from the final hidden states with rlkernels.linear_policy_loss (three GEMMs, the head's gradient formed in the forward; on the CPU, for heads where that would cost more memory or time, the op runs linear_logprobs + policy_loss inside), off-policy (PPO, epochs or minibatches > 1: old log-probs from a separate pass) and on-policy (GRPO's default epochs = minibatches = 1: old = the op's own log-probs, detached), except under shard='fsdp'; 'two-op' always uses linear_logprobs then policy_loss. Setting it with losses='eager' (the reference path runs either way), or to 'fused' with shard='fsdp', is refused: it would do nothing."""
 
     # -------------------------------------------------------------- checks
     def validate(self) -> "TrainConfig":
@@ -242,6 +243,26 @@ class TrainConfig:
                     self._refuse(name, "only the built-in tiny model uses it")
         if self.prompts and self.was_set("task"):
             self._refuse("task", "prompts are read from the prompts file")
+        if self.was_set("policy_head") and self.losses == "eager":
+            self._refuse("policy_head", "losses is 'eager': the reference path computes the policy loss either way")
+        if self.was_set("policy_head") and self.policy_head == "fused" and self.shard == "fsdp":
+            self._refuse("policy_head", "shard is 'fsdp', which runs linear_logprobs + policy_loss (the two-op head)")
+        if self.fsdp_offload_ref and self.kl_coef == 0 and not self._reward_is_model():
+            self._refuse("fsdp_offload_ref", "there is nothing to offload: no reference model (kl_coef is 0) and a "
+                                             "rule reward, not a reward model")
+        if self.recipe and self.was_set("algo"):
+            from .recipes import recipe_values
+
+            recipe_algo = recipe_values(self.recipe).get("algo")
+            if recipe_algo is not None and recipe_algo != self.algo:
+                self._bad("algo", f"recipe {self.recipe!r} is a {recipe_algo!r} recipe; its settings do not apply "
+                                  f"to algo {self.algo!r} (drop the recipe or the algo)")
+
+    def _reward_is_model(self) -> bool:
+        """Whether ``reward`` names a reward-model directory (else a built-in rule or a module:function)."""
+        from .rewards import REWARDS
+
+        return self.reward not in REWARDS and os.path.isdir(self.reward)
 
     def _resolve(self) -> None:
         """Fill the None defaults that depend on other fields (config.json records the resolved values):
@@ -283,6 +304,13 @@ class TrainConfig:
         for name in ("save_every", "threads", "ref_update_every"):
             if getattr(self, name) < 0:
                 self._bad(name, "must be >= 0")
+        # infinity is refused too: an infinite rate, temperature or coefficient only fails later, deep in a step
+        # (max_grad_norm = inf means no clipping, clip_high = inf no upper clip: both meaningful)
+        for name in ("lr", "critic_lr", "temperature", "clip_low", "kl_coef", "entropy_coef", "weight_decay",
+                     "value_coef", "dual_clip", "kl_target", "value_clip", "target_kl", "reward_clip"):
+            value = getattr(self, name)
+            if value is not None and math.isinf(value):
+                self._bad(name, "must be finite")
         for name in ("lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be > 0")
