@@ -1140,13 +1140,14 @@ def test_strided_and_expanded_bias(backend):
     # Triton read the bias at unit stride: a [::2] slice gave wrong log-probs and a stride-0 (expanded) bias read
     # past its one-element storage
     gen = torch.Generator().manual_seed(3)
-    h = torch.randn(6, 8, generator=gen, dtype=torch.float64)  # [N, H]
-    w = torch.randn(29, 8, generator=gen, dtype=torch.float64) * 0.5  # [V, H]
+    h = torch.randn(6, 8, generator=gen)  # [N, H]
+    w = torch.randn(29, 8, generator=gen) * 0.5  # [V, H]
     labels = torch.randint(0, 29, (6,), generator=gen)  # [N]
-    for bias in (torch.randn(58, generator=gen, dtype=torch.float64)[::2], torch.tensor(0.3, dtype=torch.float64).expand(29)):
-        truth = reference.linear_logprobs(h, w, labels, bias=bias.contiguous(), return_entropy=True)  # ([N], [N])
+    for bias in (torch.randn(58, generator=gen)[::2], torch.tensor(0.3).expand(29)):  # [V] float32, stride 2 / 0
+        assert bias.stride() != (1,)
+        truth = reference.linear_logprobs(h.double(), w.double(), labels, bias=bias.double(), return_entropy=True)
         with forced_backend(backend):
-            out = linear_logprobs(h.float(), w.float(), labels, bias=bias.float(), return_entropy=True)
+            out = linear_logprobs(h, w, labels, bias=bias, return_entropy=True)  # ([N], [N])
         for o, t in zip(out, truth):
             assert_close_to_truth(o, t, torch.float32)
 

@@ -859,3 +859,21 @@ def test_masked_out_nan_or_inf_reaches_no_gradient(device, backend, ratio, bad):
     assert torch.equal(results[1][2][~mask], torch.zeros_like(results[1][2][~mask]))  # d_hidden rows
     assert torch.isfinite(results[1][1]).all() and torch.isfinite(results[3][1]).all()  # token_logp everywhere
     assert torch.equal(results[3][2][~mask], torch.zeros_like(results[3][2][~mask]))  # d_logits rows
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_or_expanded_bias_equals_its_contiguous_copy(backend):
+    # the Triton row read the bias at unit stride (a [::2] slice gave wrong numbers, a stride-0 one read past it)
+    gen = torch.Generator().manual_seed(9)
+    B, T, V, H = 2, 3, 29, 8
+    hidden = torch.randn(B, T, H, generator=gen)  # [B, T, H]
+    weight = torch.randn(V, H, generator=gen) * 0.5  # [V, H]
+    labels = torch.randint(0, V, (B, T), generator=gen)  # [B, T]
+    old, adv = -torch.rand(B, T, generator=gen), torch.randn(B, T, generator=gen)  # [B, T] each
+    mask = torch.ones(B, T, dtype=torch.bool)  # [B, T]
+    for bias in (torch.randn(2 * V, generator=gen)[::2], torch.tensor(0.3).expand(V)):  # [V], stride 2 / 0
+        with forced_backend(backend):
+            got, m_got = rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, bias=bias)
+            want, m_want = rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, bias=bias.contiguous())
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(m_got["token_logp"], m_want["token_logp"], rtol=1e-6, atol=1e-6)
