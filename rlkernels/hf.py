@@ -313,6 +313,7 @@ def response_logprobs(
     _checks.integer(input_ids, "input_ids")
     _checks.rank(input_ids, "input_ids", 2)
     _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
+    _checks.mask(response_mask, "response_mask")  # bool or 0/1 (a 0.5 would be read as 1)
     packed = attention_mask is None
     if packed:
         if (cu_seqlens is None) == (position_ids is None):
@@ -335,7 +336,11 @@ def response_logprobs(
         if position_ids is not None:
             _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
             inputs["position_ids"] = position_ids
-    lm_head(model)  # refuse an unsupported head before running the backbone
+    weight, _ = lm_head(model)  # refuse an unsupported head before running the backbone
+    if input_ids.numel() == 0:  # B = 0 or T = 0: nothing to run (transformers cannot reshape an empty batch)
+        # zeros attached to the head's weight, so that a loss over them back-propagates zero gradients
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device) + weight.sum().float() * 0
+        return (out, out.clone()) if return_entropy else out  # [B, T]
     hidden = final_hidden(backbone(model), **inputs)[:, :-1]  # [B, T-1, H]: position t-1 predicts token t
     scored = response_mask[:, 1:].bool()  # [B, T-1]
     if packed:  # a sequence's first token is not predicted by the previous sequence's last state

@@ -543,3 +543,23 @@ def test_smollm2_packed_equals_padded(smollm2):
     assert int((logp != 0).sum()) == sum(r.numel() for r in responses)
     assert_close_to_truth(logp, want_lp, torch.float32, eager=packing.pack(pad_lp, flat), name="logp")
     assert_close_to_truth(ent, want_ent, torch.float32, eager=packing.pack(pad_ent, flat), name="entropy")
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (2, 0)])
+def test_empty_batch_gives_zeros_and_zero_gradients(shape):
+    # transformers cannot run an empty batch (it fails reshaping 0 elements); the losses take B = 0 or T = 0
+    model = _tiny("llama", tied=False)
+    ids = torch.zeros(shape, dtype=torch.long)  # [B, T]
+    logp, ent = response_logprobs(model, ids, torch.ones(shape, dtype=torch.long), torch.ones(shape, dtype=torch.long),
+                                  return_entropy=True)
+    assert logp.shape == shape and ent.shape == shape and logp.dtype == torch.float32
+    logp.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_response_mask_must_be_zero_one():
+    model = _tiny("llama", tied=False)
+    ids = torch.randint(0, V, (2, 5))  # [B, T]
+    with pytest.raises(ValueError, match="response_mask"):
+        response_logprobs(model, ids, torch.ones(2, 5), torch.full((2, 5), 0.5))

@@ -427,3 +427,13 @@ def test_what_those_refusals_still_accept():
     assert from_dict({"shard": "fsdp", "policy_head": "two-op"}).policy_head == "two-op"
     assert from_dict({"shard": "fsdp", "fsdp_offload_ref": True, "kl_coef": 0.01}).fsdp_offload_ref
     assert from_dict({"max_grad_norm": float("inf")}).max_grad_norm == float("inf")  # no clipping: meaningful
+
+
+def test_model_directory_and_reward_callable_are_checked_at_start_up(tmp_path):
+    # a directory that is no saved model, and a reward callable with the wrong signature, used to fail later
+    # inside transformers or at the first scoring, without naming the flag
+    with pytest.raises(ConfigError, match="^model: a model directory holds a config.json"):
+        from_dict({"model": str(tmp_path)})
+    with pytest.raises(ConfigError, match="^reward: 'math:sqrt' must accept"):
+        from_dict({"reward": "math:sqrt"})
+    assert from_dict({"reward": "os.path:join"}).reward == "os.path:join"  # (*paths) binds three lists

@@ -343,6 +343,8 @@ class TrainConfig:
                 self._bad("model", "no such model directory or .gguf file")
             if os.path.isfile(self.model) and not self.model.endswith(".gguf"):
                 self._bad("model", "a file must be a .gguf; otherwise give a model directory")
+            if os.path.isdir(self.model) and not os.path.isfile(os.path.join(self.model, "config.json")):
+                self._bad("model", "a model directory holds a config.json (as save_pretrained writes it)")
         if self.ref_model and not os.path.exists(self.ref_model):
             self._bad("ref_model", "no such model directory or .gguf file")
         if self.critic_model and not os.path.exists(self.critic_model):

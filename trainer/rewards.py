@@ -8,6 +8,7 @@ them (see trainer/process.py).
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 from typing import Callable
@@ -82,7 +83,17 @@ def check_reward_spec(spec: str) -> str:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as error:
             return f"cannot import callable {spec!r}: {error}"
-        return "" if callable(fn) else f"{spec!r} is not callable"
+        if not callable(fn):
+            return f"{spec!r} is not callable"
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
+            return ""
+        try:  # the trainer calls fn(prompts, completions, answers, **the keywords it accepts)
+            signature.bind([], [], [])
+        except TypeError as error:
+            return f"{spec!r} must accept (prompts, completions, answers): {error}"
+        return ""
     return f"must be one of {sorted(REWARDS)}, 'module:function' or a reward-model directory"
 
 
