@@ -231,9 +231,7 @@ class TrainConfig:
         if self.was_set("reward_norm_shift") and self.reward_norm == "none":
             self._refuse("reward_norm_shift", "only reward_norm 'batch' or 'running' uses it")
         if self.critic_init == "reward":
-            from .rewards import REWARDS
-
-            if self.reward in REWARDS or not os.path.isdir(self.reward):
+            if not self._reward_is_model():
                 self._bad("critic_init", "'reward' needs a reward-model directory as reward")
             if self.critic_model:
                 self._bad("critic_model", "cannot be combined with critic_init 'reward' (the critic is the reward model)")
