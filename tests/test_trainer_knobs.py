@@ -379,9 +379,13 @@ def test_ratio_outside_by_hand():
     (dict(target_kl=0.01), "target_kl"),
     (dict(reward_norm_shift=False), "reward_norm_shift"),
     (dict(algo="ppo", critic_init="reward"), "critic_init"),
-    (dict(tiny_layers=3, model="/"), "tiny_layers"),
+    (dict(tiny_layers=3, model="MODEL_DIR"), "tiny_layers"),  # another model: a directory with a config.json
 ])
 def test_ignored_flags_are_refused(tmp_path, over, flag):
+    if over.get("model") == "MODEL_DIR":
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")
+        over = {**over, "model": str(tmp_path / "model")}
     with pytest.raises(ConfigError, match=f"^{flag}:"):
         from_dict(dict(output_dir=str(tmp_path), **over))
 

@@ -89,8 +89,12 @@ def check_reward_spec(spec: str) -> str:
             signature = inspect.signature(fn)
         except (TypeError, ValueError):  # no signature to read (some builtins): found out at the first call
             return ""
-        try:  # the trainer calls fn(prompts, completions, answers, **the keywords it accepts)
-            signature.bind([], [], [])
+        from .process import reward_keywords
+
+        # the trainer calls fn(prompts, completions, answers, **the extra keywords it accepts)
+        extra = {k: [] for k in reward_keywords(fn)}
+        try:
+            signature.bind([], [], [], **extra)
         except TypeError as error:
             return f"{spec!r} must accept (prompts, completions, answers): {error}"
         return ""
