@@ -186,6 +186,20 @@ def _check_policy_loss(rank, P):
         _close(h.grad, h1.grad, f"d_hidden {kw}")
         _close(w.grad, w1.grad[sl], f"d_weight {kw}")
         _close(b.grad, b1.grad[sl], f"d_bias {kw}")
+    # NaN hidden states at the masked-out tokens (padding after a fully masked attention row) reach no gradient
+    dirty = hidden.clone()
+    dirty[~mask] = float("nan")
+    h, w = _leaf(dirty), _leaf(weight[sl])
+    loss, _ = rlkernels.linear_policy_loss(h, w, labels, old, adv, mask, process_group=group, vocab_start=start)
+    loss.backward()
+    h1, w1 = _leaf(hidden), _leaf(weight)
+    with forced_backend("torch"):
+        loss1, _ = rlkernels.linear_policy_loss(h1, w1, labels, old, adv, mask)  # the clean rows
+    loss1.backward()
+    assert torch.isfinite(w.grad).all() and torch.isfinite(h.grad).all()
+    _close(loss.detach(), loss1.detach(), "loss, NaN at masked-out rows")
+    _close(w.grad, w1.grad[sl], "d_weight, NaN at masked-out rows")
+    _close(h.grad[mask], h1.grad[mask], "d_hidden, NaN at masked-out rows")
 
 
 def _check_verl(rank, P):
