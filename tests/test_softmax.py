@@ -826,7 +826,7 @@ def test_integer_and_flag_options_are_not_coerced():
     with pytest.raises(TypeError, match="shift_mean"):
         rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool), shift_mean="no")
     # what is accepted: NumPy and tensor integers, 0/1 and NumPy booleans
-    np = pytest.importorskip("numpy")
+    np = pytest.importorskip("numpy", reason="NumPy scalars are tested where NumPy is installed (rlkernels itself does not need it)")
     out = rlkernels.logprobs(logits, labels, ignore_index=np.int64(-1), return_entropy=np.bool_(True))
     assert len(out) == 2
     assert rlkernels.logprobs(logits, labels, ignore_index=torch.tensor(-100), return_entropy=0).shape == (2, 3)
