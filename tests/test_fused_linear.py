@@ -1112,7 +1112,15 @@ def test_tma_forward_sass_has_tma_and_wide_wgmma():
                     "GROUP_N": t2.group_n, "FLATTEN": t2.flatten},
         num_warps=t2.num_warps, num_stages=t2.num_stages)
     assert compile_config(two, 90, aligned=True).ctas_per_sm >= t2.ctas_per_sm
-    for config in (*bf16, other, two):
+    import triton
+
+    if triton.__version__.startswith("3.6."):  # the oldest triton admitted: its TritonGPUFuseNestedLoops pass fails
+        with pytest.raises(Exception, match="PassManager|FuseNestedLoops"):  # on the flattened schedule
+            compile_config(other, 90, aligned=True)
+        alternatives = (two,)  # bench_fused_linear's "tma flat" row then reports that it does not build
+    else:
+        alternatives = (other, two)
+    for config in (*bf16, *alternatives):
         for aligned in ((False, True) if config in bf16 else (True,)):
             report = compile_config(config, 90, aligned=aligned)
             assert report.spill_bytes == 0, str(report)
