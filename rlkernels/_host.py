@@ -55,6 +55,18 @@ def lse_merge(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None):
     return m_all, s_all, u_all
 
 
+def refuse_double_backward(op: str) -> None:
+    """Raise in an op's backward when it runs with ``create_graph=True`` (grad mode on): the backward scales
+    gradients formed in the forward (or saved there), which are constants to autograd, so a second derivative
+    through them would come out as silent zeros. Called first in every registered backward."""
+    import torch
+
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"rlkernels.{op} does not support double backward (create_graph=True): its backward "
+                           "uses gradients formed as constants; use rlkernels.reference's eager formulas for "
+                           "higher derivatives")
+
+
 def no_grads(options: type) -> tuple[None, ...]:
     """An autograd op's gradients for its option arguments: one None per field of the ``options`` dataclass."""
     import dataclasses

@@ -83,7 +83,7 @@ import torch
 
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, unit_stride
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, refuse_double_backward, unit_stride
 from rlkernels._triton import cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -1248,6 +1248,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_logp, g_entropy, _g_stats):
+    refuse_double_backward("linear_logprobs")
     hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
     g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]

@@ -87,7 +87,7 @@ from rlkernels import _backend, _checks, losses, reference
 from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, unit_stride
+from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, refuse_double_backward, unit_stride
 from rlkernels._triton import cdiv, jit, tl
 
 # Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
@@ -405,6 +405,7 @@ def _two_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, 
     """The ``"two-op"`` layout (:func:`_torch_layout`): :func:`rlkernels.linear_logprobs` (its torch row: the
     vocabulary-outer backward, each ``d_weight`` slice summed over the tokens in float32 and written once, at
     backward time, so a 16-bit gradient is rounded once whatever the upstream gradient) then the policy loss."""
+    hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]: as the three-GEMM op cleans it
     out = _fl.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                               return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     logp, entropy = out if opt.with_entropy else (out, None)  # [B, T] each
@@ -905,7 +906,7 @@ _LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advant
 
 def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                         opt: FusedPolicyOptions) -> torch.Tensor:
-    """``hidden`` [B, T, H] with its NaN/±inf entries set to 0 in the rows the loss never reads (masked-out or
+    """``hidden`` [B, T, H] (or logits [B, T, V], for the reference path) with its NaN/±inf entries set to 0 in the rows the loss never reads (masked-out or
     ignored tokens; padding after a fully masked attention row can hold NaN). Those rows get a zero ``dz`` row, but
     every row meets the weight's gradient GEMM, where 0 · NaN would turn the whole ``d_weight`` into NaN. Their
     per-token log-probs (a metric) then come from the cleaned row. A copy only where such an entry exists (checked
@@ -972,12 +973,6 @@ def _(logits, labels, old_logp, advantages, mask, ref_logp, *options):
             torch.empty_like(logits, memory_format=torch.contiguous_format) if opt.grad_input else logits.new_empty(0))
 
 
-def _no_double_backward():
-    if torch.is_grad_enabled():  # create_graph=True: the stored gradients are constants, not functions of inputs
-        raise RuntimeError("linear_policy_loss / logits_policy_loss do not support double backward "
-                           "(create_graph=True): their gradients are formed in the forward as constants")
-
-
 def _upstream_is_one(d_loss: torch.Tensor) -> bool:
     """Whether the upstream gradient is exactly 1 (``loss.backward()``): then the stored gradients are handed out
     as they are, with no gradient-sized copy (and autograd copies them before accumulating when the graph is
@@ -1010,7 +1005,7 @@ def _linear_setup(ctx, inputs, output):
 
 
 def _linear_backward(ctx, d_loss, *_unused):
-    _no_double_backward()
+    refuse_double_backward("linear_policy_loss")
     if d_loss is None:  # the loss reaches no output that needs a gradient
         return (None,) * 8 + no_grads(FusedPolicyOptions)
     d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
@@ -1032,7 +1027,7 @@ def _logits_setup(ctx, inputs, output):
 
 
 def _logits_backward(ctx, d_loss, *_unused):
-    _no_double_backward()
+    refuse_double_backward("logits_policy_loss")
     (d_logits,) = ctx.saved_tensors
     if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
         return (None,) * 6 + no_grads(FusedPolicyOptions)
@@ -1065,6 +1060,7 @@ def _metrics_dict(metrics, logp, entropy, opt: FusedPolicyOptions, has_ref: bool
 def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)
+    hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]: as the three-GEMM op cleans it
     out = reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                                     return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
@@ -1073,9 +1069,21 @@ def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_lo
 def _reference_logits(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     if not torch.compiler.is_compiling():
         labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)
-    out = reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=opt.with_entropy,
+    # the loss from logits whose unused rows hold no NaN/inf (0 · NaN in the softmax's backward would reach
+    # d_logits); the per-token metrics from the logits as given, 0 where non-finite at a masked-out token, as
+    # _logits_op reports them
+    clean = _finite_unused_rows(logits, labels, mask, opt)  # [B, T, V]
+    out = reference.logprobs(clean, labels, temperature=opt.temperature, return_entropy=opt.with_entropy,
                              ignore_index=opt.ignore_index)
-    return _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
+    loss, metrics = _reference_policy(out, old_logp, advantages, mask, ref_logp, opt)
+    if clean is not logits:
+        with torch.no_grad():
+            given = reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=True,
+                                       ignore_index=opt.ignore_index)  # (logp [B, T], entropy [B, T])
+        for key, value in zip(("token_logp", "token_entropy"), given):
+            if key in metrics:
+                metrics[key] = torch.where((mask == 0) & ~torch.isfinite(value), 0.0, value).float()
+    return loss, metrics
 
 
 def _reference_policy(out, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):

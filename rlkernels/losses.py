@@ -41,7 +41,7 @@ from rlkernels import _backend, _checks
 from rlkernels import packing as _packing
 from rlkernels import reference as _ref
 from rlkernels._device import block_sum
-from rlkernels._host import mask_u8, no_grads, op_schema, unit_stride
+from rlkernels._host import mask_u8, no_grads, op_schema, refuse_double_backward, unit_stride
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
 from rlkernels.softmax import _bf16_round_bits
@@ -936,6 +936,7 @@ def _kl_setup(ctx, inputs, output):
 
 
 def _kl_backward(ctx, d_kl, _d_grad):
+    refuse_double_backward("kl_penalty")
     (grad,) = ctx.saved_tensors  # [...] fp32: dkl/dlogp
     g = grad * d_kl
     return (g.to(ctx.dtypes[0]), (-g).to(ctx.dtypes[1])) + no_grads(KLOptions)
@@ -980,6 +981,7 @@ def _policy_setup(ctx, inputs, output):
 
 
 def _policy_backward(ctx, d_loss, *_unused):
+    refuse_double_backward("policy_loss")
     if d_loss is None:  # only the (non-differentiable) metrics or saved outputs reached the backward
         return (None,) * (6 + len(no_grads(PolicyOptions)))
     g_logp, g_ref, g_ent, w = ctx.saved_tensors  # [B, T] fp32 (x3; [0] when absent), [B]
@@ -1020,6 +1022,7 @@ def _value_setup(ctx, inputs, output):
 
 
 def _value_backward(ctx, d_loss, *_unused):
+    refuse_double_backward("value_loss")
     if d_loss is None:
         return (None,) * (4 + len(no_grads(ValueOptions)))
     g_v, w = ctx.saved_tensors  # [B, T] fp32, [B]

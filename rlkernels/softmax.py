@@ -58,7 +58,7 @@ import torch
 
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema
+from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema, refuse_double_backward
 from rlkernels._triton import HAS_TRITON, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -727,6 +727,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, g_logp, g_entropy, _g_stats):
+    refuse_double_backward("logprobs")
     logits, labels, stats, entropy = ctx.saved_tensors  # [..., V], [...], [..., 2], [...]
     g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp  # [...]
     with _backend.float32_compute(logits.device):

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from rlkernels import _backend, _checks, fused_linear, fused_policy, reference
-from rlkernels._host import lse_merge
+from rlkernels._host import lse_merge, refuse_double_backward
 
 _OTHER_RANK = -1  # the local label of a token whose label lies in another rank's slice
 # The ignore_index the backends see: ignored tokens are dropped before any backend runs, and local labels are
@@ -178,6 +178,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
+        refuse_double_backward("linear_logprobs")
         h, weight, bias, y_local, stats, entropy, logp = ctx.saved_tensors
         keep = ctx.keep
         g_logp = torch.zeros(ctx.N, dtype=logp.dtype, device=logp.device) if g_logp is None else g_logp  # [N]

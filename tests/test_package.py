@@ -239,3 +239,44 @@ def test_bench_every_module_sets_up_its_cpu_cases():
         for case in cases:
             assert case.bound in ("memory", "compute") and case.bytes_moved > 0 and case.flops > 0, case.op
             assert case.baseline in case.providers, case.op
+
+
+def _differentiable_calls():
+    """Every public op with a gradient, as ``(name, make)``: ``make(x)`` computes a scalar from the leaf ``x``
+    ``[2, 3]`` through that op only (the fused losses on-policy: no ratio is clipped, the gradient is not 0)."""
+    import rlkernels
+
+    gen = torch.Generator().manual_seed(3)
+    ref, old, adv = (-torch.rand(2, 3, generator=gen) for _ in range(3))  # [2, 3] each
+    mask = torch.ones(2, 3)  # [2, 3]
+    logits = torch.randn(2, 3, 7, generator=gen)  # [2, 3, 7]
+    weight = torch.randn(7, 3, generator=gen)  # [V = 7, H = 3]
+    labels = torch.randint(0, 7, (2, 3), generator=gen)  # [2, 3]
+    return [
+        ("kl_penalty", lambda x: rlkernels.kl_penalty(x, ref).sum()),
+        ("policy_loss", lambda x: rlkernels.policy_loss(x, old, adv, mask)[0]),
+        ("value_loss", lambda x: rlkernels.value_loss(x, old, adv, mask, clip=0.2)[0]),
+        ("logprobs", lambda x: rlkernels.logprobs(logits * x[..., None], labels).sum()),
+        ("linear_logprobs", lambda x: rlkernels.linear_logprobs(x, weight, labels[:, 0]).sum()),
+        ("linear_policy_loss", lambda x: rlkernels.linear_policy_loss(x.view(2, 1, 3), weight, labels[:, :1],
+                                                                       None, adv[:, :1], mask[:, :1])[0]),
+        ("logits_policy_loss", lambda x: rlkernels.logits_policy_loss(logits * x[..., None], labels, None, adv,
+                                                                       mask)[0]),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", range(7))
+def test_double_backward_raises_naming_the_op(backend, case):
+    # The backwards scale gradients formed (or saved) in the forward, constants to autograd: kl_penalty's second
+    # derivative came out as silent zeros, the others raised torch's internal "no autograd formula" message.
+    # create_graph=True now raises naming the op; a plain backward still works.
+    from tests.helpers import forced_backend
+
+    name, make = _differentiable_calls()[case]
+    x = torch.rand(2, 3, generator=torch.Generator().manual_seed(4)).neg().requires_grad_()  # [2, 3]
+    with forced_backend(backend):
+        (g,) = torch.autograd.grad(make(x), x)
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+        with pytest.raises(RuntimeError, match=f"rlkernels.{name} does not support double backward"):
+            torch.autograd.grad(make(x), x, create_graph=True)
