@@ -34,8 +34,9 @@ def integer(x, name: str) -> torch.Tensor:
 
 def mask(x, name: str = "mask") -> torch.Tensor:
     tensor(x, name)
-    if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int32, torch.int64):
-        raise TypeError(f"{name} must be bool or 0/1 numeric, got {x.dtype}")
+    if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"{name} must be bool, a floating-point or a signed/unsigned 8-64-bit integer tensor "
+                        f"holding 0/1, got {x.dtype}")
     # a numeric mask must hold 0 and 1 only (a weight such as 0.5 would be read as 1 by some kernels and as 0.5 by
     # others): checked where it costs no device sync, and not while a trace runs (_tracing)
     if x.dtype != torch.bool and x.device.type == "cpu" and x.numel() and not _tracing() \

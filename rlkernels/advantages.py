@@ -449,8 +449,7 @@ def _validate_group(*, scores, group_size, index, mode, eps) -> tuple[int | None
             raise ValueError(f"index must have the shape of scores {tuple(scores.shape)}, got {tuple(index.shape)}")
         _checks.same_device((scores, "scores"), (index, "index"))
         return None, mode, eps
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    group_size = _checks.index(group_size, "group_size")  # a Python or NumPy integer
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0, got {group_size}")
     if scores.shape[0] % group_size != 0:
@@ -755,7 +754,8 @@ def _whiten_torch(x, mask, shift_mean, eps):
     """Statistics of ``x - K`` with ``K`` the first masked-in value (found without a device
     sync): exact for shifted data (``1e6 + noise``), where a float32 mean of ``x`` itself is
     only known to ~ulp(1e6) and the output inherits that error. The mean is never rounded
-    to float32 as ``K + mean``: the output is ``((x - K) - mean)·rstd``."""
+    to float32 as ``K + mean``: the output is ``((x - K) - mean)·rstd``. The variance sums
+    float64 squares (finite for any float32 input)."""
     xf = x.float().reshape(-1)  # [N]
     m = mask.bool().reshape(-1)  # [N]
     if xf.numel() == 0:
@@ -767,8 +767,9 @@ def _whiten_torch(x, mask, shift_mean, eps):
     y = torch.where(m, xf - piv, zero)  # [N]
     mean = y.sum() / n.clamp(min=1.0)
     d = torch.where(m, y - mean, zero)  # [N]
-    var = (d * d).sum() / (n - 1.0).clamp(min=1.0)
-    out = ((xf - piv) - mean) * torch.rsqrt(var + eps)  # [N]
+    # squares in float64: a float32 d² overflows once |d| > 1.8e19 (the statistics of group_advantages alike)
+    var = d.double().square().sum() / (n.double() - 1.0).clamp(min=1.0)
+    out = ((xf - piv) - mean) * torch.rsqrt(var + eps).float()  # [N]
     out = out if shift_mean else out + (piv + mean)
     return out.view(x.shape)
 
@@ -1050,7 +1051,8 @@ _PROCESS_SUPPORTED = ("reference", "torch", "triton")  # no csrc kernel: the tor
 def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, index, mode, eps):
     """Check :func:`process_advantages`'s arguments; returns ``(T, group_size, mode, eps)`` (``group_size``
     None when the groups come from ``index``). Checks that every valid step ends inside ``[0, T)``: one look at
-    ``step_ends`` (a device sync on a GPU; the inputs are ``[B, S]``, tiny)."""
+    ``step_ends`` (a device sync on a GPU; the inputs are ``[B, S]``, tiny), skipped while ``torch.compile`` traces
+    the call, as the other value checks are."""
     _checks.floating(step_rewards, "step_rewards")
     _checks.rank(step_rewards, "step_rewards", 2)
     _checks.integer(step_ends, "step_ends")
@@ -1073,13 +1075,12 @@ def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, inde
         if index.shape != (B,):
             raise ValueError(f"index must have shape [B] = {(B,)} (one group id per row of step_rewards), got {tuple(index.shape)}")
     else:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        group_size = _checks.index(group_size, "group_size")  # a Python or NumPy integer
         if group_size <= 0:
             raise ValueError(f"group_size must be > 0, got {group_size}")
         if B % group_size:
             raise ValueError(f"group_size {group_size} does not divide the number of rows of step_rewards {B}")
-    if step_ends.numel():
+    if step_ends.numel() and not _checks._tracing():  # traced (torch.compile): a data-dependent branch, skipped
         valid = torch.ones_like(step_ends, dtype=torch.bool) if step_mask is None else step_mask != 0  # [B, S]
         bad = (valid & ((step_ends < 0) | (step_ends >= T))).nonzero()  # [k, 2]
         if bad.numel():

@@ -765,3 +765,29 @@ def test_group_advantages_of_huge_finite_scores(backend, csrc_ops):
     with forced_backend(backend):
         out = rlkernels.group_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38]), 4)
     assert torch.allclose(out.double(), truth, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "csrc"])
+@pytest.mark.parametrize("scale", [1e19, 1e30])
+def test_whiten_huge_finite_values(backend, scale, csrc_ops):
+    # float32 squares overflow above 1.8e19: the torch path's variance became inf and every output 0 (csrc sums
+    # float64 squares). Both now match the float64 truth. (The Triton statistics kernel still squares in float32:
+    # a documented limit.)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]) * scale  # [1, 5]
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)  # [1, 5]
+    truth = reference.masked_whiten(x.double(), mask)  # [1, 5]
+    with forced_backend(backend):
+        got = rlkernels.masked_whiten(x, mask)
+    assert torch.isfinite(got).all()
+    assert rel_error(got[mask], truth[mask]) <= REL_TOL[torch.float32]
+
+
+def test_group_size_takes_numpy_integers_and_int16_masks_are_masks():
+    np = pytest.importorskip("numpy", reason="the NumPy integer case needs numpy")
+    scores = torch.randn(6, generator=torch.Generator().manual_seed(2))  # [6]
+    torch.testing.assert_close(rlkernels.group_advantages(scores, np.int64(3)), rlkernels.group_advantages(scores, 3))
+    with pytest.raises(TypeError, match="group_size"):
+        rlkernels.group_advantages(scores, 3.0)
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(3))  # [2, 5]
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]])  # [2, 5]
+    torch.testing.assert_close(rlkernels.masked_whiten(x, mask.to(torch.int16)), rlkernels.masked_whiten(x, mask.bool()))

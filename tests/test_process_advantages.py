@@ -175,3 +175,8 @@ def test_custom_op_passes_opcheck_and_compiles():
         assert all(v == "SUCCESS" for v in result.values()), result
     compiled = torch.compile(lambda r, e, m: adv_mod._process_op(r, e, m, 6, 4, None, "grpo", 1e-6) * 2, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(rewards, ends, mask), 2 * run("torch", rewards, ends, 6, step_mask=mask, group_size=4))
+    # the public function too: its step_ends range check read the values (a data-dependent branch under fullgraph)
+    torch._dynamo.reset()
+    public = torch.compile(lambda r, e, m: rlkernels.process_advantages(r, e, 6, step_mask=m, group_size=4), fullgraph=True,
+                           backend="aot_eager")
+    torch.testing.assert_close(public(rewards, ends, mask), run("torch", rewards, ends, 6, step_mask=mask, group_size=4))
