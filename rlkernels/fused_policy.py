@@ -906,13 +906,15 @@ _LOGITS_TENSORS = "Tensor logits, Tensor labels, Tensor? old_logp, Tensor advant
 
 def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
                         opt: FusedPolicyOptions) -> torch.Tensor:
-    """``hidden`` [B, T, H] (or logits [B, T, V], for the reference path) with its NaN/±inf entries set to 0 in the rows the loss never reads (masked-out or
-    ignored tokens; padding after a fully masked attention row can hold NaN). Those rows get a zero ``dz`` row, but
-    every row meets the weight's gradient GEMM, where 0 · NaN would turn the whole ``d_weight`` into NaN. Their
-    per-token log-probs (a metric) then come from the cleaned row. A copy only where such an entry exists (checked
-    on the CPU, where it costs no sync; on a GPU always: three elementwise passes over ``hidden``)."""
+    """``hidden`` [B, T, H] (or logits [B, T, V], for the reference path) with its NaN/±inf entries set to 0 in
+    the rows the loss never reads (masked-out or ignored tokens; padding after a fully masked attention row can
+    hold NaN). Those rows get a zero ``dz`` row, but every row meets the weight's gradient GEMM, where 0 · NaN
+    would turn the whole ``d_weight`` into NaN. Their per-token log-probs (a metric) then come from the cleaned
+    row. A copy only where such an entry exists (checked on the CPU, where it costs no sync; on a GPU, and while
+    torch.compile traces, always: three elementwise passes over ``hidden``)."""
     unused = (mask == 0) | (labels == opt.ignore_index)  # [B, T]
-    if hidden.device.type == "cpu" and (not bool(unused.any()) or bool(torch.isfinite(hidden[unused]).all())):
+    if (hidden.device.type == "cpu" and not torch.compiler.is_compiling()  # traced: no data-dependent branch
+            and (not bool(unused.any()) or bool(torch.isfinite(hidden[unused]).all()))):
         return hidden
     bad = unused[..., None] & ~torch.isfinite(hidden)  # [B, T, H]
     return torch.where(bad, torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)

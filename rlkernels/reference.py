@@ -22,8 +22,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _up(x: torch.Tensor) -> torch.Tensor:
-    return x.to(compute_dtype(x))
+def _up(x: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` in the compute dtype of ``like`` (default ``x`` itself): a loss computes in its differentiable
+    input's dtype, so float64 constants next to a float32/16-bit ``logp`` do not make a float64 result."""
+    return x.to(compute_dtype(x if like is None else like))
 
 
 # ---------------------------------------------------------------- log-probs
@@ -102,7 +104,7 @@ def linear_logprobs(
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3, or |logp - ref|)."""
-    logp, ref_logp = _up(logp), _up(ref_logp)
+    logp, ref_logp = _up(logp), _up(ref_logp, like=logp)
     diff = logp - ref_logp  # [...]
     if estimator == "k1":
         return diff
@@ -201,10 +203,11 @@ def policy_loss(
     # Masked-out positions are replaced by 0 before any arithmetic, so nothing there (NaN, ±inf) reaches
     # an output or a gradient (a mask multiply alone would give 0·inf = NaN, e.g. GSPO's masked sum).
     keep = mask != 0  # [B, T]
+    given = logp
     logp = torch.where(keep, _up(logp), 0.0)  # [B, T]
-    old_logp = torch.where(keep, _up(old_logp), 0.0)  # [B, T]
+    old_logp = torch.where(keep, _up(old_logp, like=given), 0.0)  # [B, T]
     m = mask.to(logp.dtype)  # [B, T]
-    adv = _up(advantages)
+    adv = _up(advantages, like=given)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)  # [B, 1]
     adv = torch.where(keep, adv.expand_as(logp), 0.0)  # [B, T]
@@ -225,11 +228,11 @@ def policy_loss(
     x = pg
     metrics = {}
     if ref_logp is not None:
-        kl = kl_penalty(logp, torch.where(keep, _up(ref_logp), 0.0), kl_estimator)  # [B, T]
+        kl = kl_penalty(logp, torch.where(keep, _up(ref_logp, like=given), 0.0), kl_estimator)  # [B, T]
         x = x + kl_coef * kl
         metrics["kl"] = masked_mean(kl, m)
     if entropy is not None:
-        ent = torch.where(keep, _up(entropy), 0.0)  # [B, T]
+        ent = torch.where(keep, _up(entropy, like=given), 0.0)  # [B, T]
         x = x - entropy_coef * ent
         metrics["entropy"] = masked_mean(ent, m)
     loss = aggregate(x, m, agg, norm_length)
@@ -257,7 +260,7 @@ def value_loss(
         views = padded_views(cu_seqlens, "values", values=values, old_values=old_values, returns=returns, mask=mask)
         return value_loss(**views, clip=clip, agg=agg)
     keep = mask != 0  # [B, T]: masked-out entries become 0 before any arithmetic (NaN/±inf never reach outputs)
-    v, old, ret = (torch.where(keep, _up(t), 0.0) for t in (values, old_values, returns))  # [B, T] each
+    v, old, ret = (torch.where(keep, _up(t, like=values), 0.0) for t in (values, old_values, returns))  # [B, T] each
     m = mask.to(v.dtype)  # [B, T]
     unclipped = (v - ret).square()  # [B, T]
     metrics = {}

@@ -810,3 +810,20 @@ def test_a_mask_that_is_not_zero_one_is_refused(value):
         rlkernels.masked_whiten(x, mask)
     loss, _ = rlkernels.policy_loss(x, x, x, torch.tensor([[1, 0, 1]], dtype=torch.int64))  # 0/1 integers are fine
     assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
+def test_float64_constants_next_to_a_16_bit_logp_give_float32(backend):
+    # the reference backend promoted to float64 when only old_logp/advantages/returns were float64; the loss and
+    # metrics follow the differentiable input's compute dtype on every backend
+    gen = torch.Generator().manual_seed(8)
+    logp = (-torch.rand(2, 3, generator=gen)).bfloat16().requires_grad_()  # [2, 3]
+    old, adv = -torch.rand(2, 3, generator=gen, dtype=torch.float64), torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)  # [2, 3]
+    with forced_backend(backend):
+        loss, metrics = rlkernels.policy_loss(logp, old, adv, mask, ref_logp=old, kl_coef=0.1)
+        v_loss, v_metrics = rlkernels.value_loss(logp, old, adv, mask, clip=0.2)
+        kl = rlkernels.kl_penalty(logp, old)
+    for t in (loss, v_loss, kl, *metrics.values(), *v_metrics.values()):
+        assert t.dtype == torch.float32
+    assert torch.autograd.grad(loss + v_loss, logp)[0].dtype == torch.bfloat16
