@@ -203,7 +203,8 @@ def lm_head(model):
         value = getattr(config, field, None)
         if value is not None and value != 1.0:
             raise NotImplementedError(f"{field}={value} (scaled logits) is not the plain linear head")
-    head = lm.get_output_embeddings()
+    get_head = getattr(lm, "get_output_embeddings", None)  # a transformers PreTrainedModel method
+    head = get_head() if callable(get_head) else None
     if head is None or getattr(head, "weight", None) is None:
         raise TypeError(f"model ({type(lm).__name__}) has no output embedding (get_output_embeddings())")
     return head.weight, getattr(head, "bias", None)  # [V, H], [V] or None

@@ -563,3 +563,13 @@ def test_response_mask_must_be_zero_one():
     ids = torch.randint(0, V, (2, 5))  # [B, T]
     with pytest.raises(ValueError, match="response_mask"):
         response_logprobs(model, ids, torch.ones(2, 5), torch.full((2, 5), 0.5))
+
+
+def test_a_module_without_an_output_embedding_is_a_type_error():
+    # lm_head's documented error: a module that is no causal LM (no get_output_embeddings) raised AttributeError
+    ids = torch.randint(0, 3, (2, 4))  # [B, T]
+    ones = torch.ones(2, 4, dtype=torch.long)  # [B, T]
+    with pytest.raises(TypeError, match="no output embedding"):
+        hf.lm_head(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="no output embedding"):
+        hf.response_logprobs(torch.nn.Linear(3, 3), ids, ones, ones)
