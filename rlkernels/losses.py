@@ -1080,7 +1080,7 @@ def policy_loss(
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
     norm_length: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
+    cu_seqlens: torch.Tensor | list[int] | None = None,  # [S + 1]
 ):
     """PPO/GRPO clipped surrogate loss with optional dual clip, GSPO sequence ratio, KL and entropy terms.
 
@@ -1119,7 +1119,9 @@ def policy_loss(
             be ``[S]``. The result is, by definition, the padded op's on the ``[S, Tmax]`` view
             (``Tmax`` the longest sequence, which is also ``norm_length``'s default): every ``agg`` mode and
             ``ratio="sequence"`` act per packed sequence. Validated (starts at 0, non-decreasing, ends at
-            ``total``); read on the host once.
+            ``total``); read on the host once. A Python list of ints works too, and is what keeps
+            ``torch.compile(fullgraph=True)`` free of data-dependent shapes (a tensor's values are not
+            known while tracing).
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 scalar, differentiable in ``logp``, ``ref_logp`` and
@@ -1159,7 +1161,7 @@ def value_loss(
     *,
     clip: float | None = None,
     agg: str = "token-mean",
-    cu_seqlens: torch.Tensor | None = None,  # [S + 1]
+    cu_seqlens: torch.Tensor | list[int] | None = None,  # [S + 1]
 ):
     """PPO value loss: ``½·max((v - R)², (clamp(v, old ± clip) - R)²)``, or ``½(v - R)²`` without ``clip``.
 

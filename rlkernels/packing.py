@@ -25,7 +25,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     """Validate sequence boundaries and return them as Python ints.
 
     Args:
-        cu_seqlens: ``[S + 1]`` int32/int64 cumulative lengths.
+        cu_seqlens: ``[S + 1]`` int32/int64 cumulative lengths, a tensor or a Python sequence of ints (static:
+            under ``torch.compile`` a list keeps every shape known, where a tensor's values would not be).
         total: the packed length the boundaries must end at (``inputs.shape[-1]``).
         name: the argument's name, for the error messages.
 
@@ -33,10 +34,15 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         TypeError: not an integer tensor. ValueError: not 1-D with at least one entry, not starting at 0, decreasing,
         or not ending at ``total``.
     """
-    _checks.integer(cu_seqlens, name)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{name} must be 1-D [S + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}")
-    bounds = [int(c) for c in cu_seqlens.tolist()]  # the host read (one sync on a GPU)
+    if isinstance(cu_seqlens, (list, tuple)):
+        if not cu_seqlens or not all(isinstance(c, int) and not isinstance(c, bool) for c in cu_seqlens):
+            raise TypeError(f"{name} given as a sequence must hold at least one Python int, got {cu_seqlens!r}")
+        bounds = list(cu_seqlens)
+    else:
+        _checks.integer(cu_seqlens, name)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"{name} must be 1-D [S + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}")
+        bounds = [int(c) for c in cu_seqlens.tolist()]  # the host read (one sync on a GPU)
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {bounds[0]}")
     for s in range(1, len(bounds)):
@@ -48,16 +54,21 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     return bounds
 
 
-def padded_index(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> tuple[torch.Tensor, int, int]:
+def padded_index(cu_seqlens: torch.Tensor | list[int], total: int, name: str = "cu_seqlens",
+                 device: torch.device | None = None) -> tuple[torch.Tensor, int, int]:
     """``(index [total] int64, S, Tmax)``: packed token ``i`` of sequence ``s`` at offset ``j`` sits at
-    ``index[i] = s·Tmax + j`` of the flattened padded view ``[S, Tmax]`` (validated as :func:`check_cu_seqlens`)."""
+    ``index[i] = s·Tmax + j`` of the flattened padded view ``[S, Tmax]`` (validated as :func:`check_cu_seqlens`).
+    ``index`` lives on ``cu_seqlens``' device, or on ``device`` (default CPU) when the boundaries are a list."""
     bounds = check_cu_seqlens(cu_seqlens, total, name)
-    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], dtype=torch.long)  # [S]
-    S, Tmax = len(bounds) - 1, int(lengths.max()) if len(bounds) > 1 else 0
-    seq = torch.repeat_interleave(torch.arange(S), lengths)  # [total]: each token's sequence
+    # sizes from the Python ints (static while torch.compile traces a list of boundaries)
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    S, Tmax = len(sizes), max(sizes, default=0)
+    lengths = torch.tensor(sizes, dtype=torch.long)  # [S]
+    seq = torch.repeat_interleave(torch.arange(S), lengths, output_size=total)  # [total]: each token's sequence
     starts = torch.tensor(bounds[:-1], dtype=torch.long)  # [S]
     offset = torch.arange(total) - starts[seq]  # [total]: position inside its sequence
-    return (seq * Tmax + offset).to(cu_seqlens.device), S, Tmax  # [total]
+    where = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else (device or torch.device("cpu"))
+    return (seq * Tmax + offset).to(where), S, Tmax  # [total]
 
 
 def positions(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> torch.Tensor:
@@ -132,7 +143,7 @@ def padded_views(cu_seqlens: torch.Tensor, first: str, per_sequence: tuple[str, 
     x = _checks.tensor(tensors[first], first)
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"with cu_seqlens, {first} must be packed [1, total], got shape {tuple(x.shape)}")
-    index, S, Tmax = padded_index(cu_seqlens, x.shape[1])
+    index, S, Tmax = padded_index(cu_seqlens, x.shape[1], device=x.device)
     views = {}
     for name, t in tensors.items():
         if t is None:

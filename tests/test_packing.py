@@ -191,6 +191,38 @@ def test_index_maps_round_trip():
 # ------------------------------------------------------------------ response_logprobs on a packed batch
 
 transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_boundaries_as_a_list_compile_with_fullgraph(backend):
+    # A cu_seqlens tensor sizes the padded view from its values: a data-dependent shape under torch.compile. The
+    # same boundaries as a list of ints are static: the packed losses compile whole and equal the eager ones.
+    gen = torch.Generator().manual_seed(12)
+    bounds = [0, 3, 3, 8, 9]
+    logp = (-torch.rand(1, 9, generator=gen)).requires_grad_()  # [1, total]
+    old, adv = -torch.rand(1, 9, generator=gen), torch.randn(1, 9, generator=gen)  # [1, total] each
+    mask = torch.ones(1, 9)  # [1, total]
+
+    def step(lp):
+        pg, _ = rlkernels.policy_loss(lp, old, adv, mask, cu_seqlens=bounds, agg="seq-mean-token-mean", ratio="sequence")
+        vf, _ = rlkernels.value_loss(lp, old, adv, mask, cu_seqlens=bounds, clip=0.2)
+        return pg + vf
+
+    with forced_backend(backend):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        got = compiled(logp)
+        (g_got,) = torch.autograd.grad(got, logp)
+        want = step(logp)
+        (g_want,) = torch.autograd.grad(want, logp)
+        as_tensor = rlkernels.policy_loss(logp, old, adv, mask, cu_seqlens=torch.tensor(bounds),
+                                          agg="seq-mean-token-mean", ratio="sequence")[0]
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(g_got, g_want)
+    torch.testing.assert_close(as_tensor + rlkernels.value_loss(logp, old, adv, mask, cu_seqlens=bounds, clip=0.2)[0],
+                               want)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        rlkernels.policy_loss(logp, old, adv, mask, cu_seqlens=[0, 3.0, 9])
+
+
 from rlkernels import hf  # noqa: E402
 from tests.test_hf import V, _tiny  # noqa: E402
 
