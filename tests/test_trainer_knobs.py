@@ -393,7 +393,7 @@ def test_ignored_flags_are_refused(tmp_path, over, flag):
 def test_defaults_and_presets_are_not_refused(tmp_path):
     cfg = from_dict(dict(output_dir=str(tmp_path)))
     assert (cfg.clip_high, cfg.kl_in, cfg.kl_estimator) == (0.2, "loss", "k3")  # clip_high follows clip_low
-    assert from_dict(dict(output_dir=str(tmp_path), clip_low=0.1)).clip_high == 0.1
+    assert from_dict(dict(output_dir=str(tmp_path), clip_low=0.1, epochs=2)).clip_high == 0.1
     ppo = from_dict(dict(output_dir=str(tmp_path), algo="ppo", kl_target=0.1, kl_horizon=500, target_kl=0.02, epochs=2))
     assert (ppo.kl_in, ppo.kl_estimator) == ("reward", "k1")
     assert from_dict(dict(output_dir=str(tmp_path), kl_coef=0.0)).kl_estimator is None  # no KL anywhere

@@ -75,7 +75,7 @@ def latest(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").exists())
+    done = checkpoint_dirs(root)
     return done[-1] if done else None
 
 
@@ -83,23 +83,40 @@ def latest(root: str | os.PathLike) -> Path | None:
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "plot.png")
 
 
+def checkpoint_dirs(root: str | os.PathLike, staging: bool = False) -> list[Path]:
+    """The checkpoint directories the trainer wrote under ``root`` (``step_NNNNNN`` holding a ``state.json``, as
+    :func:`latest` reads them); with ``staging`` also the unfinished ``.tmp-step_...`` ones a crash left. Other
+    entries of ``root`` are not the trainer's."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").exists()]
+    tmp = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(f".tmp-{_PREFIX}")] if staging else []
+    return sorted(done) + sorted(tmp)
+
+
 def run_files(out: str | os.PathLike) -> list[str]:
-    """Names of an earlier run's files in ``out``: its metrics, plot, summary, config, a non-empty checkpoints/."""
+    """Names of an earlier run's files in ``out``: its metrics, plot, summary, config, and ``checkpoints/`` when it
+    holds a checkpoint the trainer wrote (a user's own files there do not make a run)."""
     out = Path(out)
     found = [name for name in RUN_FILES if (out / name).exists()]
-    ckpt = out / "checkpoints"
-    if ckpt.is_dir() and any(ckpt.iterdir()):
+    if checkpoint_dirs(out / "checkpoints"):
         found.append("checkpoints/")
     return found
 
 
 def clear_run(out: str | os.PathLike) -> None:
-    """Delete an earlier run's files from ``out`` (those :func:`run_files` lists), nothing else."""
+    """Delete an earlier run's files from ``out``: :data:`RUN_FILES` and the checkpoint directories under
+    ``checkpoints/`` (finished and unfinished), then ``checkpoints/`` itself if nothing else is left in it.
+    Nothing else: other files, in ``out`` or in ``checkpoints/``, stay."""
     out = Path(out)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    if (out / "checkpoints").is_dir():
-        shutil.rmtree(out / "checkpoints")
+    ckpt = out / "checkpoints"
+    for path in checkpoint_dirs(ckpt, staging=True):
+        shutil.rmtree(path)
+    if ckpt.is_dir() and not any(ckpt.iterdir()):
+        ckpt.rmdir()
 
 
 def saved_config(path: Path) -> dict:

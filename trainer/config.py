@@ -38,7 +38,7 @@ class TrainConfig:
     model: str = "tiny"
     """Policy: 'tiny' (random-init 2-layer Llama with a digit tokenizer, built in code), a transformers model directory, or a .gguf file."""
     critic_model: str = ""
-    """PPO critic backbone: empty = a copy of the policy's backbone; else a model directory or .gguf file."""
+    """PPO critic backbone: empty = a copy of the policy's backbone; else a model directory or .gguf file with the policy's vocabulary (checked at start, as ref_model's; its width may differ)."""
     reward: str = "exact_format"
     """Reward: a registered rule ('exact', 'format', 'exact_format', or 'steps': one step reward per expected token, for prefix_sums), a user callable 'module:function' called as fn(prompts, completions, answers) -> one float per completion (outcome) or a list of (reward, end_token_index) steps (process supervision, routed automatically; see trainer/process.py, which also lists the keywords 'eos' and 'completion_tokens' a function may take), or a sequence-classification reward-model directory."""
     task: str = "first_digit"
@@ -66,23 +66,23 @@ class TrainConfig:
 
     # ------------------------------------------------------------ objective
     lr: float = 3e-3
-    """Policy learning rate (AdamW)."""
+    """Policy learning rate (AdamW). On resume the value given now applies (not the checkpoint's)."""
     critic_lr: float = 3e-3
-    """Critic learning rate (PPO)."""
+    """Critic learning rate (PPO). On resume the value given now applies (not the checkpoint's)."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay (policy and critic). On resume the value given now applies (not the checkpoint's)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     epochs: int = 1
     """Passes over each rollout batch (PPO epochs). Above 1, old log-probs come from a separate first pass."""
     minibatches: int = 1
-    """Minibatches per epoch; prompts_per_step * group_size / world size must divide by it."""
+    """Minibatches per epoch; each process's batch, prompts_per_step * group_size / world size, must divide by it (checked at start, once the number of processes is known)."""
     clip_low: float = 0.2
-    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    """Lower clip range: the ratio is clipped at 1 - clip_low. Needs epochs * minibatches > 1: with one epoch of one minibatch every ratio is exactly 1, so setting it there is refused."""
     clip_high: typing.Optional[float] = None
-    """Upper clip range: the ratio is clipped at 1 + clip_high; None = clip_low (symmetric, as in the PPO paper). DAPO's clip-higher uses 0.28."""
+    """Upper clip range: the ratio is clipped at 1 + clip_high; None = clip_low (symmetric, as in the PPO paper). DAPO's clip-higher uses 0.28. Needs epochs * minibatches > 1 (refused otherwise: every ratio is exactly 1)."""
     dual_clip: typing.Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages, or None. Combines with ratio 'sequence' (the bound applies to every token of a sequence with a negative advantage)."""
+    """Dual-clip constant c > 1 for negative advantages, or None. Combines with ratio 'sequence' (the bound applies to every token of a sequence with a negative advantage). Needs epochs * minibatches > 1 (refused otherwise: every ratio is exactly 1)."""
     ratio: str = "token"
     """Importance ratio: 'token' (PPO/GRPO) or 'sequence' (GSPO)."""
     agg: str = "token-mean"
@@ -90,7 +90,7 @@ class TrainConfig:
     advantage: str = "grpo"
     """GRPO advantage mode: 'grpo' ((s - group mean) / (group std + 1e-6), the std unbiased, i.e. divided by G - 1), 'dr_grpo' (s - group mean) or 'rloo' (s - mean of the other members)."""
     kl_coef: float = 0.01
-    """KL-to-the-reference coefficient, placed by kl_in (in the loss by default for GRPO, in the per-token reward for PPO). 0 skips loading the reference model (and then every reference/KL option is refused)."""
+    """KL-to-the-reference coefficient, placed by kl_in (in the loss by default for GRPO, in the per-token reward for PPO). 0 skips loading the reference model (and then every reference/KL option is refused). On resume the value given now applies, except with kl_target, where the controller's adapted coefficient continues from the checkpoint unless kl_coef was changed (then it restarts from the new value)."""
     kl_estimator: typing.Optional[str] = None
     """KL estimator wherever the KL to the reference is computed (loss, per-token reward, the adaptive controller's measure): 'k1', 'k2', 'k3' or 'abs'; None = 'k3' when kl_in is 'loss', 'k1' when it is 'reward'."""
     kl_target: typing.Optional[float] = None
@@ -120,7 +120,7 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest checkpoint in output_dir: prints the step it resumes from and one line per field changed since; an error if there is no checkpoint or it was trained with another algo, model or model size."""
     overwrite: bool = False
-    """Start afresh in an output_dir that holds an earlier run, deleting that run's checkpoints, metrics, plot, summary and config (other files stay). Without it (or resume) such a folder is refused."""
+    """Start afresh in an output_dir that holds an earlier run, deleting that run's checkpoints (the step folders under checkpoints/), metrics, plot, summary and config (other files stay, in checkpoints/ too). Without it (or resume) such a folder is refused; files of the user's alone do not make an earlier run."""
     log_every: int = 1
     """Write metrics every N steps."""
     plot: bool = True
@@ -138,11 +138,11 @@ class TrainConfig:
 
     # --- issue 15: reference/KL/reward/value knobs ---
     ref_model: str = ""
-    """Reference policy of the KL: empty = a frozen copy of the initial policy; else a transformers model directory or .gguf file with the policy's vocabulary."""
+    """Reference policy of the KL: empty = a frozen copy of the initial policy; else a transformers model directory or .gguf file with the policy's vocabulary (checked at start; its width may differ)."""
     ref_update_every: int = 0
     """Copy the policy into the reference after every N-th step (DeepSeekMath's iterative GRPO); 0 = never. The reference is then saved in checkpoints."""
     ref_mix_alpha: float = 0.0
-    """After every step: reference <- alpha * policy + (1 - alpha) * reference, for every parameter and floating buffer (TRL's reference sync); 0 = off, 1 = copy. With ref_update_every too, a step that copies does not also mix. The reference is then saved in checkpoints."""
+    """After every step: reference <- alpha * policy + (1 - alpha) * reference, for every parameter and floating buffer (TRL's reference sync); 0 = off, 1 = copy. With ref_update_every too, a step that copies does not also mix, so ref_update_every 1 (every step copies) with it is refused. The reference is then saved in checkpoints."""
     kl_in: typing.Optional[str] = None
     """Where the KL to the reference goes, for either algo. 'loss': kl_coef * kl_estimator(logp, ref_logp) per token in the policy loss. 'reward': kl_t = kl_estimator(old_logp, ref_logp) per token at rollout, no gradient; PPO's per-token rewards are -kl_coef * kl_t (+ the score on the last token) before GAE; GRPO's token advantage is A_t = group_advantage - kl_coef * (kl_t + ... + kl_last), the KL's return to go with gamma 1 (the score's advantage is not rescaled by it). None = 'loss' for GRPO, 'reward' for PPO."""
     target_kl: typing.Optional[float] = None
@@ -228,6 +228,14 @@ class TrainConfig:
             self._refuse("advantage", "GRPO-only (PPO's advantages come from GAE)")
         if self.target_kl is not None and self.epochs * self.minibatches == 1:
             self._refuse("target_kl", "with one epoch of one minibatch there is no later minibatch to stop")
+        if self.epochs * self.minibatches == 1:  # Trainer.progress_values: old and new log-probs are the same
+            for name in ("clip_low", "clip_high", "dual_clip"):
+                if self.was_set(name):
+                    self._refuse(name, "with one epoch of one minibatch every importance ratio is exactly 1, so "
+                                       "no clip applies (set epochs or minibatches above 1)")
+        if self.ref_mix_alpha > 0 and self.ref_update_every == 1:
+            self._refuse("ref_mix_alpha", "ref_update_every is 1: every step copies the policy into the reference, "
+                                          "and a step that copies does not also mix")
         if self.was_set("reward_norm_shift") and self.reward_norm == "none":
             self._refuse("reward_norm_shift", "only reward_norm 'batch' or 'running' uses it")
         if self.critic_init == "reward":
@@ -255,6 +263,17 @@ class TrainConfig:
             if recipe_algo is not None and recipe_algo != self.algo:
                 self._bad("algo", f"recipe {self.recipe!r} is a {recipe_algo!r} recipe; its settings do not apply "
                                   f"to algo {self.algo!r} (drop the recipe or the algo)")
+
+    def check_world(self, world: int) -> None:
+        """The checks that need the number of processes ``world`` (known only once torchrun started them; the
+        trainer calls this before it loads any model): ``prompts_per_step`` splits evenly over the processes, and
+        each process's batch, ``prompts_per_step * group_size / world`` rows, divides by ``minibatches``."""
+        if self.prompts_per_step % world:
+            self._bad("prompts_per_step", f"does not divide over {world} processes")
+        local = self.prompts_per_step // world * self.group_size
+        if local % self.minibatches:
+            self._bad("minibatches", f"must divide each process's batch, prompts_per_step * group_size / {world} "
+                                     f"processes = {local} rows")
 
     def _reward_is_model(self) -> bool:
         """Whether ``reward`` names a reward-model directory (else a built-in rule or a module:function)."""

@@ -29,7 +29,7 @@ from . import checkpoint, knobs, process
 from . import distributed as sharding
 from .config import ConfigError, TrainConfig
 from .data import PromptSource
-from .models import Critic, TokenLogprobs, frozen_copy, load_critic, load_policy, ops_provider
+from .models import Critic, TokenLogprobs, check_vocabulary, frozen_copy, load_critic, load_policy, ops_provider
 from .rewards import REWARDS, RewardModel, load_reward
 
 
@@ -173,13 +173,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self._resume_notes = check_output_dir(cfg)  # before anything is loaded: a config error, not a traceback
-        self.ops = ops_provider(cfg.losses)
-        if cfg.losses == "fused":
-            # build (or load) the compiled extension now: a first build takes ~40 s, which inside the first
-            # step would stall the progress bar at 0 with an ETA of hours
-            from rlkernels import _extension
-
-            _extension.load()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -188,8 +181,14 @@ class Trainer:
                               "(torchrun --nproc_per_node=N); in one process use 'ddp' or 'none'")
         if cfg.shard == "none" and self.world > 1:
             raise ConfigError(f"shard: 'none' leaves {self.world} processes training apart; use 'ddp' or 'fsdp'")
-        if cfg.prompts_per_step % self.world:
-            raise ValueError(f"prompts_per_step: {cfg.prompts_per_step} does not divide over {self.world} processes")
+        cfg.check_world(self.world)  # prompts_per_step and minibatches against each process's share (ConfigError)
+        self.ops = ops_provider(cfg.losses)
+        if cfg.losses == "fused":
+            # build (or load) the compiled extension now: a first build takes ~40 s, which inside the first
+            # step would stall the progress bar at 0 with an ETA of hours
+            from rlkernels import _extension
+
+            _extension.load()
         if cfg.device.startswith("cuda") and self.distributed:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         else:
@@ -235,10 +234,11 @@ class Trainer:
             self.policy_ddp = DDP(self.policy_lp, device_ids=dev_ids)
             if self.critic is not None:
                 self.critic_ddp = DDP(self.critic, device_ids=dev_ids)
-        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad]}]
         if self.critic is not None:
-            groups.append({"params": list(self.critic.parameters()), "lr": cfg.critic_lr})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+            groups.append({"params": list(self.critic.parameters())})
+        self.optimizer = torch.optim.AdamW(groups)
+        self._apply_optimizer_settings()
         self.step = 0
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
@@ -250,10 +250,7 @@ class Trainer:
             model = frozen_copy(self.policy)
         else:
             model, _ = load_policy(dataclasses.replace(cfg, model=cfg.ref_model))
-            want, got = self.policy.get_output_embeddings().weight.shape, model.get_output_embeddings().weight.shape
-            if got != want:
-                raise ConfigError(f"ref_model: {cfg.ref_model} has an output layer of shape {tuple(got)}, the policy "
-                                  f"{tuple(want)}; the reference must score the policy's tokens")
+            check_vocabulary("ref_model", cfg.ref_model, self.policy, model)
             model = frozen_copy(model.to(self.device))
         knobs.disable_dropout(model)
         return TokenLogprobs(model, self.ops, cfg.temperature)
@@ -571,7 +568,22 @@ class Trainer:
             dist.barrier()
         return path
 
+    def _apply_optimizer_settings(self) -> None:
+        """Set the config's learning rates and weight decay on the optimizer's param groups: group 0 the policy
+        (``lr``), group 1 the critic (``critic_lr``, PPO); ``weight_decay`` on both. At construction, and again
+        after a resume has loaded the checkpoint's optimizer state (which carries the saved run's values)."""
+        cfg = self.cfg
+        for group, lr in zip(self.optimizer.param_groups, (cfg.lr, cfg.critic_lr)):
+            group["lr"] = lr
+            group["weight_decay"] = cfg.weight_decay
+            if "initial_lr" in group:  # what an LR scheduler scales from
+                group["initial_lr"] = lr
+
     def maybe_resume(self) -> None:
+        """Load the newest checkpoint (weights, optimizer moments, RNG, step, running reward statistics). The
+        config given now wins over the checkpoint's where they differ: ``lr``, ``critic_lr`` and ``weight_decay``
+        are set on the loaded optimizer; ``kl_coef`` is the config's, except that with ``kl_target`` the adapted
+        coefficient continues from the checkpoint as long as ``kl_coef`` itself is unchanged."""
         if not self.cfg.resume:
             return
         path = checkpoint.latest(self.out / "checkpoints")
@@ -586,7 +598,10 @@ class Trainer:
                 del modules["reference"]
             state = checkpoint.load(path, modules, self.optimizer)
         self.step = int(state["step"])
-        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
+        self._apply_optimizer_settings()  # the loaded state holds the saved lr / weight decay
+        saved_coef = (state.get("config") or {}).get("kl_coef", self.cfg.kl_coef)  # the run's starting coefficient
+        if self.cfg.kl_target is not None and "kl_coef" in state and saved_coef == self.cfg.kl_coef:
+            self.kl_coef = float(state["kl_coef"])  # the adaptive controller's state: it continues
         if "reward_norm" in state:
             self.score_norm.load_state_dict(state["reward_norm"])
         if self.rank == 0:

@@ -78,6 +78,24 @@ def load_policy(cfg):
     return model, tok
 
 
+def check_vocabulary(field: str, path: str, policy: nn.Module, model: nn.Module) -> None:
+    """Raise ``ConfigError`` naming ``field`` unless ``model`` (loaded from ``path``: the reference or the critic)
+    has the policy's vocabulary: its token embedding has as many rows as the policy's output layer (the ids the
+    policy samples), and so does its own output layer if it has one (a reference scores the policy's tokens).
+    The one vocabulary rule for every model that reads the policy's token ids besides the policy itself."""
+    from .config import ConfigError
+
+    want = policy.get_output_embeddings().weight.shape[0]
+    rows = {"token embedding": model.get_input_embeddings().weight.shape[0]}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        rows["output layer"] = head.weight.shape[0]
+    for what, got in rows.items():
+        if got != want:
+            raise ConfigError(f"{field}: {path} has a vocabulary of {got} tokens ({what}), the policy {want}; it must "
+                              f"read and score the policy's tokens")
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` in eval mode without gradients (the reference policy)."""
     ref = copy.deepcopy(model).eval()
@@ -175,6 +193,7 @@ def load_critic(cfg, policy: nn.Module) -> Critic:
             backbone = AutoModel.from_pretrained(directory, gguf_file=name, dtype=dtype)
         else:
             backbone = AutoModel.from_pretrained(cfg.critic_model, dtype=dtype)
+        check_vocabulary("critic_model", cfg.critic_model, policy, backbone)
     for p in backbone.parameters():
         p.requires_grad_(True)
     hidden = backbone.config.hidden_size

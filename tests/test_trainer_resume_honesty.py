@@ -1,0 +1,256 @@
+"""What a resume keeps and what the user's new values change; options that would do nothing, refused by name;
+the per-process minibatch check; one vocabulary rule for the reference and the critic; what --overwrite deletes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from rlkernels.trainer import checkpoint
+from rlkernels.trainer.config import ConfigError, from_dict
+from rlkernels.trainer.data import tiny_tokenizer
+from rlkernels.trainer.loop import Trainer, check_output_dir
+from rlkernels.trainer.models import tiny_model
+from rlkernels.trainer.recipes import RECIPES
+from tests.test_trainer import DISTINCT, tiny
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the configuration was checked")
+
+
+# ------------------------------------------------------------------ 1. lr / critic_lr / weight_decay on resume
+
+
+def test_resume_applies_the_new_learning_rates_and_weight_decay(tmp_path):
+    base = dict(losses="eager", algo="ppo", steps=1, reward=DISTINCT, lr=3e-3, critic_lr=2e-3, weight_decay=0.0)
+    Trainer(tiny(tmp_path, **base)).run()
+    saved = torch.load(checkpoint.latest(tmp_path / "checkpoints") / "optimizer.pt", weights_only=False)
+    assert [(g["lr"], g["weight_decay"]) for g in saved["param_groups"]] == [(3e-3, 0.0), (2e-3, 0.0)]
+    tr = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "lr": 1e-5, "critic_lr": 1e-4,
+                                   "weight_decay": 0.1}))
+    tr.maybe_resume()
+    assert tr.step == 1
+    assert [(g["lr"], g["weight_decay"]) for g in tr.optimizer.param_groups] == [(1e-5, 0.1), (1e-4, 0.1)]
+    assert tr.optimizer.state  # the saved Adam moments are still loaded
+    # and the resumed run's optimizer step uses them
+    tr = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "lr": 1e-5, "critic_lr": 1e-4,
+                                   "weight_decay": 0.1}))
+    seen, step = [], tr.optimizer.step
+
+    def spy(*args, **kwargs):
+        seen.append([(g["lr"], g["weight_decay"]) for g in tr.optimizer.param_groups])
+        return step(*args, **kwargs)
+
+    tr.optimizer.step = spy
+    tr.run()
+    assert seen == [[(1e-5, 0.1), (1e-4, 0.1)]]
+
+
+# ------------------------------------------------------------------ 2. kl_coef on resume
+
+
+def test_resume_applies_a_changed_kl_coef_without_the_controller(tmp_path):
+    base = dict(losses="eager", steps=1, kl_coef=0.05, reward=DISTINCT)
+    Trainer(tiny(tmp_path, **base)).run()
+    tr = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "kl_coef": 0.2}))
+    tr.maybe_resume()
+    assert tr.kl_coef == 0.2
+
+
+def test_resume_continues_the_adaptive_kl_coef_unless_kl_coef_changed(tmp_path):
+    base = dict(losses="eager", algo="ppo", steps=1, kl_coef=0.05, kl_target=0.01, reward=DISTINCT)
+    Trainer(tiny(tmp_path, **base)).run()
+    adapted = json.loads((checkpoint.latest(tmp_path / "checkpoints") / "state.json").read_text())["kl_coef"]
+    assert adapted != 0.05  # the controller moved it
+    same = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True}))
+    same.maybe_resume()
+    assert same.kl_coef == adapted  # the controller's state continues
+    changed = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "kl_coef": 0.1}))
+    changed.maybe_resume()
+    assert changed.kl_coef == 0.1  # a new starting coefficient: the controller restarts from it
+
+
+# ------------------------------------------------------------------ 3. clips with one epoch of one minibatch
+
+
+@pytest.mark.parametrize("name, value", [("clip_low", 0.1), ("clip_high", 0.28), ("dual_clip", 3.0),
+                                         ("clip_low", 0.2)])  # set explicitly, even to the default
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_clip_options_with_one_epoch_of_one_minibatch_are_refused(name, value, algo):
+    with pytest.raises(ConfigError, match=f"^{name}: .*exactly 1"):
+        from_dict({"algo": algo, name: value})
+    assert getattr(from_dict({"algo": algo, name: value, "minibatches": 2}), name) == value
+    assert getattr(from_dict({"algo": algo, name: value, "epochs": 2}), name) == value
+
+
+def test_clip_high_flag_is_refused_on_the_command_line(tmp_path, capsys, monkeypatch):
+    from rlkernels.trainer.__main__ import main
+
+    monkeypatch.setattr("rlkernels.trainer.loop.load_policy", _no_model)
+    assert main(["--clip-high", "0.28", "--output-dir", str(tmp_path)]) == 2
+    assert "invalid configuration: clip_high:" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_still_validates(name):
+    """A recipe's clip values are not the user's: they are accepted whatever epochs and minibatches are."""
+    cfg = from_dict({"recipe": name})
+    for field, value in RECIPES[name].items():
+        assert getattr(cfg, field) == value, field
+
+
+# ------------------------------------------------------------------ 4. ref_mix_alpha with ref_update_every 1
+
+
+def test_ref_mix_alpha_with_a_copy_every_step_is_refused():
+    with pytest.raises(ConfigError, match="^ref_mix_alpha: ref_update_every is 1"):
+        from_dict({"ref_mix_alpha": 0.5, "ref_update_every": 1})
+    # every other period leaves steps that mix
+    assert from_dict({"ref_mix_alpha": 0.5, "ref_update_every": 2}).ref_mix_alpha == 0.5
+    assert from_dict({"ref_mix_alpha": 0.5}).ref_mix_alpha == 0.5
+    assert from_dict({"ref_update_every": 1}).ref_update_every == 1
+
+
+# ------------------------------------------------------------------ 5. minibatches against each process's batch
+
+
+@pytest.mark.parametrize("prompts, group, minibatches", [(2, 3, 6), (4, 3, 4)])
+def test_minibatches_must_divide_each_process_batch(prompts, group, minibatches):
+    cfg = from_dict({"prompts_per_step": prompts, "group_size": group, "minibatches": minibatches})
+    cfg.check_world(1)  # the global batch divides
+    with pytest.raises(ConfigError, match="^minibatches: must divide each process's batch"):
+        cfg.check_world(2)
+    with pytest.raises(ConfigError, match="^prompts_per_step:"):
+        from_dict({"prompts_per_step": 3, "group_size": 2}).check_world(2)
+    from_dict({"prompts_per_step": 4, "group_size": 3, "minibatches": 2}).check_world(2)  # 6 rows a process
+
+
+def test_trainer_checks_minibatches_against_the_world_before_loading_a_model(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr("rlkernels.trainer.loop.load_policy", _no_model)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    with pytest.raises(ConfigError, match="^minibatches:"):
+        Trainer(tiny(tmp_path, prompts_per_step=2, group_size=3, minibatches=6, losses="eager"))
+
+
+def _world_worker(rank, world, init_file, out_dir, cfg_dict):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        try:
+            Trainer(from_dict(cfg_dict))
+            message = "no error"
+        except ConfigError as error:
+            message = str(error)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
+            fh.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_refuse_minibatches_that_do_not_divide_their_share(tmp_path):
+    cfg_dict = dict(output_dir=str(tmp_path / "run"), progress=False, plot=False, steps=1, prompts_per_step=2,
+                    group_size=3, minibatches=6, tiny_hidden=32, losses="eager")
+    torch.multiprocessing.spawn(_world_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict), nprocs=2,
+                                join=True)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith("minibatches: must divide each process's batch")
+
+
+# ------------------------------------------------------------------ 6. the critic's vocabulary
+
+
+def _policy_dir(tmp_path):
+    tok = tiny_tokenizer()
+    model = tiny_model(len(tok), hidden=32, layers=1, seed=7, tokenizer=tok)
+    model.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    return tmp_path / "policy", len(tok)
+
+
+def _backbone_dir(path, vocab, hidden=48):
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(11)
+    LlamaModel(config).save_pretrained(path)
+    return str(path)
+
+
+def _models_cfg(tmp_path, **over):
+    base = dict(output_dir=str(tmp_path / "run"), progress=False, plot=False, steps=1, prompts_per_step=4,
+                group_size=4, save_every=0, threads=1, losses="eager", reward=DISTINCT)
+    return from_dict({**base, **over})
+
+
+@pytest.mark.parametrize("delta", [-3, 3])
+def test_critic_model_with_another_vocabulary_is_refused(tmp_path, delta):
+    policy, vocab = _policy_dir(tmp_path)
+    critic = _backbone_dir(tmp_path / "critic", vocab + delta)
+    with pytest.raises(ConfigError, match=f"^critic_model: .* vocabulary of {vocab + delta} tokens .* the policy {vocab}"):
+        Trainer(_models_cfg(tmp_path, model=str(policy), algo="ppo", critic_model=critic))
+
+
+def test_critic_with_the_policy_vocabulary_and_another_width_is_accepted(tmp_path):
+    policy, vocab = _policy_dir(tmp_path)
+    tr = Trainer(_models_cfg(tmp_path, model=str(policy), algo="ppo", critic_model=_backbone_dir(tmp_path / "c", vocab)))
+    assert tr.critic.value_head.in_features == 48
+    tr.run()
+
+
+def test_ref_model_follows_the_same_vocabulary_rule(tmp_path):
+    tok = tiny_tokenizer()
+    policy, vocab = _policy_dir(tmp_path)
+    narrow = tiny_model(vocab - 2, hidden=32, layers=1, seed=3, tokenizer=tok)
+    narrow.save_pretrained(tmp_path / "narrow")
+    tok.save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ConfigError, match=f"^ref_model: .* vocabulary of {vocab - 2} tokens"):
+        Trainer(_models_cfg(tmp_path, model=str(policy), ref_model=str(tmp_path / "narrow")))
+
+
+# ------------------------------------------------------------------ 7. --overwrite and the user's files
+
+
+def test_overwrite_keeps_the_users_files_in_checkpoints(tmp_path):
+    Trainer(tiny(tmp_path, losses="eager", steps=2)).run()
+    (tmp_path / "checkpoints" / "README").write_text("mine")
+    (tmp_path / "checkpoints" / "notes").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step_000009-123").mkdir()  # a crashed save's leftovers: the trainer's
+    with pytest.raises(ConfigError, match="^output_dir:"):
+        check_output_dir(tiny(tmp_path, losses="eager", steps=1))
+    Trainer(tiny(tmp_path, losses="eager", steps=1, overwrite=True)).run()
+    assert (tmp_path / "checkpoints" / "README").read_text() == "mine"
+    assert (tmp_path / "checkpoints" / "notes").is_dir()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["README", "notes", "step_000001"]
+
+
+def test_overwrite_removes_an_emptied_checkpoints_folder(tmp_path):
+    Trainer(tiny(tmp_path, losses="eager", steps=1, kl_coef=0.0)).run()
+    checkpoint.clear_run(tmp_path)
+    assert not (tmp_path / "checkpoints").exists() and not any(tmp_path.iterdir())
+
+
+def test_a_users_file_in_checkpoints_alone_is_no_earlier_run(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "README").write_text("mine")
+    assert checkpoint.run_files(tmp_path) == []
+    assert check_output_dir(tiny(tmp_path, losses="eager")) == []  # a fresh run is accepted
+    with pytest.raises(ConfigError, match="^resume: no checkpoint"):  # and resume agrees: nothing to continue
+        check_output_dir(tiny(tmp_path, losses="eager", resume=True))
+    cfg = tiny(tmp_path, losses="eager", steps=1, kl_coef=0.0)
+    Trainer(cfg).run()
+    assert (tmp_path / "checkpoints" / "README").read_text() == "mine"
+    assert checkpoint.run_files(tmp_path)[-1] == "checkpoints/"
+    resumed = Trainer(dataclasses.replace(cfg, steps=2, resume=True))
+    resumed.maybe_resume()
+    assert resumed.step == 1
