@@ -34,6 +34,7 @@ def main(argv=None) -> int:
         print(f"rlkernels-train: invalid configuration: {error}", file=sys.stderr)
         return 2
     from .loop import NonFiniteError, Trainer
+    from .process import RewardError
 
     distributed = _init_distributed(cfg)
     try:
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"rlkernels-train: invalid configuration: {error}", file=sys.stderr)
         return 2
-    except NonFiniteError as error:
+    except (NonFiniteError, RewardError) as error:  # a NaN/inf reward or loss; a reward function's malformed return
         print(f"rlkernels-train: stopped: {error}", file=sys.stderr)
         return 3
     finally:

@@ -44,13 +44,13 @@ class TrainConfig:
     task: str = "first_digit"
     """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10', 'prefix_max', 'prefix_sums' (digit tasks for the tiny model; prefix_max / prefix_sums answer the running maxima / running totals mod 10 of three digits, one step per token, for the 'steps' reward) or 'arithmetic' (natural-language sums for chat models)."""
     prompts: str = ""
-    """JSONL file of {"prompt": ..., "answer": ...} records; empty = use the built-in 'task' generator."""
+    """JSONL file (UTF-8) of {"prompt": "...", "answer": ...} records, one JSON object per line: 'prompt' a string, 'answer' (optional, '' when absent) a string or a number, other keys ignored, blank lines skipped; the whole file is checked at start-up (an error names the line). Empty = use the built-in 'task' generator."""
     chat_template: bool = False
-    """Wrap each prompt in the tokenizer's chat template (for instruction-tuned models)."""
+    """Wrap each prompt in the tokenizer's chat template (for instruction-tuned models); refused at start-up when the tokenizer has none."""
     output_dir: str = "runs/default"
     """Directory for metrics.jsonl, plot.png, summary.json, config.json and checkpoints/. A fresh run refuses one that already holds a run (see resume and overwrite)."""
     seed: int = 0
-    """Seed of everything (model init, prompts, sampling); each step reseeds from (seed, step), so runs are reproducible and resumable."""
+    """Seed of everything (model init, prompts, sampling); any integer. Each step reseeds from (seed, step), so runs are reproducible and resumable."""
 
     # ------------------------------------------------------------ rollout
     steps: int = 400
@@ -322,12 +322,13 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 self._bad(name, "must be >= 0")
         # infinity is refused too: an infinite rate, temperature or coefficient only fails later, deep in a step
-        # (max_grad_norm = inf means no clipping, clip_high = inf no upper clip: both meaningful)
-        for name in ("lr", "critic_lr", "temperature", "clip_low", "kl_coef", "entropy_coef", "weight_decay",
-                     "value_coef", "dual_clip", "kl_target", "value_clip", "target_kl", "reward_clip"):
+        # (max_grad_norm = inf means no clipping: meaningful; the losses take finite clip ranges only)
+        for name in ("lr", "critic_lr", "temperature", "clip_low", "clip_high", "kl_coef", "entropy_coef",
+                     "weight_decay", "value_coef", "dual_clip", "kl_target", "value_clip", "target_kl", "reward_clip"):
             value = getattr(self, name)
             if value is not None and math.isinf(value):
-                self._bad(name, "must be finite")
+                hint = " (for no upper clip in practice give a large value, e.g. 1e6)" if name == "clip_high" else ""
+                self._bad(name, "must be finite" + hint)
         for name in ("lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be > 0")
@@ -370,6 +371,13 @@ class TrainConfig:
             self._bad("critic_model", "the tiny model's critic is a copy of its backbone; leave critic_model empty")
         if self.prompts and not os.path.isfile(self.prompts):
             self._bad("prompts", "no such JSONL file")
+        if self.prompts:
+            from .data import read_prompts
+
+            try:
+                read_prompts(self.prompts)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         if not self.prompts:
             from .data import TASKS
 

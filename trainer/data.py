@@ -59,24 +59,48 @@ TASKS = {"max_digit": max_digit, "sum_mod10": sum_mod10, "first_digit": first_di
          "prefix_sums": prefix_sums, "prefix_max": prefix_max}
 
 
+def read_prompts(path: str) -> list[Example]:
+    """The records of a JSONL prompts file: one JSON object per non-blank line, UTF-8, with a string ``prompt``
+    and an optional ``answer`` (a string or a number; '' when absent). Raises ValueError starting with
+    'prompts:' and naming the file and line for anything else, or for a file without records."""
+    records = []
+    try:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                where = f"prompts: line {lineno} of {path}"
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a byte-order mark may open the file
+                except UnicodeDecodeError as error:
+                    raise ValueError(f"{where} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{where} must be a JSON object with a 'prompt', got {type(rec).__name__}")
+                if not isinstance(rec.get("prompt"), str):
+                    got = "none" if "prompt" not in rec else type(rec["prompt"]).__name__
+                    raise ValueError(f"{where} must have a string 'prompt' (got {got})")
+                answer = rec.get("answer", "")
+                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                    raise ValueError(f"{where}: 'answer' must be a string or a number (got {type(answer).__name__})")
+                records.append(Example(rec["prompt"], str(answer)))
+    except OSError as error:
+        raise ValueError(f"prompts: cannot read {path}: {error.strerror or error}") from None
+    if not records:
+        raise ValueError(f"prompts: {path} holds no records")
+    return records
+
+
 class PromptSource:
     """The prompts of step ``s`` depend only on (seed, s): resuming needs no data-loader state."""
 
     def __init__(self, task: str = "first_digit", path: str = "", seed: int = 0):
         self.seed = seed
         self.task = TASKS.get(task)
-        self.records: list[Example] = []
-        if path:
-            with open(path) as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    rec = json.loads(line)
-                    if "prompt" not in rec:
-                        raise ValueError(f"prompts: line {lineno} of {path} has no 'prompt'")
-                    self.records.append(Example(str(rec["prompt"]), str(rec.get("answer", ""))))
-            if not self.records:
-                raise ValueError(f"prompts: {path} holds no records")
+        self.records: list[Example] = read_prompts(path) if path else []
 
     def batch(self, step: int, n: int) -> list[Example]:
         rng = random.Random(self.seed * 1_000_003 + step)

@@ -148,6 +148,8 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
     one line per other field that changed since the checkpoint was written.
     """
     out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir: {out} is a file, not a folder")
     if cfg.resume:
         path = checkpoint.latest(out / "checkpoints")
         if path is None:
@@ -160,13 +162,25 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
         if sharding.is_sharded_checkpoint(path) != (cfg.shard == "fsdp"):  # DCP shards or whole safetensors
             was = "sharded (shard='fsdp')" if sharding.is_sharded_checkpoint(path) else "whole (shard='ddp' or 'none')"
             raise ConfigError(f"shard: {path} holds a {was} checkpoint; resume with that shard mode (got {cfg.shard!r})")
+        _check_writable(out)
         return [f"resume: {name} changed: {saved[name]!r} -> {value!r}" for name, value in now.items()
                 if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
     used = checkpoint.run_files(out)
     if used and not cfg.overwrite:
         raise ConfigError(f"output_dir: {out} holds an earlier run ({', '.join(used)}); --resume continues it, "
                           "--overwrite deletes it, or choose another --output-dir")
+    _check_writable(out)
     return []
+
+
+def _check_writable(out: Path) -> None:
+    """Create the folder ``out`` (a run writes there from its first step) or raise ConfigError naming output_dir."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"output_dir: cannot create {out}: {error.strerror or error}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir: {out} is not writable")
 
 
 class Trainer:
@@ -315,10 +329,13 @@ class Trainer:
         when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied."""
         if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
             batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
-        raw = process.call_reward(self.reward_fn, batch.prompts, batch.completions, batch.answers, batch.eos,
-                                  batch.labels, self.tokenizer)
         lengths = batch.mask.long().sum(-1)  # [B] response tokens
-        scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
+        try:
+            raw = process.call_reward(self.reward_fn, batch.prompts, batch.completions, batch.answers, batch.eos,
+                                      batch.labels, self.tokenizer)
+            scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
+        except process.RewardError as error:
+            raise process.RewardError(f"{error} (reward {self.cfg.reward!r}, step {step})") from None
         if steps is not None:
             process.check_process_advantage(self.cfg)
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
@@ -524,7 +541,7 @@ class Trainer:
         over processes)."""
         cfg = self.cfg
         start = time.perf_counter()
-        torch.manual_seed((cfg.seed * 1_000_003 + step) * 1009 + self.rank)
+        torch.manual_seed(((cfg.seed * 1_000_003 + step) * 1009 + self.rank) % 2**64)  # torch takes 64 bits
         batch = self.rollout(step)  # rollout
         batch = self.score_tokens(self.normalize_scores(self.score(batch, step)))  # score: rewards, then tokens
         batch = self.advantages(batch)  # advantages
@@ -576,8 +593,6 @@ class Trainer:
         for group, lr in zip(self.optimizer.param_groups, (cfg.lr, cfg.critic_lr)):
             group["lr"] = lr
             group["weight_decay"] = cfg.weight_decay
-            if "initial_lr" in group:  # what an LR scheduler scales from
-                group["initial_lr"] = lr
 
     def maybe_resume(self) -> None:
         """Load the newest checkpoint (weights, optimizer moments, RNG, step, running reward statistics). The

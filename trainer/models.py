@@ -48,26 +48,50 @@ def tiny_model(vocab_size: int, hidden: int, layers: int, seed: int, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(seed % 2**64)  # any Python int; torch takes 64 bits
         return LlamaForCausalLM(config)
 
 
+def load_tokenizer(field: str, path: str, **kwargs):
+    """``AutoTokenizer.from_pretrained(path, **kwargs)``; ConfigError naming ``field`` when ``path`` holds no
+    tokenizer it can load (a model directory saved without ``tokenizer.save_pretrained``, say)."""
+    from transformers import AutoTokenizer
+
+    from .config import ConfigError
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError) as error:
+        first = " ".join(str(error).split())[:300] or type(error).__name__  # one line
+        raise ConfigError(f"{field}: cannot load a tokenizer from {path} ({first}); save the tokenizer beside the "
+                          f"model (tokenizer.save_pretrained)") from None
+
+
 def load_policy(cfg):
-    """(model, tokenizer) for ``cfg.model``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) for ``cfg.model``. ConfigError (naming the field) when the tokenizer cannot be loaded
+    or, with ``chat_template``, has no chat template; both before the weights load."""
+    from transformers import AutoModelForCausalLM
+
+    from .config import ConfigError
 
     dtype = getattr(torch, cfg.dtype)
     if cfg.model == "tiny":
         from .data import tiny_tokenizer
 
         tok = tiny_tokenizer()
-        model = tiny_model(len(tok), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed, tok)
     elif os.path.isfile(cfg.model):  # .gguf (validated)
         directory, name = os.path.split(os.path.abspath(cfg.model))
-        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        tok = load_tokenizer("model", directory, gguf_file=name)
+    else:
+        tok = load_tokenizer("model", cfg.model)
+    if cfg.chat_template and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"chat_template: the tokenizer of model {cfg.model!r} has no chat template; leave "
+                          f"chat_template off to feed the prompts as they are")
+    if cfg.model == "tiny":
+        model = tiny_model(len(tok), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed, tok)
+    elif os.path.isfile(cfg.model):
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     else:
-        tok = AutoTokenizer.from_pretrained(cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

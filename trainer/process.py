@@ -31,10 +31,16 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 
 import torch
 
 REWARD_KEYWORDS = ("eos", "completion_tokens")  # what a reward function may ask for, by name
+
+
+class RewardError(ValueError):
+    """The reward function returned something that is not one reward entry per completion; the message starts
+    with 'reward:' and names the entry (the trainer stops with it, exit status 3)."""
 
 
 def reward_keywords(fn) -> tuple[str, ...]:
@@ -58,42 +64,58 @@ def call_reward(fn, prompts, completions, answers, eos: torch.Tensor, labels: to
         extra["eos"] = [bool(e) for e in eos.tolist()]
     if "completion_tokens" in wanted:
         extra["completion_tokens"] = [tokenizer.convert_ids_to_tokens(row[row != -100].tolist()) for row in labels.cpu()]
-    return list(fn(prompts, completions, answers, **extra))
+    out = fn(prompts, completions, answers, **extra)
+    # a dict iterates over its keys and a string over its characters: neither is one entry per completion
+    if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Iterable) or getattr(out, "ndim", 1) != 1:
+        shape = f" of shape {tuple(out.shape)}" if hasattr(out, "shape") else ""
+        raise RewardError(f"reward: must return one entry per completion (a list, a tuple or a 1-D tensor or array), "
+                          f"got {type(out).__name__}{shape}")
+    return list(out)
 
 
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
+def _float(x, where: str) -> float:
+    """``x`` (a number) as a Python float; RewardError naming ``where`` when it is too large for one."""
+    try:
+        return float(x.detach() if isinstance(x, torch.Tensor) else x)
+    except OverflowError:
+        raise RewardError(f"reward: {where} is {x!r:.40}, too large for a float") from None
+
+
 def parse_rewards(raw: list, lengths: torch.Tensor):
     """The reward function's entries as ``(scores [B], steps)``.
 
     ``lengths`` [B] is each completion's number of response tokens. ``steps`` is None for an outcome batch, else
-    ``(step_rewards [B, S] float32, step_ends [B, S] int64, step_mask [B, S] bool)``. Raises ValueError
+    ``(step_rewards [B, S] float32, step_ends [B, S] int64, step_mask [B, S] bool)``. Raises RewardError
     (naming ``reward``) for a wrong count, an entry that is neither a number nor a list of ``(reward, end)``
     pairs, or an ``end`` outside the completion's tokens."""
     B = lengths.shape[0]
     device = lengths.device
     if len(raw) != B:
-        raise ValueError(f"reward: returned {len(raw)} entries for {B} completions")
+        raise RewardError(f"reward: returned {len(raw)} entries for {B} completions")
     if all(_is_number(x) for x in raw):
-        return torch.as_tensor([float(x) for x in raw], dtype=torch.float32, device=device), None
+        values = [_float(x, f"entry {i}") for i, x in enumerate(raw)]
+        return torch.as_tensor(values, dtype=torch.float32, device=device), None
     n = lengths.tolist()
     rows = []
     for i, entry in enumerate(raw):
         if _is_number(entry):
-            rows.append([(float(entry), n[i] - 1)])
+            rows.append([(_float(entry, f"entry {i}"), n[i] - 1)])
             continue
         if not isinstance(entry, (list, tuple)):
-            raise ValueError(f"reward: entry {i} must be a float or a list of (reward, end_token_index) pairs, got {type(entry).__name__}")
+            raise RewardError(f"reward: entry {i} must be a float or a list of (reward, end_token_index) pairs, got "
+                              f"{type(entry).__name__} {entry!r:.80}")
         steps = []
         for pair in entry:
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and _is_number(pair[0])
                     and isinstance(pair[1], numbers.Integral) and not isinstance(pair[1], bool)):
-                raise ValueError(f"reward: entry {i} holds {pair!r}; each step must be a (reward, end_token_index) pair")
+                raise RewardError(f"reward: entry {i} holds {pair!r:.80}; each step must be a (reward, end_token_index) pair")
             if not 0 <= pair[1] < n[i]:
-                raise ValueError(f"reward: entry {i} has a step ending at token {pair[1]}, outside its {n[i]} response tokens")
-            steps.append((float(pair[0]), int(pair[1])))
+                raise RewardError(f"reward: entry {i} has a step ending at token {pair[1]}, outside its {n[i]} response tokens")
+            steps.append((_float(pair[0], f"entry {i}'s step reward"), int(pair[1])))
         rows.append(steps)
     S = max((len(r) for r in rows), default=0)
     step_rewards = torch.zeros(B, S, dtype=torch.float32)  # [B, S]

@@ -88,7 +88,7 @@ def build(tok, hidden: int, layers: int, seed: int):
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(seed % 2**64)  # any Python int; torch takes 64 bits
         return LlamaForSequenceClassification(config)
 
 

@@ -79,6 +79,8 @@ def check_reward_spec(spec: str) -> str:
         return ""
     if ":" in spec:
         module, _, name = spec.partition(":")
+        if not all(part.isidentifier() for part in module.split(".")) or not name.isidentifier():
+            return f"{spec!r} must be 'module:function' (a module name, a colon, a function name)"
         try:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as error:
@@ -113,9 +115,11 @@ class RewardModel:
 
     def __init__(self, path: str, device):
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        self.tok = AutoTokenizer.from_pretrained(path)
+        from .models import load_tokenizer
+
+        self.tok = load_tokenizer("reward", path)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()

@@ -1,0 +1,200 @@
+"""The trainer's user inputs that only show up at run time: what a reward function returns, the prompts file,
+the output folder, the seed, the tokenizer (issue 15). Each bad input is a one-line error naming it, never a
+traceback: exit status 2 ("invalid configuration") when it is found before training, 3 ("stopped") during it."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rlkernels.trainer import process
+from rlkernels.trainer.__main__ import main
+from rlkernels.trainer.config import ConfigError, from_dict
+from rlkernels.trainer.data import read_prompts
+from rlkernels.trainer.loop import Trainer, check_output_dir
+from rlkernels.trainer.rewards import check_reward_spec
+
+CLI = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--tiny-hidden", "32", "--save-every", "0",
+       "--losses", "eager", "--no-progress", "--no-plot"]
+MODULE = sys.modules[__name__].__name__
+
+
+def _error_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlkernels-train: {prefix}") and err.count("\n") == 1, err
+    return err
+
+
+# ------------------------------------------------------------------ what a reward function returns
+
+
+def _parse(out, lengths=(3, 3)):
+    """The trainer's reading of a reward function returning ``out`` for two completions."""
+    raw = process.call_reward(lambda p, c, a: out, ["p"] * 2, ["c"] * 2, ["a"] * 2, torch.ones(2, dtype=torch.bool),
+                              torch.zeros(2, 3, dtype=torch.long), tokenizer=None)
+    return process.parse_rewards(raw, torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("out, why", [
+    ({0: 1.0, 1: 0.0}, "got dict"),  # iterating a dict gives its keys, which look like rewards
+    ("10", "got str"),
+    (1.0, "got float"),
+    (None, "got NoneType"),
+    (torch.ones(2, 1), r"got Tensor of shape \(2, 1\)"),
+    (np.ones((2, 1)), r"got ndarray of shape \(2, 1\)"),
+    (torch.tensor(1.0), r"got Tensor of shape \(\)"),
+    ([1.0], "returned 1 entries for 2 completions"),
+    ([1.0, None], "entry 1 must be a float or a list"),
+    ([1.0, "1.0"], "entry 1 must be a float or a list"),
+    ([True, False], "entry 0 must be a float or a list"),  # a bool is not a reward
+    ([1.0, 10**400], "entry 1 is 1000.*, too large for a float"),
+    ([[(1.0, 0.0)], 1.0], r"entry 0 holds \(1.0, 0.0\); each step must be a \(reward, end_token_index\) pair"),
+    ([[(1.0, 3)], 1.0], "entry 0 has a step ending at token 3, outside its 3 response tokens"),
+    ([[(1.0, -1)], 1.0], "entry 0 has a step ending at token -1"),
+    ([[(10**400, 0)], 1.0], "entry 0's step reward is 1000.*, too large for a float"),
+])
+def test_malformed_reward_returns_are_named(out, why):
+    with pytest.raises(process.RewardError, match=r"^reward: .*" + why):
+        _parse(out)
+
+
+@pytest.mark.parametrize("out", [
+    [1.0, 0.0], (1.0, 0.0), torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0], requires_grad=True),
+    np.array([1.0, 0.0], dtype=np.float32), (x for x in [1.0, 0.0]), [1, 0], [np.float64(1.0), np.int64(0)],
+])
+def test_well_formed_reward_returns_are_read(out):
+    scores, steps = _parse(out)
+    assert steps is None and scores.tolist() == [1.0, 0.0] and scores.dtype == torch.float32
+
+
+def test_step_rewards_accept_numpy_numbers():
+    scores, (rewards, ends, mask) = _parse([[(np.float32(2.0), np.int64(1))], 0.5])
+    assert scores.tolist() == [2.0, 0.5]
+    assert rewards.tolist() == [[2.0], [0.5]] and ends.tolist() == [[1], [2]] and mask.all()
+
+
+def dict_reward(prompts, completions, answers):
+    return {i: 1.0 for i in range(len(completions))}
+
+
+def test_a_malformed_reward_stops_the_run_with_exit_3(tmp_path, capsys):
+    assert main(CLI + ["--output-dir", str(tmp_path), "--reward", f"{MODULE}:dict_reward"]) == 3
+    err = _error_line(capsys, "stopped: reward: must return one entry per completion")
+    assert "got dict" in err and f"reward '{MODULE}:dict_reward', step 1" in err
+
+
+@pytest.mark.parametrize("spec", [":f", f"{MODULE}:", ".x:f", "a..b:f", f"{MODULE}:dict_reward:x"])
+def test_reward_specs_that_are_not_module_function_are_refused(spec):
+    assert "must be 'module:function'" in check_reward_spec(spec)
+    with pytest.raises(ConfigError, match="^reward: "):
+        from_dict({"reward": spec})
+
+
+def test_a_reward_spec_of_an_importable_function_is_accepted():
+    assert check_reward_spec(f"{MODULE}:dict_reward") == ""
+    assert "No module named" in check_reward_spec("no_such_module_xyz:f")
+
+
+# ------------------------------------------------------------------ the prompts file
+
+
+@pytest.mark.parametrize("data, why", [
+    (b'{"prompt": "a"}\n{bad\n', "line 2 of .* is not JSON"),
+    (b'\xff\xfe{"prompt": "a"}\n', "line 1 of .* is not UTF-8 text"),
+    (b'{"prompt": "a"}\n"just a string"\n', "line 2 of .* must be a JSON object with a 'prompt', got str"),
+    (b'[1, 2]\n', "line 1 of .* must be a JSON object with a 'prompt', got list"),
+    (b'{"answer": "1"}\n', "line 1 of .* must have a string 'prompt' \\(got none\\)"),
+    (b'{"prompt": null}\n', "line 1 of .* must have a string 'prompt' \\(got NoneType\\)"),
+    (b'{"prompt": 7}\n', "line 1 of .* must have a string 'prompt' \\(got int\\)"),
+    (b'{"prompt": "a", "answer": null}\n', "line 1 of .*: 'answer' must be a string or a number \\(got NoneType\\)"),
+    (b'{"prompt": "a", "answer": true}\n', "line 1 of .*: 'answer' must be a string or a number \\(got bool\\)"),
+    (b'\n  \n', ".*prompts.jsonl holds no records"),
+])
+def test_bad_prompts_files_are_refused_before_training_naming_file_and_line(tmp_path, data, why):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="^prompts: " + why):
+        read_prompts(str(path))
+    with pytest.raises(ConfigError, match="^prompts: " + why):  # at configuration time, before any model loads
+        from_dict({"prompts": str(path)})
+
+
+def test_prompts_file_records_blank_lines_bom_and_numeric_answers(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": "1 2 3 =", "answer": 1}), "", json.dumps({"prompt": "é ="}),
+             json.dumps({"prompt": "x", "answer": "7", "extra": [1]})]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    records = read_prompts(str(path))
+    assert [(r.prompt, r.answer) for r in records] == [("1 2 3 =", "1"), ("é =", ""), ("x", "7")]
+
+
+def test_a_bad_prompts_file_exits_2_before_training(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "1 2 3 ="}\n{"prompt": 1 2}\n')
+    assert main(CLI + ["--output-dir", str(tmp_path / "run"), "--prompts", str(path)]) == 2
+    _error_line(capsys, "invalid configuration: prompts: line 2 of")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ the output folder
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "afile"
+    path.write_text("mine")
+    with pytest.raises(ConfigError, match="^output_dir: .* is a file, not a folder"):
+        check_output_dir(from_dict({"output_dir": str(path)}))
+    assert main(CLI + ["--output-dir", str(path / "sub")]) == 2
+    _error_line(capsys, "invalid configuration: output_dir: cannot create")
+    assert path.read_text() == "mine"
+
+
+def test_output_dir_is_created_by_the_check(tmp_path):
+    out = tmp_path / "a" / "b"
+    assert check_output_dir(from_dict({"output_dir": str(out)})) == [] and out.is_dir()
+
+
+# ------------------------------------------------------------------ seeds, clip ranges, tokenizers
+
+
+def test_any_integer_seed_runs_and_a_working_seed_keeps_its_stream(tmp_path):
+    """torch takes 64-bit seeds; the trainer's per-step seed is reduced modulo 2**64, which leaves every seed
+    that fitted before unchanged (runs stay reproducible across this fix)."""
+    for seed in (10**30, -5):
+        cfg = from_dict(dict(output_dir=str(tmp_path / str(seed)), progress=False, plot=False, steps=1,
+                             prompts_per_step=2, group_size=2, tiny_hidden=32, save_every=0, losses="eager", seed=seed))
+        assert Trainer(cfg).run()["steps"] == 1
+    torch.manual_seed((3 * 1_000_003 + 1) * 1009)
+    before = torch.rand(4)
+    torch.manual_seed(((3 * 1_000_003 + 1) * 1009) % 2**64)
+    assert torch.equal(before, torch.rand(4))
+
+
+def test_infinite_clip_high_is_refused_and_a_large_one_runs(tmp_path):
+    with pytest.raises(ConfigError, match="^clip_high: must be finite"):
+        from_dict({"clip_high": float("inf"), "epochs": 2})
+    cfg = from_dict(dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=2,
+                         group_size=2, tiny_hidden=32, save_every=0, epochs=2, clip_high=1e6))
+    assert Trainer(cfg).run()["steps"] == 1
+
+
+def test_chat_template_without_one_in_the_tokenizer_is_refused(tmp_path, capsys):
+    assert main(CLI + ["--output-dir", str(tmp_path), "--chat-template"]) == 2
+    _error_line(capsys, "invalid configuration: chat_template: the tokenizer of model 'tiny' has no chat template")
+
+
+def test_model_directory_without_tokenizer_is_refused(tmp_path, capsys):
+    from rlkernels.trainer.models import tiny_model
+    from rlkernels.trainer.data import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tiny_model(len(tok), 32, 1, 0, tok).save_pretrained(tmp_path / "model")  # the weights, no tokenizer files
+    capsys.readouterr()
+    args = ["--steps", "1", "--save-every", "0", "--no-progress", "--no-plot", "--losses", "eager",
+            "--prompts-per-step", "2", "--group-size", "2", "--task", "first_digit"]
+    assert main(args + ["--output-dir", str(tmp_path / "run"), "--model", str(tmp_path / "model")]) == 2
+    err = _error_line(capsys, "invalid configuration: model: cannot load a tokenizer from")
+    assert "tokenizer.save_pretrained" in err
