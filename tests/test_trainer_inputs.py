@@ -98,6 +98,18 @@ def test_a_reward_spec_of_an_importable_function_is_accepted():
     assert "No module named" in check_reward_spec("no_such_module_xyz:f")
 
 
+def test_a_reward_module_beside_the_user_is_found(tmp_path, monkeypatch):
+    """The installed rlkernels-train script has no current directory on sys.path; 'my_rewards:f' must still
+    find my_rewards.py there, as `python -m` would."""
+    from rlkernels.trainer.rewards import load_reward
+
+    (tmp_path / "rlk_test_rewards_beside.py").write_text("def f(p, c, a):\n    return [0.5] * len(c)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert check_reward_spec("rlk_test_rewards_beside:f") == ""
+    assert load_reward("rlk_test_rewards_beside:f")(["p"], ["c"], ["a"]) == [0.5]
+
+
 # ------------------------------------------------------------------ the prompts file
 
 

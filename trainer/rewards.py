@@ -11,6 +11,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from typing import Callable
 
 _INT = re.compile(r"-?\d+")
@@ -82,7 +83,7 @@ def check_reward_spec(spec: str) -> str:
         if not all(part.isidentifier() for part in module.split(".")) or not name.isidentifier():
             return f"{spec!r} must be 'module:function' (a module name, a colon, a function name)"
         try:
-            fn = getattr(importlib.import_module(module), name)
+            fn = _import_callable(spec)
         except (ImportError, AttributeError) as error:
             return f"cannot import callable {spec!r}: {error}"
         if not callable(fn):
@@ -142,10 +143,20 @@ class RewardModel:
         return logits[:, 0].float().tolist()
 
 
+def _import_callable(spec: str):
+    """The attribute ``function`` of module ``module`` for ``spec`` 'module:function'. The module is looked up
+    in the current directory first, then on the path, as ``python -m`` does (the ``rlkernels-train`` script
+    alone would not see a ``my_rewards.py`` beside the user)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def load_reward(spec: str, device="cpu") -> Callable:
+    """The reward function ``spec`` names (see :func:`check_reward_spec`, which validated it)."""
     if spec in REWARDS:
         return REWARDS[spec]
     if os.path.isdir(spec):
         return RewardModel(spec, device)
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _import_callable(spec)
