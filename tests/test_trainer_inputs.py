@@ -4,6 +4,7 @@ traceback: exit status 2 ("invalid configuration") when it is found before train
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -210,3 +211,28 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path, capsys):
     assert main(args + ["--output-dir", str(tmp_path / "run"), "--model", str(tmp_path / "model")]) == 2
     err = _error_line(capsys, "invalid configuration: model: cannot load a tokenizer from")
     assert "tokenizer.save_pretrained" in err
+
+
+# ------------------------------------------------------------------ the config file
+
+
+@pytest.mark.parametrize("name, data, why", [
+    ("run.toml", b"\xff\xfesteps = 1\n", "as TOML .*codec can't decode"),
+    ("run.toml", b"steps = [\n", "as TOML"),
+    ("run.cfg", b"steps = 1\n", "as JSON \\(.toml files are read as TOML, others as JSON\\)"),
+    ("run.json", b'{"steps": 1,}', "as JSON"),
+])
+def test_unreadable_config_files_are_named(tmp_path, capsys, name, data, why):
+    path = tmp_path / name
+    path.write_bytes(data)
+    assert main(["--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
+    err = _error_line(capsys, f"invalid configuration: config: cannot parse {str(path)!r} ")
+    assert re.search(why, err), err
+
+
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
+    from rlkernels.trainer.config import parse_args
+
+    path = tmp_path / "run.json"
+    path.write_bytes(b'\xef\xbb\xbf{"steps": 3}')
+    assert parse_args(["--config", str(path)]).steps == 3

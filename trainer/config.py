@@ -510,16 +510,18 @@ def load_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config: no such file {path!r}")
-    text = p.read_text()
+    kind = "TOML" if p.suffix == ".toml" else "JSON"  # by the file name: .toml is TOML, anything else JSON
     try:
-        if p.suffix == ".toml":
+        text = p.read_text(encoding="utf-8-sig")
+        if kind == "TOML":
             import tomllib
 
             data = tomllib.loads(text)
         else:
             data = json.loads(text)
     except Exception as error:
-        raise ConfigError(f"config: cannot parse {path!r}: {error}") from None
+        raise ConfigError(f"config: cannot parse {path!r} as {kind} (.toml files are read as TOML, others as "
+                          f"JSON): {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path!r} must hold a table/object of fields")
     return data
