@@ -236,3 +236,23 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "run.json"
     path.write_bytes(b'\xef\xbb\xbf{"steps": 3}')
     assert parse_args(["--config", str(path)]).steps == 3
+
+
+# ------------------------------------------------------------------ a damaged checkpoint
+
+
+@pytest.mark.parametrize("damaged", ["policy.safetensors", "optimizer.pt", "rng.pt", "state.json"])
+def test_a_damaged_checkpoint_is_named_on_resume(tmp_path, capsys, damaged):
+    out = ["--output-dir", str(tmp_path), "--save-every", "1"]
+    assert main(CLI + out + ["--steps", "2"]) == 0
+    path = tmp_path / "checkpoints" / "step_000002" / damaged
+    path.write_bytes(path.read_bytes()[:40])  # cut short after it was written (a full disk, a partial copy)
+    capsys.readouterr()
+    assert main(CLI + out + ["--steps", "3", "--resume"]) == 2
+    err = _error_line(capsys, f"invalid configuration: resume: cannot read {path} (")
+    assert f"delete {path.parent} to resume from the one before it" in err
+    import shutil
+
+    shutil.rmtree(path.parent)
+    assert main(CLI + out + ["--steps", "3", "--resume"]) == 0
+    assert "resumed from step 1" in capsys.readouterr().err

@@ -119,16 +119,35 @@ def clear_run(out: str | os.PathLike) -> None:
         ckpt.rmdir()
 
 
+def _read(path: Path, name: str, reader):
+    """``reader(path / name)``; a file that is missing or cannot be read back (damaged after it was written: the
+    trainer writes checkpoints whole or not at all) is a ConfigError naming ``resume`` and the file."""
+    from .config import ConfigError
+
+    try:
+        return reader(Path(path) / name)
+    except Exception as error:  # safetensors, torch.load and json each raise their own kinds
+        why = " ".join(str(error).split())[:200] or type(error).__name__
+        raise ConfigError(f"resume: cannot read {Path(path) / name} ({why}); the checkpoint is damaged: delete "
+                          f"{path} to resume from the one before it") from None
+
+
 def saved_config(path: Path) -> dict:
     """The configuration a checkpoint was written with ({} if it predates that record)."""
-    return json.loads((Path(path) / "state.json").read_text()).get("config", {})
+    return _read(path, "state.json", lambda f: json.loads(f.read_text())).get("config", {})
 
 
 def load(path: Path, modules: dict[str, torch.nn.Module], optimizer) -> dict:
+    """Load the checkpoint ``path`` into ``modules`` and ``optimizer`` and set the RNG states; returns its
+    state.json. Every file is read before anything is changed."""
     from safetensors.torch import load_file
 
+    weights = {name: _read(path, f"{name}.safetensors", lambda f: load_file(str(f))) for name in modules}
+    optim = _read(path, "optimizer.pt", lambda f: torch.load(f, weights_only=False))
+    rng = _read(path, "rng.pt", lambda f: torch.load(f, weights_only=False))
+    state = _read(path, "state.json", lambda f: json.loads(f.read_text()))
     for name, module in modules.items():
-        module.load_state_dict(load_file(str(path / f"{name}.safetensors")))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / "state.json").read_text())
+        module.load_state_dict(weights[name])
+    optimizer.load_state_dict(optim)
+    set_rng_state(rng)
+    return state
