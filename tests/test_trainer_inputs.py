@@ -256,3 +256,19 @@ def test_a_damaged_checkpoint_is_named_on_resume(tmp_path, capsys, damaged):
     shutil.rmtree(path.parent)
     assert main(CLI + out + ["--steps", "3", "--resume"]) == 0
     assert "resumed from step 1" in capsys.readouterr().err
+
+
+def test_a_causal_lm_folder_as_reward_model_is_refused(tmp_path, capsys):
+    """Loaded as a sequence classifier, a causal LM gets a freshly initialised score head: the policy would learn
+    to please random numbers. Refused, naming the missing weights."""
+    from rlkernels.trainer.data import tiny_tokenizer
+    from rlkernels.trainer.models import tiny_model
+
+    tok = tiny_tokenizer()
+    tiny_model(len(tok), 32, 1, 0, tok).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+    capsys.readouterr()
+    assert main(CLI + ["--output-dir", str(tmp_path / "run"), "--reward", str(tmp_path / "lm")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"rlkernels-train: invalid configuration: reward: {tmp_path / 'lm'} is not a "
+                          "sequence-classification reward model: its weights lack score.weight"), err

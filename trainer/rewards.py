@@ -123,7 +123,15 @@ class RewardModel:
         self.tok = load_tokenizer("reward", path)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+        if info.get("missing_keys"):  # e.g. a causal LM's folder: its score head would be random numbers
+            from .config import ConfigError
+
+            missing = sorted(info["missing_keys"])
+            raise ConfigError(f"reward: {path} is not a sequence-classification reward model: its weights lack "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}, which would start "
+                              f"random (a causal LM's folder?)")
+        self.model = model.to(device).eval()
         if getattr(self.model.config, "pad_token_id", None) is None:
             self.model.config.pad_token_id = self.tok.pad_token_id
         self.device = device
