@@ -272,3 +272,26 @@ def test_a_causal_lm_folder_as_reward_model_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"rlkernels-train: invalid configuration: reward: {tmp_path / 'lm'} is not a "
                           "sequence-classification reward model: its weights lack score.weight"), err
+
+
+def test_a_reward_model_folder_as_policy_or_reference_is_refused(tmp_path, capsys):
+    """Loaded as a causal LM, a sequence classifier gets a freshly initialised LM head. Refused, naming the field."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rlkernels.trainer.data import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    for name, cls in (("rm", LlamaForSequenceClassification), ("lm", LlamaForCausalLM)):
+        cls(config).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    capsys.readouterr()
+    args = ["--steps", "1", "--save-every", "0", "--no-progress", "--no-plot", "--losses", "eager",
+            "--prompts-per-step", "2", "--group-size", "2", "--output-dir", str(tmp_path / "run")]
+    for flags, field in (([f"--model={tmp_path / 'rm'}"], "model"),
+                         ([f"--model={tmp_path / 'lm'}", f"--ref-model={tmp_path / 'rm'}"], "ref_model")):
+        assert main(args + flags) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"rlkernels-train: invalid configuration: {field}: {tmp_path / 'rm'} is not a causal "
+                              "language model: its weights lack lm_head.weight"), err

@@ -263,7 +263,7 @@ class Trainer:
         if not cfg.ref_model:
             model = frozen_copy(self.policy)
         else:
-            model, _ = load_policy(dataclasses.replace(cfg, model=cfg.ref_model))
+            model, _ = load_policy(dataclasses.replace(cfg, model=cfg.ref_model), field="ref_model")
             check_vocabulary("ref_model", cfg.ref_model, self.policy, model)
             model = frozen_copy(model.to(self.device))
         knobs.disable_dropout(model)

@@ -67,9 +67,11 @@ def load_tokenizer(field: str, path: str, **kwargs):
                           f"model (tokenizer.save_pretrained)") from None
 
 
-def load_policy(cfg):
-    """(model, tokenizer) for ``cfg.model``. ConfigError (naming the field) when the tokenizer cannot be loaded
-    or, with ``chat_template``, has no chat template; both before the weights load."""
+def load_policy(cfg, field: str = "model"):
+    """(model, tokenizer) for ``cfg.model`` (the config field ``field`` gave it: 'model', or 'ref_model' for a
+    reference). ConfigError naming ``field`` when the tokenizer cannot be loaded or, with ``chat_template``, has
+    no chat template (both before the weights load), or when a folder's weights lack part of the causal LM
+    (a reward model's folder has no LM head: it would start random)."""
     from transformers import AutoModelForCausalLM
 
     from .config import ConfigError
@@ -81,10 +83,10 @@ def load_policy(cfg):
         tok = tiny_tokenizer()
     elif os.path.isfile(cfg.model):  # .gguf (validated)
         directory, name = os.path.split(os.path.abspath(cfg.model))
-        tok = load_tokenizer("model", directory, gguf_file=name)
+        tok = load_tokenizer(field, directory, gguf_file=name)
     else:
-        tok = load_tokenizer("model", cfg.model)
-    if cfg.chat_template and not getattr(tok, "chat_template", None):
+        tok = load_tokenizer(field, cfg.model)
+    if cfg.chat_template and field == "model" and not getattr(tok, "chat_template", None):
         raise ConfigError(f"chat_template: the tokenizer of model {cfg.model!r} has no chat template; leave "
                           f"chat_template off to feed the prompts as they are")
     if cfg.model == "tiny":
@@ -92,7 +94,12 @@ def load_policy(cfg):
     elif os.path.isfile(cfg.model):
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, output_loading_info=True)
+        if info.get("missing_keys"):
+            missing = sorted(info["missing_keys"])
+            raise ConfigError(f"{field}: {cfg.model} is not a causal language model: its weights lack "
+                              f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}, which would start "
+                              f"random (a reward model's folder?)")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
