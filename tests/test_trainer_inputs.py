@@ -295,3 +295,9 @@ def test_a_reward_model_folder_as_policy_or_reference_is_refused(tmp_path, capsy
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith(f"rlkernels-train: invalid configuration: {field}: {tmp_path / 'rm'} is not a causal "
                               "language model: its weights lack lm_head.weight"), err
+
+
+def test_ref_update_every_beyond_the_last_step_is_refused():
+    with pytest.raises(ConfigError, match=r"^ref_update_every: it is larger than steps \(5\)"):
+        from_dict({"steps": 5, "ref_update_every": 6})
+    assert from_dict({"steps": 5, "ref_update_every": 5}).ref_update_every == 5

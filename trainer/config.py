@@ -233,6 +233,9 @@ class TrainConfig:
                 if self.was_set(name):
                     self._refuse(name, "with one epoch of one minibatch every importance ratio is exactly 1, so "
                                        "no clip applies (set epochs or minibatches above 1)")
+        if self.ref_update_every > self.steps:
+            self._refuse("ref_update_every", f"it is larger than steps ({self.steps}), so no step would copy the "
+                                             "policy into the reference")
         if self.ref_mix_alpha > 0 and self.ref_update_every == 1:
             self._refuse("ref_mix_alpha", "ref_update_every is 1: every step copies the policy into the reference, "
                                           "and a step that copies does not also mix")
