@@ -35,8 +35,8 @@ def integer(x, name: str) -> torch.Tensor:
 def mask(x, name: str = "mask") -> torch.Tensor:
     tensor(x, name)
     if x.dtype != torch.bool and not x.dtype.is_floating_point and x.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
-        raise TypeError(f"{name} must be bool, a floating-point or a signed/unsigned 8-64-bit integer tensor "
-                        f"holding 0/1, got {x.dtype}")
+        raise TypeError(f"{name} must be a bool, floating-point, int8/16/32/64 or uint8 tensor holding 0/1, "
+                        f"got {x.dtype}")
     # a numeric mask must hold 0 and 1 only (a weight such as 0.5 would be read as 1 by some kernels and as 0.5 by
     # others): checked where it costs no device sync, and not while a trace runs (_tracing)
     if x.dtype != torch.bool and x.device.type == "cpu" and x.numel() and not _tracing() \
@@ -75,17 +75,22 @@ def positive(value: float, name: str) -> float:
     return value
 
 
-# the kernels multiply by 1 / temperature in float32: below this it overflows to inf
-_SMALLEST_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+# the kernels multiply by 1 / value in float32: below this it overflows to inf
+_SMALLEST_INVERTIBLE = 1.0 / _FLOAT32_MAX
+
+
+def invertible(value, name: str) -> float:
+    """A finite number > 0 with a finite float32 reciprocal (the kernels multiply by ``1 / value``)."""
+    value = positive(value, name)
+    if value < _SMALLEST_INVERTIBLE:
+        raise ValueError(f"{name} must be >= {_SMALLEST_INVERTIBLE:.3g} (1 / {name} overflows float32), got {value}")
+    return value
 
 
 def temperature(value) -> float:
-    """The softmax temperature: finite, > 0, and with a finite float32 reciprocal (every backend scales the logits
-    by ``1 / temperature``)."""
-    value = positive(value, "temperature")
-    if value < _SMALLEST_TEMPERATURE:
-        raise ValueError(f"temperature must be >= {_SMALLEST_TEMPERATURE:.3g} (1 / temperature overflows float32), got {value}")
-    return value
+    """The softmax temperature (every backend scales the logits by ``1 / temperature``): see :func:`invertible`."""
+    return invertible(value, "temperature")
 
 
 def index(value, name: str) -> int:
@@ -96,6 +101,8 @@ def index(value, name: str) -> int:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not -(2**63) <= int(value) < 2**63:  # what an op's int64 argument holds
+        raise ValueError(f"{name} must fit in 64 bits, got {int(value)!r:.40}")
     return int(value)
 
 
@@ -132,9 +139,16 @@ def finite(value, name: str) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
+    try:
+        as_float = float(value)
+    except OverflowError:  # an integer (or fraction) beyond float range
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise ValueError(f"{name} must be finite, got {value!r:.40}")
+    if abs(as_float) > _FLOAT32_MAX:  # the kernels compute in float32: it would be inf there (then 0·inf = NaN)
+        raise ValueError(f"{name} must be finite in float32, the kernels' precision (|{name}| <= {_FLOAT32_MAX:.3g}), "
+                         f"got {value!r:.40}")
+    return as_float
 
 
 def non_negative(value, name: str) -> float:

@@ -1061,8 +1061,7 @@ def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, inde
         _checks.mask(step_mask, "step_mask")
         _checks.same_shape(step_rewards, "step_rewards", step_mask, "step_mask")
     _checks.same_device((step_rewards, "step_rewards"), (step_ends, "step_ends"), (step_mask, "step_mask"), (index, "index"))
-    if isinstance(T, bool) or not isinstance(T, int):
-        raise TypeError(f"T must be an int, got {type(T).__name__}")
+    T = _checks.index(T, "T")  # a Python or NumPy integer
     if T < 0:
         raise ValueError(f"T must be >= 0, got {T}")
     mode = _checks.choice(mode, "mode", PROCESS_MODES)

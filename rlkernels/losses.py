@@ -143,6 +143,13 @@ def _surrogate(r, adv, ratio_min, ratio_max, dual_clip):
 
 
 @jit
+def _ratio_grad(dpg, r):
+    """``d pg / d log r = dpg · r``, exactly 0 where ``dpg`` is 0 (the clip or the dual clip set the value): there
+    ``r`` may have overflowed to inf (log-ratio > 88.7 in float32), and 0·inf would be a NaN gradient."""
+    return tl.where(dpg == 0.0, 0.0, dpg * r)
+
+
+@jit
 def _token_policy_terms(lp, old, adv, m, ref, ent, ratio_min, ratio_max, dual_clip, kl_coef, entropy_coef,
                         HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr):
     """``ratio="token"``: one token's (or a block's) policy terms from inputs already 0 where ``m == 0``
@@ -154,7 +161,7 @@ def _token_policy_terms(lp, old, adv, m, ref, ent, ratio_min, ratio_max, dual_cl
     r = tl.exp(log_ratio)
     pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
     x = pg
-    g = dpg * r * m
+    g = _ratio_grad(dpg, r) * m
     kl = tl.full(lp.shape, 0.0, tl.float32)
     if HAS_REF:
         kl, dkl = _kl_and_grad(lp - ref, KL_EST)
@@ -209,13 +216,13 @@ def _policy_token_pass(
         lp = _masked_load(logp_row, t, inb, keep)  # [BLOCK]
         log_ratio = lp - _masked_load(old_row, t, inb, keep)  # [BLOCK]
         adv = tl.where(keep, tl.load(adv_row + t * stride_adv_t, mask=inb, other=0.0).to(tl.float32), 0.0)
-        if SEQ_RATIO:
-            r = tl.full([BLOCK], 0.0, tl.float32) + s_row
+        if SEQ_RATIO:  # the row's ratio at its tokens, 0 elsewhere (s_b may be inf: no 0·inf at masked-out ones)
+            r = tl.where(keep, s_row, 0.0)
         else:
             r = tl.exp(log_ratio)
         pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
         x = pg
-        g = dpg * r  # d pg / d logp (token ratio)
+        g = _ratio_grad(dpg, r)  # d pg / d logp (token ratio)
         if HAS_REF:
             kl, dkl = _kl_and_grad(lp - _masked_load(ref_row, t, inb, keep), KL_EST)
             x += kl_coef * kl
@@ -335,7 +342,7 @@ def _policy_kernel(
     )
     if SEQ_RATIO:
         _seq_grad_pass(logp_row, mask_row, ref_row, g_logp_row, g_ref_row, g_ent_row, t_begin, t_end,
-                       s_row * ds * inv_n, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT, BLOCK)
+                       _ratio_grad(ds, s_row) * inv_n, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT, BLOCK)
     part = part_ptr + (b * tl.num_programs(1) + c) * NSLOTS
     _store_partials(part, n_mask, loss, clip, approx_kl, ratio, kl, ent, 0.0)
 
@@ -635,7 +642,7 @@ def _validate_policy(*, logp, old_logp, advantages, mask, ref_logp, entropy, cli
     if entropy_coef != 0 and entropy is None:
         raise ValueError(f"entropy_coef={entropy_coef} needs entropy, got entropy=None")
     if norm_length is not None:
-        norm_length = _checks.positive(_checks.finite(norm_length, "norm_length"), "norm_length")
+        norm_length = _checks.invertible(norm_length, "norm_length")  # the token weight is 1 / (B·norm_length)
     return PolicyOptions(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
 
@@ -802,7 +809,7 @@ def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Poli
     if opt.ratio == "sequence":
         inv_n = 1.0 / tokens.clamp(min=1.0)  # [B]
         s = torch.exp((log_ratio * m).sum(-1) * inv_n)  # [B]
-        r = s.unsqueeze(-1).expand(B, T)  # [B, T]
+        r = torch.where(keep, s.unsqueeze(-1), 0.0)  # [B, T] 0 at masked-out tokens (s may be inf: no 0·inf)
     else:
         r = torch.exp(log_ratio)  # [B, T]
     pg_unclipped = -adv * r
@@ -817,10 +824,12 @@ def _policy_torch(logp, old_logp, advantages, mask, ref_logp, entropy, opt: Poli
         dpg = torch.where(dual, torch.zeros_like(dpg), dpg)
     x = pg
     zeros_b = torch.zeros(B, dtype=torch.float32, device=lp.device)
+    # d pg / d log r = dpg · r, exactly 0 where dpg is (clip or dual clip decided): r may be inf there (0·inf)
     if opt.ratio == "sequence":
-        g_logp = (s * (dpg * m).sum(-1) * inv_n).unsqueeze(-1) * m  # [B, T]
+        ds = (dpg * m).sum(-1)  # [B]
+        g_logp = (torch.where(ds == 0, 0.0, s * ds) * inv_n).unsqueeze(-1) * m  # [B, T]
     else:
-        g_logp = dpg * r * m
+        g_logp = torch.where(dpg == 0, 0.0, dpg * r) * m
     g_ref, g_ent = _empty_like_rows(lp, False), _empty_like_rows(lp, False)  # [0] each (outputs may not alias)
     kl_rows = ent_rows = zeros_b
     if ref_logp is not None:
@@ -1112,7 +1121,7 @@ def policy_loss(
         entropy_coef: weight of the entropy bonus, finite (needs ``entropy`` when nonzero).
         agg: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
             ``"seq-mean-token-sum-norm"``.
-        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), finite and > 0.
+        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), > 0 with a finite float32 reciprocal.
         cu_seqlens: ``[S + 1]`` int32/int64 sequence boundaries of *packed* inputs (``rlkernels.packing``):
             then ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy`` (and per-token ``advantages``) are
             ``[1, total]`` with sequence ``s`` at ``[cu_seqlens[s], cu_seqlens[s+1])``, and ``advantages`` may

@@ -16,6 +16,8 @@ synchronisation on a GPU, the cost of any varlen layout.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from rlkernels import _checks
@@ -35,9 +37,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
         or not ending at ``total``.
     """
     if isinstance(cu_seqlens, (list, tuple)):
-        if not cu_seqlens or not all(isinstance(c, int) and not isinstance(c, bool) for c in cu_seqlens):
-            raise TypeError(f"{name} given as a sequence must hold at least one Python int, got {cu_seqlens!r}")
-        bounds = list(cu_seqlens)
+        if not cu_seqlens or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
+            raise TypeError(f"{name} given as a sequence must hold at least one integer, got {cu_seqlens!r:.200}")
+        bounds = [int(c) for c in cu_seqlens]  # Python ints (NumPy integers converted)
     else:
         _checks.integer(cu_seqlens, name)
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:

@@ -213,18 +213,33 @@ def policy_loss(
     adv = torch.where(keep, adv.expand_as(logp), 0.0)  # [B, T]
     log_ratio = logp - old_logp  # [B, T]
     if ratio == "token":
-        r = torch.exp(log_ratio)  # [B, T]
+        lr = log_ratio  # [B, T] the log of each token's ratio
     elif ratio == "sequence":
         seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
-        r = torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(logp)  # [B, T]
+        lr = seq_log_ratio.unsqueeze(-1).expand_as(logp)  # [B, T]
     else:
         raise ValueError(f"ratio must be 'token' or 'sequence', got {ratio!r}")
     high = clip_low if clip_high is None else clip_high
-    pg_unclipped = -adv * r  # [B, T]
-    pg_clipped = -adv * torch.clamp(r, 1.0 - clip_low, 1.0 + high)  # [B, T]
-    pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
-    if dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+
+    def surrogate(lr):
+        r = torch.exp(lr)  # [B, T]
+        pg_unclipped = -adv * r  # [B, T]
+        pg_clipped = -adv * torch.clamp(r, 1.0 - clip_low, 1.0 + high)  # [B, T]
+        pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
+        if dual_clip is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+        return r, pg_unclipped, pg_clipped, pg
+
+    r, pg_unclipped, pg_clipped, pg = surrogate(lr)
+    # Where the clip or the dual clip sets the value, the ratio gets no gradient, but exp's backward multiplies
+    # that 0 by r, inf where the log-ratio overflowed float32 (0·inf = NaN): those ratios (GSPO: rows whose every
+    # token is so decided) are recomputed from the detached log-ratio.
+    with torch.no_grad():
+        decided = (pg != pg_unclipped) & ~torch.isnan(pg)  # [B, T]
+        if ratio == "sequence":
+            decided = (decided | ~keep).all(-1, keepdim=True).expand_as(decided)  # [B, T]
+    if decided.any() and lr.requires_grad:
+        r, pg_unclipped, pg_clipped, pg = surrogate(torch.where(decided, lr.detach(), lr))
     x = pg
     metrics = {}
     if ref_logp is not None:
@@ -328,7 +343,7 @@ def group_advantages(
     """
     if mode not in GROUP_MODES:  # checked up front: a batch of constant groups never reaches the mode branch
         raise ValueError(f"mode must be one of {GROUP_MODES}, got {mode!r}")
-    s = _up(scores)
+    s = scores.double()  # [N] statistics in float64: a float32 sum overflows at 3e38 and loses digits of 1e6 + x
     N = s.shape[0]
     if (group_size is None) == (index is None):
         raise ValueError("give exactly one of group_size or index")
@@ -350,7 +365,7 @@ def group_advantages(
             out[members] = g - mean
         else:  # rloo
             out[members] = g - (g.sum() - g) / (n - 1)
-    return out
+    return out.to(compute_dtype(scores))  # [N]
 
 
 def masked_whiten(
@@ -366,7 +381,7 @@ def masked_whiten(
     With fewer than two masked entries the variance is taken as 0. With
     ``shift_mean=False`` the mean is added back.
     """
-    xf = _up(x)
+    xf = x.double()  # [...] statistics and output in float64, returned in the compute dtype
     m = mask.bool()
     zero = torch.zeros((), dtype=xf.dtype, device=xf.device)
     count = m.sum().to(xf.dtype)
@@ -376,7 +391,7 @@ def masked_whiten(
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out
+    return out.to(compute_dtype(x))
 
 
 def process_advantages(
@@ -402,7 +417,7 @@ def process_advantages(
         raise ValueError(f"mode must be one of {PROCESS_MODES}, got {mode!r}")
     if (group_size is None) == (index is None):
         raise ValueError("give exactly one of group_size or index")
-    r = _up(step_rewards)  # [B, S]
+    r = step_rewards.double()  # [B, S] in float64 (see group_advantages), returned in the compute dtype
     B, S = r.shape
     valid = torch.ones(B, S, dtype=torch.bool, device=r.device) if step_mask is None else step_mask.bool()  # [B, S]
     ids = torch.arange(B, device=r.device) // group_size if index is None else index  # [B]
@@ -419,4 +434,4 @@ def process_advantages(
         for s in range(S):
             if valid[b, s]:
                 out[b, : int(step_ends[b, s]) + 1] += norm[b, s]
-    return out
+    return out.to(compute_dtype(step_rewards))

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -509,7 +510,7 @@ def test_fallback_without_extension(monkeypatch, csrc_ops):
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("name", ["gamma", "lam"])
-@pytest.mark.parametrize("bad", [-0.1, 1.5, -1, 2, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bad", [-0.1, 1.5, -1, 2, float("nan"), float("inf"), -float("inf"), 10**400, -10**400])
 def test_gae_rejects_gamma_lam_outside_unit_interval(device, backend, name, bad, csrc_ops):
     r, v, m = torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool)  # [B, T] x3
     kwargs = {"gamma": 0.9, "lam": 0.95, name: bad}
@@ -527,7 +528,7 @@ def test_gae_accepts_unit_interval_ends(device, backend, csrc_ops):
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
-@pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf"), -float("inf"), 10**400])
 def test_eps_must_be_finite_and_non_negative(device, backend, bad, csrc_ops):
     s = torch.randn(8)  # [N]
     for mode in adv_mod.GROUP_MODES:  # checked in every mode, also those that do not use it
@@ -549,6 +550,20 @@ def test_eps_zero_allowed(device, backend, csrc_ops):
     x, m = torch.randn(3, 7, generator=gen), torch.rand(3, 7, generator=gen) < 0.7  # [B, T] x2
     truth = reference.masked_whiten(x.double(), m, eps=0.0)  # [B, T]
     assert rel_error(run_on(device, backend, rlkernels.masked_whiten, x, m, eps=0.0), truth) <= REL_TOL[torch.float32]
+
+
+def test_integer_options_beyond_64_bits_and_unsupported_mask_dtypes_are_named():
+    """Past int64 an option cannot reach the op's schema (torch's own type error would not name it); an
+    unsigned mask other than uint8 is refused by a message that lists what is accepted."""
+    with pytest.raises(ValueError, match="^group_size must fit in 64 bits"):
+        rlkernels.group_advantages(torch.zeros(0), 2**63)  # any size divides an empty batch
+    with pytest.raises(ValueError, match="^group_size must fit in 64 bits"):
+        rlkernels.process_advantages(torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), 3, group_size=2**63)
+    r = torch.zeros(1, 2)  # [B, T]
+    with pytest.raises(TypeError, match=r"^mask must be a bool, floating-point, int8/16/32/64 or uint8 tensor"):
+        rlkernels.gae(r, r, torch.ones(1, 2, dtype=torch.uint16))
+    out = rlkernels.process_advantages(torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), np.int64(3), group_size=2)
+    assert out.shape == (2, 3)  # T as a NumPy integer, like group_size
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)

@@ -827,3 +827,89 @@ def test_float64_constants_next_to_a_16_bit_logp_give_float32(backend):
     for t in (loss, v_loss, kl, *metrics.values(), *v_metrics.values()):
         assert t.dtype == torch.float32
     assert torch.autograd.grad(loss + v_loss, logp)[0].dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- a ratio beyond float32
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("op", ["policy_loss", "logits_policy_loss", "linear_policy_loss"])
+def test_clipped_token_with_overflowing_ratio_has_zero_gradient(device, backend, op):
+    """logp - old = 100: r = e^100 is inf in float32. With A > 0 the clip sets the value (-A·(1 + clip_high)), with
+    A < 0 and a dual clip the bound does (-A·c): a constant, gradient exactly 0 (float64 knows r; float32 gives
+    0·inf = NaN unless the kernel keeps the zero). The other token keeps its ordinary gradient."""
+    old = (torch.tensor([[-100.0, -1.1]])).to(device)  # [B, T]
+    mask = (torch.ones(1, 2, dtype=torch.bool)).to(device)  # [B, T]
+    for adv, opts, value in ((1.0, {}, -1.2), (-1.0, {"dual_clip": 3.0}, 3.0)):
+        advantages = (torch.tensor([[adv, 1.0]])).to(device)  # [B, T]
+        with forced_backend(backend):
+            if op == "policy_loss":
+                leaf = (torch.tensor([[0.0, -1.0]])).to(device).requires_grad_()  # [B, T] logp
+                loss, _ = rlkernels.policy_loss(leaf, old, advantages, mask, **opts)
+                loss.backward()
+                grad = leaf.grad  # [B, T]
+                assert grad[0, 0].item() == 0.0, grad
+                # token 1: unclipped, d/dlogp of -A·exp(logp - old) / 2 = -exp(0.1) / 2
+                assert abs(grad[0, 1].item() + torch.tensor(0.1).exp().item() / 2) < 1e-6, grad
+            else:
+                # token 0 puts logp = log_softmax([5, -5, -5])[0] ~ -9e-5 on label 0: still about 100 above old
+                logits = (torch.tensor([[[5.0, -5.0, -5.0], [0.0, 0.0, 0.0]]])).to(device)  # [B, T, V]
+                labels = (torch.tensor([[0, 1]])).to(device)  # [B, T]
+                if op == "logits_policy_loss":
+                    leaves = [logits.requires_grad_()]
+                    loss, _ = rlkernels.logits_policy_loss(logits, labels, old, advantages, mask, **opts)
+                else:
+                    hidden = (torch.tensor([[[5.0, 0.0], [0.0, 0.0]]])).to(device).requires_grad_()  # [B, T, H]
+                    weight = (torch.tensor([[1.0, 0.0], [-1.0, 0.0], [-1.0, 0.0]])).to(device).requires_grad_()
+                    leaves = [hidden, weight]  # [B, T, H], [V, H]
+                    loss, _ = rlkernels.linear_policy_loss(hidden, weight, labels, old, advantages, mask, **opts)
+                loss.backward()
+                for leaf in leaves:
+                    assert torch.isfinite(leaf.grad).all(), (op, leaf.grad)
+                assert torch.equal(leaves[0].grad[0, 0], torch.zeros_like(leaves[0].grad[0, 0]))  # the clipped token
+        assert torch.isfinite(loss)
+        # token 0 contributes the constant; token 1 is unclipped: -exp(0.1) (logp -1 vs old -1.1) for the two
+        # plain-logp cases; the logits ops' token 1 has logp = -log 3 against old -1.1
+        lp1 = -1.0 if op == "policy_loss" else -torch.tensor(3.0).log().item()
+        assert abs(loss.item() - (value - torch.tensor(lp1 + 1.1).exp().item()) / 2) < 1e-5, (op, loss.item())
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_sequence_ratio_beyond_float32_stays_finite_at_masked_tokens(device, backend, agg):
+    """GSPO: row 0's mean log-ratio is 100, s_0 = inf in float32. Its tokens are clipped (A > 0): value
+    -1.2 each, gradient 0; its masked-out token must not turn that inf into NaN (0·inf) in the loss or the
+    ratio metric (inf: the true mean ratio overflows)."""
+    logp = (torch.tensor([[0.0, 0.0, 0.0], [-1.0, -2.0, 0.0]])).to(device).requires_grad_()  # [B, T]
+    old = (torch.tensor([[-100.0, -100.0, 0.0], [-1.1, -2.2, 0.0]])).to(device)  # [B, T]
+    mask = (torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)).to(device)  # [B, T]
+    with forced_backend(backend):
+        loss, metrics = rlkernels.policy_loss(logp, old, (torch.tensor([1.0, 1.0])).to(device), mask,
+                                              ratio="sequence", agg=agg)
+        loss.backward()
+    s1 = torch.tensor(0.15).exp().item()  # row 1: mean log-ratio 0.15, inside the clip range
+    assert abs(loss.item() - (-1.2 - s1) / 2) < 1e-5, loss.item()
+    assert metrics["ratio_mean"].item() == float("inf")
+    assert logp.grad[0].abs().sum().item() == 0.0 and torch.isfinite(logp.grad).all(), logp.grad
+    # both modes: row 1 contributes -s1·(its 2 tokens)/4 to the loss; d s1 / d logp_t = s1 / 2
+    assert torch.allclose(logp.grad[1].cpu(), torch.tensor([-s1 / 4, -s1 / 4, 0.0]), atol=1e-6), logp.grad
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"kl_coef": 1e39}, "kl_coef"), ({"entropy_coef": -1e39}, "entropy_coef"), ({"clip_low": 1e39}, "clip_low"),
+    ({"clip_high": 1e39}, "clip_high"), ({"dual_clip": 1e39}, "dual_clip"),
+])
+def test_coefficients_beyond_float32_are_refused_naming_them(kwargs, name):
+    """Finite in Python, inf in the kernels' float32 (where kl_coef·0 would be NaN): refused, named."""
+    lp = torch.zeros(1, 2)  # [B, T]
+    with pytest.raises(ValueError, match=f"^{name} must be finite in float32"):
+        rlkernels.policy_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2), ref_logp=lp, entropy=lp, **kwargs)
+
+
+def test_norm_length_whose_reciprocal_overflows_is_refused():
+    lp = torch.zeros(1, 2)  # [B, T]
+    with pytest.raises(ValueError, match=r"^norm_length must be >= 2.94e-39 \(1 / norm_length overflows float32\)"):
+        rlkernels.policy_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2), agg="seq-mean-token-sum-norm", norm_length=1e-40)
+    loss, _ = rlkernels.policy_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2), agg="seq-mean-token-sum-norm",
+                                    norm_length=1e-30)
+    assert loss.item() == pytest.approx(-2e30, rel=1e-6)  # Σ x·m / (B·norm_length) = -2 / 1e-30

@@ -133,3 +133,28 @@ def test_logprobs_entropy_with_masked_vocabulary_is_finite():
     assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
     (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), logits)
     assert torch.isfinite(grad).all() and grad[0, 1].item() == 0.0
+
+
+def test_reference_statistics_hold_float32_extremes():
+    """The eager reference (RLKERNELS_BACKEND=reference, the trainer's --losses eager) forms its group and
+    whitening statistics in float64: finite float32 scores near the top of the range, and a large offset,
+    give the true values rounded to float32, not NaN or digits lost to a float32 sum."""
+    # mean 1e38, deviations (2, 2, -4, 0)e38, unbiased variance 24e76 / 3 = 8e76, std 2·sqrt(2)e38
+    got = ref.group_advantages(torch.tensor([3e38, 3e38, -3e38, 1e38]), 4)
+    r2 = math.sqrt(2)
+    assert got.dtype == torch.float32 and torch.allclose(got, torch.tensor([1 / r2, 1 / r2, -r2, 0.0]), atol=1e-6), got
+    gen = torch.Generator().manual_seed(3)
+    x, m = 1e6 + torch.randn(4, 250, generator=gen), torch.rand(4, 250, generator=gen) < 0.8  # [B, T] x2
+    xs = x.double()[m]  # the masked entries, in float64
+    truth = (x.double() - xs.mean()) / math.sqrt(float(xs.var(unbiased=True)) + 1e-8)  # [B, T]
+    got = ref.masked_whiten(x, m)
+    assert got.dtype == torch.float32 and (got.double() - truth).abs().max() < 1e-5
+    # one group of the four step rewards (3, -3, 1, 2)e38: mean 0.75e38; token t sums its row's steps ending >= t
+    r = torch.tensor([[3e38, -3e38], [1e38, 2e38]])  # [B, S]
+    ends = torch.tensor([[0, 1], [1, 1]])  # [B, S]
+    vals = [3.0, -3.0, 1.0, 2.0]
+    mean, std = sum(vals) / 4, math.sqrt(sum((v - sum(vals) / 4) ** 2 for v in vals) / 3)
+    n = [(v - mean) / std for v in vals]  # the normalised steps (the 1e38 scale cancels)
+    got = ref.process_advantages(r, ends, 2, group_size=2)
+    truth = torch.tensor([[n[0] + n[1], n[1]], [n[2] + n[3], n[2] + n[3]]])
+    assert got.dtype == torch.float32 and torch.allclose(got, truth, atol=1e-6), got
