@@ -238,7 +238,7 @@ def policy_loss(
         decided = (pg != pg_unclipped) & ~torch.isnan(pg)  # [B, T]
         if ratio == "sequence":
             decided = (decided | ~keep).all(-1, keepdim=True).expand_as(decided)  # [B, T]
-    if decided.any() and lr.requires_grad:
+    if lr.requires_grad:  # no data-dependent branch: this compiles with torch.compile(fullgraph=True)
         r, pg_unclipped, pg_clipped, pg = surrogate(torch.where(decided, lr.detach(), lr))
     x = pg
     metrics = {}
