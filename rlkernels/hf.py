@@ -17,6 +17,8 @@ computed; :func:`supports_packing` checks that the model keeps packed sequences 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rlkernels import _checks
@@ -282,8 +284,11 @@ def response_logprobs(
     The model then runs once on the packed rows with
     those restarting ``position_ids`` and no attention mask, from which ``transformers`` builds a
     block-diagonal causal mask (eager and SDPA attention) or flash-attention's varlen ``cu_seqlens``
-    (``flash_attention_2``); :func:`supports_packing` checks that the model in hand does. No token of one
-    sequence sees another, and the first token of each sequence is never scored.
+    (``flash_attention_2``). Whether the model in hand does is checked, once per model (:func:`supports_packing`:
+    one forward of 6 tokens on the first packed call; its verdict is remembered), and a model that does not
+    (e.g. OPT, whose attention ignores restarting positions) is refused with ValueError rather than letting its
+    sequences attend to each other. No token of one sequence sees another, and the first token of each
+    sequence is never scored.
 
     Args:
         model: a ``transformers`` causal LM (``*ForCausalLM``, e.g. Llama, Qwen2, GPT-2; under PEFT too),
@@ -338,6 +343,16 @@ def response_logprobs(
             _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
             inputs["position_ids"] = position_ids
     weight, _ = lm_head(model)  # refuse an unsupported head before running the backbone
+    if packed and not _checks._tracing():
+        base = backbone(model)
+        verdict = _PACKING_VERDICTS.get(base)
+        if verdict is None:  # first packed call on this model: probe it once (one forward of 6 tokens)
+            verdict = supports_packing(model)
+        if not verdict:
+            attention = getattr(getattr(model, "config", None), "_attn_implementation", "?")
+            raise ValueError(f"attention_mask=None (a packed batch): {type(model).__name__} ({attention} attention) "
+                             "does not keep packed sequences apart (rlkernels.hf.supports_packing is False), so "
+                             "its tokens would attend across sequences; pass the padded batch with its attention_mask")
     if input_ids.numel() == 0:  # B = 0 or T = 0: nothing to run (transformers cannot reshape an empty batch)
         # zeros attached to the head's weight, so that a loss over them back-propagates zero gradients
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device) + weight.sum().float() * 0
@@ -361,8 +376,21 @@ def supports_packing(model) -> bool:
     packed as ``[1, 6]`` with positions ``0 1 2 0 1 2``; packing works when the second copy's hidden states
     equal the first's (to 2e-2 of their scale: above 16-bit rounding, far below the change that attending
     across the boundary makes). Costs one forward of 6 tokens, in eval mode (no dropout), without gradients.
+    Each call probes afresh; the verdict is remembered for :func:`response_logprobs`' packed layout, which
+    probes a model itself on its first packed call otherwise.
     """
     base = backbone(model)
+    verdict = _probe_packing(base, model)
+    _PACKING_VERDICTS[base] = verdict  # what response_logprobs' packed layout consults
+    return verdict
+
+
+# backbone -> the last supports_packing verdict on it (weak: a discarded model drops its entry)
+_PACKING_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe_packing(base, model) -> bool:
+    """:func:`supports_packing`'s probe of the backbone ``base`` of ``model``."""
     weight, _ = lm_head(model)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3]], device=weight.device) % weight.shape[0]  # [1, 6]
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]], device=weight.device)  # [1, 6]

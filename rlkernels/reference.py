@@ -111,7 +111,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     if estimator == "k2":
         return 0.5 * diff.square()
     if estimator == "k3":
-        return torch.exp(-diff) + diff - 1.0  # exp(ref - logp) - (ref - logp) - 1
+        # exp(ref - logp) - (ref - logp) - 1, in float64 with expm1: in float32 the terms cancel near diff = 0
+        d = diff.double()  # [...]
+        return (torch.expm1(-d) + d).to(diff.dtype)
     if estimator == "abs":
         return diff.abs()
     raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")

@@ -913,3 +913,22 @@ def test_norm_length_whose_reciprocal_overflows_is_refused():
     loss, _ = rlkernels.policy_loss(lp, lp, torch.ones(1, 2), torch.ones(1, 2), agg="seq-mean-token-sum-norm",
                                     norm_length=1e-30)
     assert loss.item() == pytest.approx(-2e30, rel=1e-6)  # Σ x·m / (B·norm_length) = -2 / 1e-30
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_k3_keeps_relative_precision_near_the_reference(device, backend):
+    """k3 = e^-d + d - 1 (d = logp - ref) is ~d²/2 near 0; the direct float32 form cancels to 0 for |d| < 1e-4.
+    Value and gradient (1 - e^-d) within a few float32 ulps of the float64 truth for |d| from 1e-6 to 10."""
+    gen = _gen(41)
+    logp = -torch.rand(4000, generator=gen) * 5  # [N]
+    ref = logp + torch.randn(4000, generator=gen) * torch.logspace(-6, 1, 4000)  # [N]
+    d = logp.double() - ref.double()  # [N] exact: float32 differences of nearby numbers
+    keep = d != 0
+    truth, truth_grad = torch.expm1(-d) + d, -torch.expm1(-d)  # [N] x2
+    leaf = logp.to(device).requires_grad_()
+    with forced_backend(backend):
+        kl = rlkernels.kl_penalty(leaf, ref.to(device), "k3")
+        kl.sum().backward()
+    rel = ((kl.detach().cpu().double() - truth) / truth)[keep].abs().max().item()
+    rel_grad = ((leaf.grad.cpu().double() - truth_grad) / truth_grad)[keep].abs().max().item()
+    assert rel < 4e-6 and rel_grad < 4e-6, (rel, rel_grad)

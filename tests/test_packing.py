@@ -451,3 +451,29 @@ def test_trainer_rows_share_sequences_and_equal_padded():
     assert_close_to_truth(packing.pack(lp, flat), want_lp, torch.float32, eager=packing.pack(pad_lp, flat), name="logp")
     assert_close_to_truth(packing.pack(ent, flat), want_ent, torch.float32, eager=packing.pack(pad_ent, flat), name="entropy")
     torch.testing.assert_close(hidden[am != 0], pad_hidden[am != 0])
+
+
+def test_packed_logprobs_refuse_a_model_that_does_not_keep_sequences_apart(monkeypatch):
+    """A model whose attention ignores restarting positions (OPT; here Llama with transformers' packed-sequence
+    detection switched off) would let packed sequences attend to each other: refused, not a wrong number. The
+    probe runs once per model; a model that packs gives the per-sequence values."""
+    import transformers.masking_utils as masking_utils
+
+    ids = torch.tensor([[1, 5, 6, 2, 7, 8]])  # [1, 6]: two sequences of 3
+    rm = torch.tensor([[0, 1, 1, 0, 1, 1]])  # [1, 6]
+    cu = torch.tensor([0, 3, 6])
+    probes = []
+    probe = hf._probe_packing
+    monkeypatch.setattr(hf, "_probe_packing", lambda *a: probes.append(1) or probe(*a))
+    model = _tiny("llama", False).eval()
+    packed = hf.response_logprobs(model, ids, None, rm, cu_seqlens=cu)  # [1, 6]
+    alone = torch.cat([hf.response_logprobs(model, ids[:, :3], torch.ones(1, 3), rm[:, :3]),
+                       hf.response_logprobs(model, ids[:, 3:], torch.ones(1, 3), rm[:, 3:])], dim=1)  # [1, 6]
+    torch.testing.assert_close(packed, alone)
+    torch.testing.assert_close(hf.response_logprobs(model, ids, None, rm, cu_seqlens=cu), packed)
+    assert len(probes) == 1  # once per model
+    other = _tiny("llama", False).eval()
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    with pytest.raises(ValueError, match=r"^attention_mask=None \(a packed batch\): LlamaForCausalLM .* does not keep "
+                                         r"packed sequences apart"):
+        hf.response_logprobs(other, ids, None, rm, cu_seqlens=cu)

@@ -283,6 +283,8 @@ class Trainer:
         for module in (self.policy_lp, None if self.cfg.ref_model else self.ref, None if self.cfg.critic_model else self.critic):
             if module is not None:
                 module.pack = True
+        if self.ref is not None and not self.cfg.ref_model:  # the copy's verdict now, before any wrapping or forward
+            hf.supports_packing(self.ref.model)  # (hf.response_logprobs would otherwise probe it at its first call)
 
     # ------------------------------------------------------------------ phases
 
