@@ -916,9 +916,11 @@ def test_norm_length_whose_reciprocal_overflows_is_refused():
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
-def test_k3_keeps_relative_precision_near_the_reference(device, backend):
-    """k3 = e^-d + d - 1 (d = logp - ref) is ~d²/2 near 0; the direct float32 form cancels to 0 for |d| < 1e-4.
-    Value and gradient (1 - e^-d) within a few float32 ulps of the float64 truth for |d| from 1e-6 to 10."""
+def test_k3_near_the_reference(device, backend):
+    """k3 = e^-d + d - 1 (d = logp - ref) is ~d²/2 near 0. The reference (float64 expm1) keeps float32's relative
+    precision there; the kernels' direct float32 form has an absolute error of a few 1e-8 (a Taylor series kept
+    the digits but made an sm_80 GSPO configuration spill; see kl_penalty's docstring). Both for |d| from 1e-6
+    to 10, value and gradient (1 - e^-d), against the float64 truth."""
     gen = _gen(41)
     logp = -torch.rand(4000, generator=gen) * 5  # [N]
     ref = logp + torch.randn(4000, generator=gen) * torch.logspace(-6, 1, 4000)  # [N]
@@ -929,6 +931,10 @@ def test_k3_keeps_relative_precision_near_the_reference(device, backend):
     with forced_backend(backend):
         kl = rlkernels.kl_penalty(leaf, ref.to(device), "k3")
         kl.sum().backward()
-    rel = ((kl.detach().cpu().double() - truth) / truth)[keep].abs().max().item()
-    rel_grad = ((leaf.grad.cpu().double() - truth_grad) / truth_grad)[keep].abs().max().item()
-    assert rel < 4e-6 and rel_grad < 4e-6, (rel, rel_grad)
+    kl, grad = kl.detach().cpu().double(), leaf.grad.cpu().double()  # [N] x2
+    # absolute near 0, relative for large values; 1e-6: float32 exp is within a few ulps (1.2e-7 each) of e^-d
+    scale = 1.0 + truth.abs()  # [N]
+    assert ((kl - truth).abs() / scale).max() < 1e-6 and ((grad - truth_grad).abs() / scale).max() < 1e-6
+    if backend == "reference":
+        rel = ((kl - truth) / truth)[keep].abs().max().item()
+        assert rel < 4e-6, rel
