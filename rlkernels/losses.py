@@ -82,7 +82,7 @@ def _kl_and_grad(d, EST: tl.constexpr):
     elif EST == KL_K2:
         kl = 0.5 * d * d
         g = d
-    elif EST == KL_K3:  # exp(ref - logp) - (ref - logp) - 1 (direct: cancels for |d| < ~1e-3, see README)
+    elif EST == KL_K3:  # exp(ref - logp) - (ref - logp) - 1, direct (its precision: kl_penalty's docstring)
         e = tl.exp(-d)
         kl = e + d - 1.0
         g = 1.0 - e
