@@ -10,8 +10,9 @@
 // stores are contiguous. The state (A, V) = (advantage, value) of the next valid token carries
 // from tile to tile.
 // group_advantages: one warp per group, three passes over the (L1-resident) group.
-// masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, then every
-// block of a second kernel merges the partials and normalizes its share.
+// masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, one block merges
+// them (and rescues an overflow, see whiten_merge_kernel), then every block of a third kernel
+// normalizes its share.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -205,6 +206,12 @@ __device__ __forceinline__ int warp_sum(int x) {
   return x;
 }
 
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, d));
+  return x;
+}
+
 constexpr int kGroupWarps = 4;
 
 __global__ void __launch_bounds__(kGroupWarps * 32)
@@ -217,32 +224,41 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
   const float n = static_cast<float>(hi - lo);
   auto at = [&](int64_t i) { return perm != nullptr ? perm[i] : i; };
   const float first = s[at(lo)];
-  float sum = 0.f;
+  float sum = 0.f, sum_lo = 0.f, amax = 0.f;  // sum_lo: Σ s·2^-64, the sum where scores past 2^32 overflow sum
   int differ = 0;
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const float x = s[at(i)];
     sum += x;
+    sum_lo += x * 0x1p-64f;
+    amax = fmaxf(amax, fabsf(x));
     differ += (x != first);  // NaN != NaN: a group with NaN is never constant
   }
-  const float mean = warp_sum(sum) / n;
+  // Scores past 2^32: the statistics of s·down, down a power of two bringing the largest |s| into [2, 4) (exact
+  // scaling), so neither the sum nor the squared deviations overflow (1e20 squared does in float32).
+  amax = warp_max(amax);
+  int e = 0;
+  frexpf(amax, &e);  // amax = f·2^e, f in [0.5, 1)
+  const bool big = amax >= 0x1p32f && amax <= 3.4028235e38f;
+  const float down = big ? ldexpf(1.f, 2 - e) : 1.f, up = big ? ldexpf(1.f, e - 2) : 1.f;
+  const float mean = (big ? warp_sum(sum_lo) * (down * 0x1p64f) : warp_sum(sum)) / n;  // of s·down
   const bool zero = warp_sum(differ) == 0 || hi - lo < 2;
   float ssq = 0.f;
   for (int64_t i = lo + lane; i < hi; i += 32) {
-    const float d = s[at(i)] - mean;
+    const float d = s[at(i)] * down - mean;
     ssq += d * d;
   }
   ssq = warp_sum(ssq);
   float scale;
-  if (mode == 0) {
-    scale = 1.f / (sqrtf(ssq / fmaxf(n - 1.f, 1.f)) + eps);
+  if (mode == 0) {  // (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
+    scale = 1.f / (sqrtf(ssq / fmaxf(n - 1.f, 1.f)) + eps * down);
   } else if (mode == 1) {
-    scale = 1.f;
+    scale = up;
   } else {
-    scale = n / fmaxf(n - 1.f, 1.f);  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+    scale = n / fmaxf(n - 1.f, 1.f) * up;  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
   }
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const int64_t j = at(i);
-    out[j] = zero ? 0.f : (s[j] - mean) * scale;
+    out[j] = zero ? 0.f : (s[j] * down - mean) * scale;
   }
 }
 
@@ -282,14 +298,14 @@ __device__ Moments block_merge(Moments mo) {
   return total;
 }
 
+// The moments of the masked-in x·scale at i = first, first + stride, ... below N, merged over the block.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part, int64_t N) {
+__device__ Moments block_moments(const T* __restrict__ x, const uint8_t* __restrict__ mask, int64_t first,
+                                 int64_t stride, int64_t N, float scale) {
   Moments mo{0.f, 0.f, 0.f, 0.f};
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
+  for (int64_t i = first; i < N; i += stride) {
     if (mask[i]) {  // Welford's update per thread, on x - k (k: the thread's first masked-in value)
-      const float xi = to_float(x[i]);
+      const float xi = to_float(x[i]) * scale;
       if (mo.n == 0.f) mo.k = xi;
       const float yi = xi - mo.k;
       mo.n += 1.f;
@@ -298,7 +314,14 @@ __global__ void __launch_bounds__(kThreads)
       mo.m2 += delta * (yi - mo.mu);
     }
   }
-  mo = block_merge(mo);
+  return block_merge(mo);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part, int64_t N) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const Moments mo = block_moments(x, mask, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, stride, N, 1.f);
   if (threadIdx.x == 0) {
     part[4 * blockIdx.x + 0] = mo.n;
     part[4 * blockIdx.x + 1] = mo.k;
@@ -307,20 +330,46 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+constexpr float kRescueDown = 0x1p-100f, kRescueUp = 0x1p100f;
+
+// One block: the partials merged into stats[5] = (count, k, mean - k, M2, scale), the moments of x·scale.
+// Rescue: float32 squares overflow past deviations of ~1.8e19 (and merges of means ~1e15 apart over ~1e9
+// entries), leaving the mean or M2 inf/NaN; then this block reads x once more and forms the moments of
+// x·2^-100 (exact scaling; the deviations that overflowed stay far above float32's smallest normal there).
+// Finite data never takes it; masked-in NaN/inf do, and give NaN as before.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    whiten_apply_kernel(const T* __restrict__ x, float* __restrict__ out, const float* __restrict__ part, int num_parts,
-                        int64_t N, float eps, bool shift_mean) {
+    whiten_merge_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, const float* __restrict__ part,
+                        float* __restrict__ stats, int num_parts, int64_t N) {
   Moments mo{0.f, 0.f, 0.f, 0.f};
   for (int j = threadIdx.x; j < num_parts; j += blockDim.x)
     mo = merge(mo, Moments{part[4 * j], part[4 * j + 1], part[4 * j + 2], part[4 * j + 3]});
   mo = block_merge(mo);
-  const float var = mo.n > 1.f ? mo.m2 / (mo.n - 1.f) : 0.f;
-  const float rstd = rsqrtf(var + eps);
-  const float mean = mo.k + mo.mu;  // rounded only for shift_mean = false, where it is added back
+  float scale = 1.f;
+  if (!isfinite(mo.k + mo.mu) || !isfinite(mo.m2)) {  // the same on every thread: block_merge's result is shared
+    mo = block_moments(x, mask, threadIdx.x, blockDim.x, N, kRescueDown);
+    scale = kRescueDown;
+  }
+  if (threadIdx.x == 0) {
+    stats[0] = mo.n;
+    stats[1] = mo.k;
+    stats[2] = mo.mu;
+    stats[3] = mo.m2;
+    stats[4] = scale;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    whiten_apply_kernel(const T* __restrict__ x, float* __restrict__ out, const float* __restrict__ stats, int64_t N,
+                        float eps, bool shift_mean) {
+  const float n = stats[0], k = stats[1], mu = stats[2], m2 = stats[3], scale = stats[4];
+  const float var = n > 1.f ? m2 / (n - 1.f) : 0.f;
+  const float rstd = rsqrtf(var + eps * scale * scale);  // the rescue's eps·2^-200 is 0: negligible beside var
+  const float mean = (k + mu) * (scale == 1.f ? 1.f : kRescueUp);  // rounded only where added back
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
-    const float y = ((to_float(x[i]) - mo.k) - mo.mu) * rstd;
+    const float y = ((to_float(x[i]) * scale - k) - mu) * rstd;
     out[i] = shift_mean ? y : y + mean;
   }
 }
@@ -347,9 +396,11 @@ template <typename T>
 int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
                   bool shift_mean, cudaStream_t stream) {
   if (N == 0) return 0;
+  // part: [num_parts, 4] partial moments, then [5] the merged statistics
+  float* stats = part + 4 * num_parts;
   whiten_partial_kernel<T><<<num_parts, kThreads, 0, stream>>>(static_cast<const T*>(x), mask, part, N);
-  whiten_apply_kernel<T><<<num_parts, kThreads, 0, stream>>>(static_cast<const T*>(x), out, part, num_parts, N, eps,
-                                                             shift_mean);
+  whiten_merge_kernel<T><<<1, kThreads, 0, stream>>>(static_cast<const T*>(x), mask, part, stats, num_parts, N);
+  whiten_apply_kernel<T><<<num_parts, kThreads, 0, stream>>>(static_cast<const T*>(x), out, stats, N, eps, shift_mean);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -70,7 +70,8 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   at::Tensor xc = x.contiguous(), mc = mask.contiguous();
   const int64_t N = xc.numel();
   const int parts = rlkernels_cuda::whiten_partials(N);
-  at::Tensor part = at::empty({parts, 4}, xc.options().dtype(at::kFloat));  // [parts, 4]: count, pivot, mean - pivot, M2
+  // [parts, 4]: count, pivot, mean - pivot, M2 per block; then [5] the merged statistics and their scale
+  at::Tensor part = at::empty({4 * parts + 5}, xc.options().dtype(at::kFloat));
   at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
   check(rlkernels_cuda::masked_whiten(dtype_code(xc), xc.data_ptr(), reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()),
                                       out.data_ptr<float>(), part.data_ptr<float>(), parts, N, static_cast<float>(eps),

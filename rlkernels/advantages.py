@@ -200,6 +200,25 @@ def _group_block(s_ptr, run_ptr, i, count, HAS_INDEX: tl.constexpr, BLOCK: tl.co
 
 
 @jit
+def _pow2(biased_exponent):
+    """``2 ** (biased_exponent - 127)`` as float32 (``biased_exponent`` in ``[1, 254]``), from its bits."""
+    return (biased_exponent << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def _group_scales(amax):
+    """Power-of-two factors ``(down, up)``, ``down * up == 1``, for a group whose largest ``|score|`` is ``amax``:
+    beyond 2**32, ``down`` brings it into ``[2, 4)``, so the group's sum and its sum of squared deviations stay far
+    from float32's 3.4e38 (scores of 1e20 squared overflow) while every score keeps its bits but the exponent;
+    otherwise (and for inf/NaN) ``(1, 1)``. The statistics are then formed on ``score * down``: exact scaling (a
+    deviation of ``amax * 2**-24``, float32's resolution, is still ``2**-23`` there: squares stay normal)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of amax >= 0 (255: inf or NaN)
+    big = (e >= 127 + 32) & (e < 255)
+    e = tl.where(big, e, 128)  # 2**(128 - e) and 2**(e - 128): 1 where not big
+    return _pow2(255 - e), _pow2(e - 1)
+
+
+@jit
 def _group_kernel(
     s_ptr, out_ptr,  # [N] float32
     perm_ptr, starts_ptr,  # [N], [G + 1] int64 (read only with HAS_INDEX)
@@ -226,27 +245,33 @@ def _group_kernel(
         first = tl.load(s_run)
     n = count.to(tl.float32)
     acc = tl.full([BLOCK], 0.0, tl.float32)
+    acc_lo = tl.full([BLOCK], 0.0, tl.float32)  # Σ s·2**-64: the sum where scores beyond 2**32 would overflow it
+    amax = tl.full([BLOCK], 0.0, tl.float32)
     differ = tl.full([BLOCK], 0, tl.int32)
-    for i in range(0, count, BLOCK):  # pass 1: sum, and whether every member equals the first
+    for i in range(0, count, BLOCK):  # pass 1: sums, largest |s|, and whether every member equals the first
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
         acc += x
+        acc_lo += x * 5.421010862427522e-20  # 2**-64
+        amax = tl.maximum(amax, tl.abs(x))
         differ += tl.where(ok & (x != first), 1, 0)  # NaN != NaN: a group with NaN is never constant
-    mean = block_sum(acc, 0) / n
+    down, up = _group_scales(block_max(amax, 0))
+    # the mean of s·down: Σs / n, or for a scaled group Σ(s·2**-64)·2**64·down / n (powers of two: the same sum)
+    mean = tl.where(down == 1.0, block_sum(acc, 0), block_sum(acc_lo, 0) * (down * 1.8446744073709552e19)) / n
     constant = (block_sum(differ, 0) == 0) | (n < 2.0)
     ssq = tl.full([BLOCK], 0.0, tl.float32)
-    for i in range(0, count, BLOCK):  # pass 2: Σ(s - mean)², exact where Σs² - n·mean² is not
+    for i in range(0, count, BLOCK):  # pass 2: Σ(s·down - mean)², exact where Σs² - n·mean² is not
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
-        d = x - mean
+        d = x * down - mean
         ssq += tl.where(ok, d * d, 0.0)
-    if MODE == GRPO:
-        scale = 1.0 / (tl.sqrt(block_sum(ssq, 0) / tl.maximum(n - 1.0, 1.0)) + eps)
+    if MODE == GRPO:  # (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
+        scale = 1.0 / (tl.sqrt(block_sum(ssq, 0) / tl.maximum(n - 1.0, 1.0)) + eps * down)
     elif MODE == DR_GRPO:
-        scale = n * 0.0 + 1.0
+        scale = up
     else:  # RLOO
-        scale = n / tl.maximum(n - 1.0, 1.0)  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+        scale = n / tl.maximum(n - 1.0, 1.0) * up  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
     for i in range(0, count, BLOCK):  # pass 3: write
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
-        y = tl.where(constant, 0.0, (x - mean) * scale)
+        y = tl.where(constant, 0.0, (x * down - mean) * scale)
         tl.store(out_run + src, y, mask=ok)
 
 
@@ -271,17 +296,20 @@ def _group_tile_kernel(
         idx = tl.load(perm_ptr + idx, mask=ok, other=0)  # [GROUPS, GS]
     n = group_size.to(tl.float32)
     x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
-    mean = block_sum(x, 1) / n  # [GROUPS]
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
     top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
     bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
+    down, up = _group_scales(tl.maximum(top, -bottom))  # [GROUPS] each: 1 unless |s| passes 2**32
+    x = x * down[:, None]  # [GROUPS, GS]: the statistics of s·down, scaled back below
+    mean = block_sum(x, 1) / n  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
     constant = (((top == bottom) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
     d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
     ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
-    grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps)  # [GROUPS]
-    rloo = n / tl.maximum(n - 1.0, 1.0)  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
-    scale = tl.where(MODE == GRPO, grpo, tl.where(MODE == DR_GRPO, 1.0, rloo))  # [GROUPS]
+    # (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
+    grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps * down)  # [GROUPS]
+    rloo = n / tl.maximum(n - 1.0, 1.0) * up  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+    scale = tl.where(MODE == GRPO, grpo, tl.where(MODE == DR_GRPO, up, rloo))  # [GROUPS]
     y = tl.where(constant[:, None], 0.0, d * scale[:, None])  # [GROUPS, GS]
     tl.store(out_ptr + idx, y, mask=ok)
 
@@ -322,19 +350,20 @@ def _chan_pivoted(n_a, k_a, mean_a, m2_a, n_b, k_b, mean_b, m2_b):
     return n, k, mean, m2
 
 
+# 2**-100: the rescue's scale (see _whiten_merge_kernel); 2**100 undoes it
+_RESCUE_DOWN = _constexpr(7.888609052210118e-31)
+_RESCUE_UP = _constexpr(1.2676506002282294e30)
+
+
 @jit
-def _whiten_partial_kernel(
-    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8 0/1)
-    part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
-    N,
-    ROWS: tl.constexpr,  # rows of a tile
-    THREADS: tl.constexpr,  # threads of a program (32 · warps): one run of VEC elements each per row
-    VEC: tl.constexpr,  # contiguous elements per thread per row (16: one 16-byte load of the uint8 mask)
-):
-    """One pass over the program's tiles of ``ROWS·THREADS·VEC`` contiguous elements (tile i, i + P, ...), as
-    ``[ROWS, THREADS, VEC]``: each thread's ``ROWS·VEC`` elements of a tile give their count, mean and centred
-    M2 from its registers, merged (Chan) into the thread's running statistics; the threads merge once, at the
-    end (``tl.reduce`` with :func:`_chan_pivoted`): no block-wide reduction per tile, no division per element.
+def _share_moments(x_ptr, m_ptr, N, first, step, RESCUED: tl.constexpr, ROWS: tl.constexpr, THREADS: tl.constexpr,
+                   VEC: tl.constexpr):
+    """(count, pivot K, mean of (x - K), M2) of the masked entries of the tiles of ``ROWS·THREADS·VEC``
+    contiguous elements starting at ``first``, ``first + step``, ... below ``N``, read as ``[ROWS, THREADS,
+    VEC]``: each thread's ``ROWS·VEC`` elements of a tile give their count, mean and centred M2 from its
+    registers, merged (Chan) into the thread's running statistics; the threads merge once, at the end
+    (``tl.reduce`` with :func:`_chan_pivoted`): no block-wide reduction per tile, no division per element.
+    ``RESCUED``: the statistics of ``x·2**-100``.
 
     Shifted data: a float32 mean of values near 1e6 is only known to ~0.03, so deviations around it (and
     merges of such means) would carry that error into M2 and the output. Each thread keeps its statistics
@@ -343,7 +372,6 @@ def _whiten_partial_kernel(
     rounding of K + ..., and a shift of all data only shifts K. A tile's M2 is centred on the tile's own mean
     (corrected two-pass: Σd² - (Σd)²/c), never Σy² - (Σy)²/n, so a pivot far from the data costs no
     cancellation either."""
-    pid = tl.program_id(0)
     TILE: tl.constexpr = ROWS * THREADS * VEC
     # offsets [ROWS, THREADS·VEC], each row contiguous, and the loads reshaped to [ROWS, THREADS, VEC]: a 3-D
     # offset tensor shows Triton only VEC-long contiguity (Triton 3.6 then costs 14.0-15.1 SASS per element on
@@ -353,10 +381,12 @@ def _whiten_partial_kernel(
     piv = tl.full([THREADS], 0.0, tl.float32)
     mean = tl.full([THREADS], 0.0, tl.float32)
     m2 = tl.full([THREADS], 0.0, tl.float32)
-    for start in range(pid * TILE, N, tl.num_programs(0) * TILE):
+    for start in range(first, N, step):
         i = start + offs  # [ROWS, THREADS·VEC]
         ok = i < N
         x = tl.reshape(tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32), [ROWS, THREADS, VEC])  # [ROWS, THREADS, VEC]
+        if RESCUED:
+            x = x * _RESCUE_DOWN
         keep = tl.reshape(tl.load(m_ptr + i, mask=ok, other=0) != 0, [ROWS, THREADS, VEC])  # [ROWS, THREADS, VEC]
         w = tl.where(keep, 1.0, 0.0)  # [ROWS, THREADS, VEC]
         y = tl.where(keep, x - piv[None, :, None], 0.0)  # where, not a product: masked-out NaN/inf stay out
@@ -370,7 +400,23 @@ def _whiten_partial_kernel(
         piv = tl.where(new_piv, mean_t, piv)
         mean_t = tl.where(new_piv, 0.0, mean_t) + s_d * inv_c
         cnt, mean, m2 = _chan(cnt, mean, m2, c_t, mean_t, m2_t)
-    cnt, piv, mean, m2 = tl.reduce((cnt, piv, mean, m2), 0, _chan_pivoted)
+    return tl.reduce((cnt, piv, mean, m2), 0, _chan_pivoted)
+
+
+@jit
+def _whiten_partial_kernel(
+    x_ptr, m_ptr,  # [N] (x any float dtype, m uint8 0/1)
+    part_ptr,  # [P, 4] float32: count, pivot K, mean of (x - K), M2 of each program's share
+    N,
+    ROWS: tl.constexpr,  # rows of a tile
+    THREADS: tl.constexpr,  # threads of a program (32 · warps): one run of VEC elements each per row
+    VEC: tl.constexpr,  # contiguous elements per thread per row (16: one 16-byte load of the uint8 mask)
+):
+    """One pass over the program's tiles (tile i, i + P, ...): :func:`_share_moments`."""
+    pid = tl.program_id(0)
+    TILE: tl.constexpr = ROWS * THREADS * VEC
+    cnt, piv, mean, m2 = _share_moments(x_ptr, m_ptr, N, pid * TILE, tl.num_programs(0) * TILE, False,
+                                        ROWS, THREADS, VEC)
     tl.store(part_ptr + pid * 4 + 0, cnt)
     tl.store(part_ptr + pid * 4 + 1, piv)
     tl.store(part_ptr + pid * 4 + 2, mean)
@@ -378,16 +424,24 @@ def _whiten_partial_kernel(
 
 
 @jit
-def _whiten_apply_kernel(
-    x_ptr, out_ptr,  # [N] in, [N] float32 out
-    part_ptr,  # [P, 4]
-    N, P, eps,
-    SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
+def _whiten_merge_kernel(
+    x_ptr, m_ptr,  # [N] as _whiten_partial_kernel read them (for the rescue)
+    part_ptr,  # [P, 4] its partial moments
+    stats_ptr,  # [5] float32 out: count, K, mean - K, M2, and the scale s they are the statistics of x·s for
+    N, P,
+    P_BLOCK: tl.constexpr, ROWS: tl.constexpr, THREADS: tl.constexpr, VEC: tl.constexpr,
 ):
-    # Every program merges the P partial moments itself: P is small, and it saves a launch.
-    # The partials have their own pivots; all are re-expressed relative to K0, the pivot of
-    # the first non-empty partial (K_j - K0 is a difference of two data values: exact
-    # or nearly so), so the global mean is K0 + mean and is never rounded to float32.
+    """One program: the P partial moments merged into the whole's (so the apply programs read 5 numbers).
+
+    The partials have their own pivots; all are re-expressed relative to K0, the pivot of the first non-empty
+    partial (K_j - K0 is a difference of two data values: exact or nearly so), so the global mean is K0 + mean
+    and is never rounded to float32.
+
+    Rescue: float32 squares overflow once deviations pass ~1.8e19 (and merges of means ~1e15 apart over ~1e9
+    entries), leaving M2 or the mean inf or NaN. Then this program alone reads all of x once more and forms the
+    statistics of x·2**-100 (exact scaling; deviations of the data that overflowed are still >= 2**-52 there,
+    so no square underflows that matters), and s = 2**-100 tells the apply kernel. Finite data never takes it
+    (the loop runs zero times); masked-in NaN/inf do (slowly, one program) and give NaN as before."""
     j = tl.arange(0, P_BLOCK)  # [P_BLOCK]
     pj = j < P
     cnt_j = tl.load(part_ptr + j * 4 + 0, mask=pj, other=0.0)  # [P_BLOCK]
@@ -402,8 +456,32 @@ def _whiten_apply_kernel(
     mean = s / tl.maximum(cnt, 1.0)
     dm = tl.where(has, off_j - mean, 0.0)  # [P_BLOCK]
     m2a, m2b = _sum2(m2_j, cnt_j * dm * dm)
-    var = (m2a + m2b) / tl.maximum(cnt - 1.0, 1.0)
-    rstd = 1.0 / tl.sqrt(var + eps)
+    m2 = m2a + m2b
+    finite = (tl.abs(k0 + mean) < float("inf")) & (tl.abs(m2) < float("inf"))  # False for NaN too
+    TILE: tl.constexpr = ROWS * THREADS * VEC
+    stop = tl.where(finite, 0, N)
+    r_cnt, r_piv, r_mean, r_m2 = _share_moments(x_ptr, m_ptr, stop, 0, TILE, True, ROWS, THREADS, VEC)
+    tl.store(stats_ptr + 0, cnt)
+    tl.store(stats_ptr + 1, tl.where(finite, k0, r_piv))
+    tl.store(stats_ptr + 2, tl.where(finite, mean, r_mean))
+    tl.store(stats_ptr + 3, tl.where(finite, m2, r_m2))
+    tl.store(stats_ptr + 4, tl.where(finite, 1.0, _RESCUE_DOWN))
+
+
+@jit
+def _whiten_apply_kernel(
+    x_ptr, out_ptr,  # [N] in, [N] float32 out
+    stats_ptr,  # [5] from _whiten_merge_kernel
+    N, eps,
+    SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    cnt = tl.load(stats_ptr + 0)
+    k0 = tl.load(stats_ptr + 1)
+    mean = tl.load(stats_ptr + 2)
+    var = tl.load(stats_ptr + 3) / tl.maximum(cnt - 1.0, 1.0)
+    sc = tl.load(stats_ptr + 4)  # 1, or the rescue's 2**-100 (then eps·sc² is 0: negligible beside var)
+    rstd = 1.0 / tl.sqrt(var + eps * sc * sc)
+    back = (k0 + mean) * (1.0 / sc)  # the mean of x, added back without SHIFT_MEAN
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)  # [BLOCK]
@@ -411,9 +489,9 @@ def _whiten_apply_kernel(
         i = start + offs  # [BLOCK]
         ok = i < N
         x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-        y = ((x - k0) - mean) * rstd  # [BLOCK]
+        y = ((x * sc - k0) - mean) * rstd  # [BLOCK]
         if not SHIFT_MEAN:
-            y = y + (k0 + mean)
+            y = y + back
         tl.store(out_ptr + i, y, mask=ok)
 
 
@@ -507,6 +585,10 @@ _WHITEN_BLOCK, _WHITEN_WARPS, _WHITEN_P_BLOCK = 2048, 8, 1024
 # _whiten_partial_kernel's tile: _WHITEN_ROWS rows of 16 contiguous elements per thread (one 16-byte mask load;
 # the same layout for the x load), 4 warps: a thread's share of a tile stays in its registers
 _WHITEN_ROWS, _WHITEN_VEC, _WHITEN_PARTIAL_WARPS = 2, 16, 4
+# _whiten_merge_kernel's rescue loop (a cold path: one program, only where float32 statistics overflowed) reads
+# 4 elements per thread: with the partial kernel's 2 x 16 its unaligned sm_90 build needed 255 registers and
+# spilled 160 B (1 x 4: 53-64 registers, none)
+_WHITEN_RESCUE_ROWS, _WHITEN_RESCUE_VEC = 1, 4
 
 
 def _gae_config(T: int) -> tuple[int, int, int]:
@@ -606,14 +688,17 @@ def _whiten_triton(x, mask, shift_mean, eps):
     tiles = cdiv(N, _WHITEN_ROWS * threads * _WHITEN_VEC)
     # a few programs on the CPU (the interpreter runs them one by one), enough to fill a GPU there
     P = min(tiles, _WHITEN_P_BLOCK if x.is_cuda else 4)
-    part = torch.empty(P, 4, dtype=torch.float32, device=x.device)  # [P, 4]: count, pivot, mean - pivot, M2
-    _whiten_partial_kernel.launch((P,), xf, m, part, N, ROWS=_WHITEN_ROWS, THREADS=threads, VEC=_WHITEN_VEC,
-                                  **({"num_warps": _WHITEN_PARTIAL_WARPS} if x.is_cuda else {}))
+    # [P, 4] per program: count, pivot, mean - pivot, M2; then [5] the whole's, and the scale (see the merge kernel)
+    part = torch.empty(P * 4 + 5, dtype=torch.float32, device=x.device)
+    tile = {"ROWS": _WHITEN_ROWS, "THREADS": threads, "VEC": _WHITEN_VEC}
+    warps = {"num_warps": _WHITEN_PARTIAL_WARPS} if x.is_cuda else {}
+    _whiten_partial_kernel.launch((P,), xf, m, part, N, **tile, **warps)
+    stats = part[P * 4:]  # [5]
+    _whiten_merge_kernel.launch((1,), xf, m, part, stats, N, P, P_BLOCK=_WHITEN_P_BLOCK, ROWS=_WHITEN_RESCUE_ROWS,
+                                THREADS=threads, VEC=_WHITEN_RESCUE_VEC, **warps)
     kwargs = {"num_warps": _WHITEN_WARPS} if x.is_cuda else {}
-    _whiten_apply_kernel.launch(
-        (P,), xf, out, part, N, P, float(eps),
-        SHIFT_MEAN=bool(shift_mean), BLOCK=_WHITEN_BLOCK, P_BLOCK=_WHITEN_P_BLOCK, **kwargs,
-    )
+    _whiten_apply_kernel.launch((P,), xf, out, stats, N, float(eps), SHIFT_MEAN=bool(shift_mean),
+                                BLOCK=_WHITEN_BLOCK, **kwargs)
     return out.view(x.shape)
 
 
@@ -640,12 +725,15 @@ def aot_configs():
         consts = {"ROWS": _WHITEN_ROWS, "THREADS": threads, "VEC": _WHITEN_VEC}
         configs.append(KernelConfig(_whiten_partial_kernel, sig, consts, num_warps=_WHITEN_PARTIAL_WARPS,
                                     elements=_WHITEN_ROWS * threads * _WHITEN_VEC))
+        sig = {"x_ptr": ty, "m_ptr": "*u8", "part_ptr": "*fp32", "stats_ptr": "*fp32", "N": "i32", "P": "i32",
+               "P_BLOCK": "constexpr", "ROWS": "constexpr", "THREADS": "constexpr", "VEC": "constexpr"}
+        # one program; its loop is the rescue, which finite data never runs: no per-element figure
+        rescue = {"ROWS": _WHITEN_RESCUE_ROWS, "THREADS": threads, "VEC": _WHITEN_RESCUE_VEC, "P_BLOCK": _WHITEN_P_BLOCK}
+        configs.append(KernelConfig(_whiten_merge_kernel, sig, rescue, num_warps=_WHITEN_PARTIAL_WARPS))
         for shift in (True, False):
-            sig = {
-                "x_ptr": ty, "out_ptr": "*fp32", "part_ptr": "*fp32", "N": "i32", "P": "i32", "eps": "fp32",
-                "SHIFT_MEAN": "constexpr", "BLOCK": "constexpr", "P_BLOCK": "constexpr",
-            }
-            consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK, "P_BLOCK": _WHITEN_P_BLOCK}
+            sig = {"x_ptr": ty, "out_ptr": "*fp32", "stats_ptr": "*fp32", "N": "i32", "eps": "fp32",
+                   "SHIFT_MEAN": "constexpr", "BLOCK": "constexpr"}
+            consts = {"SHIFT_MEAN": shift, "BLOCK": _WHITEN_BLOCK}
             configs.append(KernelConfig(_whiten_apply_kernel, sig, consts, num_warps=_WHITEN_WARPS, elements=_WHITEN_BLOCK))
     for gs in _GROUP_TILE_GS:
         for has_index in (False, True):
@@ -751,27 +839,23 @@ def _group_torch(scores, group_size, index, mode, eps):
 
 
 def _whiten_torch(x, mask, shift_mean, eps):
-    """Statistics of ``x - K`` with ``K`` the first masked-in value (found without a device
-    sync): exact for shifted data (``1e6 + noise``), where a float32 mean of ``x`` itself is
-    only known to ~ulp(1e6) and the output inherits that error. The mean is never rounded
-    to float32 as ``K + mean``: the output is ``((x - K) - mean)·rstd``. The variance sums
-    float64 squares (finite for any float32 input)."""
-    xf = x.float().reshape(-1)  # [N]
+    """The statistics in float64, rounded once at the output: float32 data shifted far from 0 (``1e6 + noise``)
+    keep their precision, and no sum or square overflows for any float32 input (values near ±3.4e38 included:
+    float32 sums, differences and squares of those overflow). ``x`` is ``[B, T]``-sized, not vocabulary-sized:
+    the float64 copy is small."""
+    x64 = x.double().reshape(-1)  # [N]
     m = mask.bool().reshape(-1)  # [N]
-    if xf.numel() == 0:
-        return xf.view(x.shape).clone()
-    n = m.sum().float()
-    first = m.to(torch.uint8).argmax().view(1)  # [1]: the first masked-in position (0 if none)
-    zero = torch.zeros((), device=xf.device)
-    piv = torch.where(n > 0, xf.gather(0, first).squeeze(0), zero)  # where: a NaN at position 0 stays out
-    y = torch.where(m, xf - piv, zero)  # [N]
-    mean = y.sum() / n.clamp(min=1.0)
-    d = torch.where(m, y - mean, zero)  # [N]
-    # squares in float64: a float32 d² overflows once |d| > 1.8e19 (the statistics of group_advantages alike)
-    var = d.double().square().sum() / (n.double() - 1.0).clamp(min=1.0)
-    out = ((xf - piv) - mean) * torch.rsqrt(var + eps).float()  # [N]
-    out = out if shift_mean else out + (piv + mean)
-    return out.view(x.shape)
+    if x64.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    n = m.sum().double()
+    # where, not a product with the mask: a NaN/inf at a masked-out position stays out of the statistics
+    mean = torch.where(m, x64, zero).sum() / n.clamp(min=1.0)
+    d = torch.where(m, x64 - mean, zero)  # [N]
+    var = d.square().sum() / (n - 1.0).clamp(min=1.0)
+    out = (x64 - mean) * torch.rsqrt(var + eps)  # [N]
+    out = out if shift_mean else out + mean
+    return out.float().view(x.shape)
 
 
 # ---------------------------------------------------------------- launchers: process-group statistics
@@ -1091,8 +1175,9 @@ def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, inde
 
 def _process_torch(step_rewards, step_ends, step_mask, T, group_size, index, mode, eps):
     """Group statistics by ``index_add`` over the flattened steps, then each normalised step reward is
-    scattered onto its end token and summed from the right (a reversed cumulative sum over ``T``)."""
-    r = step_rewards.float()  # [B, S]
+    scattered onto its end token and summed from the right (a reversed cumulative sum over ``T``). In float64
+    (``[B, S]`` and ``[B, T]``: small), rounded once: float32 sums and squares of rewards past ~1e19 overflow."""
+    r = step_rewards.double()  # [B, S]
     B, S = r.shape
     if B * S * T == 0:
         return torch.zeros(B, T, device=r.device)
@@ -1105,19 +1190,20 @@ def _process_torch(step_rewards, step_ends, step_mask, T, group_size, index, mod
     flat = ids[:, None].expand(B, S).reshape(-1)  # [B·S]: the group of each step
     v = valid.reshape(-1)  # [B·S]
     x = torch.where(v, r.reshape(-1), 0.0)  # [B·S]; where, not a product: an invalid NaN stays out
-    zeros = torch.zeros(G, device=r.device)  # [G]
-    n = zeros.index_add(0, flat, v.float())  # [G] valid steps per group
+    zeros = torch.zeros(G, dtype=torch.float64, device=r.device)  # [G]
+    n = zeros.index_add(0, flat, v.double())  # [G] valid steps per group
     mean = zeros.index_add(0, flat, x) / n.clamp(min=1.0)  # [G]
     d = torch.where(v, x - mean[flat], 0.0)  # [B·S]
     ssq = zeros.index_add(0, flat, d * d)  # [G]
-    hi = torch.full((G,), -float("inf"), device=r.device).scatter_reduce(0, flat, torch.where(v, x, -float("inf")), "amax")
-    lo = torch.full((G,), float("inf"), device=r.device).scatter_reduce(0, flat, torch.where(v, x, float("inf")), "amin")
-    has_nan = zeros.index_add(0, flat, (v & torch.isnan(x)).float()) > 0  # [G]
+    hi = torch.full_like(zeros, -float("inf")).scatter_reduce(0, flat, torch.where(v, x, -float("inf")), "amax")
+    lo = torch.full_like(zeros, float("inf")).scatter_reduce(0, flat, torch.where(v, x, float("inf")), "amin")
+    has_nan = zeros.index_add(0, flat, (v & torch.isnan(x)).double()) > 0  # [G]
     constant = ((hi == lo) & ~has_nan) | (n < 2)  # [G]: exactly 0, whatever the rounding of the mean
     scale = 1.0 / (torch.sqrt(ssq / (n - 1).clamp(min=1)) + eps) if mode == "grpo" else torch.ones_like(n)  # [G]
     norm = torch.where(v & ~constant[flat], d * scale[flat], 0.0).view(B, S)  # [B, S]
-    at_end = torch.zeros(B, T, device=r.device).scatter_add(1, torch.where(valid, step_ends, 0).long(), norm)  # [B, T]
-    return at_end.flip(1).cumsum(1).flip(1)  # [B, T]: Σ of the steps ending at or after t
+    at_end = torch.zeros(B, T, dtype=torch.float64, device=r.device).scatter_add(
+        1, torch.where(valid, step_ends, 0).long(), norm)  # [B, T]
+    return at_end.flip(1).cumsum(1).flip(1).float()  # [B, T]: Σ of the steps ending at or after t
 
 
 @jit
@@ -1162,6 +1248,7 @@ def _process_kernel(
         hi = lo + group_size
     cnt = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    acc_lo = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)  # Σ r·2**-64: the sum where rewards past 2**32 overflow it
     nan = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     big = tl.full([BLOCK_R, BLOCK_S], float("inf"), tl.float32)
     top = -big  # running max of the valid rewards
@@ -1172,13 +1259,18 @@ def _process_kernel(
             s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
             cnt += w.to(tl.float32)
             acc += x
+            acc_lo += x * 5.421010862427522e-20  # 2**-64
             nan += tl.where(w & (x != x), 1.0, 0.0)
             top = tl.maximum(top, tl.where(w, x, -big))
             neg = tl.maximum(neg, tl.where(w, -x, -big))
     n = block_sum(block_sum(cnt, 1), 0)
-    mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)
     top_g = block_max(block_max(top, 1), 0)
     min_g = -block_max(block_max(neg, 1), 0)
+    # the statistics of r·down (see _group_scales: 1 unless |r| passes 2**32), scaled back by up
+    down, up = _group_scales(tl.maximum(top_g, -min_g))
+    total = tl.where(down == 1.0, block_sum(block_sum(acc, 1), 0),
+                     block_sum(block_sum(acc_lo, 1), 0) * (down * 1.8446744073709552e19))  # Σ r·down
+    mean = total / tl.maximum(n, 1.0)
     constant = ((top_g == min_g) & (block_sum(block_sum(nan, 1), 0) == 0.0)) | (n < 2.0)
     ssq = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     if STD:
@@ -1186,11 +1278,12 @@ def _process_kernel(
             row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
             for s0 in range(0, S, BLOCK_S):
                 s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
-                d = tl.where(w, x - mean, 0.0)
+                d = tl.where(w, x * down - mean, 0.0)
                 ssq += d * d
-        scale = 1.0 / (tl.sqrt(block_sum(block_sum(ssq, 1), 0) / tl.maximum(n - 1.0, 1.0)) + eps)
+        # (r - mean)/(std + eps) = (r·down - mean·down)/(std·down + eps·down)
+        scale = 1.0 / (tl.sqrt(block_sum(block_sum(ssq, 1), 0) / tl.maximum(n - 1.0, 1.0)) + eps * down)
     else:
-        scale = n * 0.0 + 1.0
+        scale = up
     scale = tl.where(constant, 0.0, scale)  # a constant group: every normalised reward is exactly 0
     t = j * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     t_ok = t < T
@@ -1200,7 +1293,7 @@ def _process_kernel(
         for s0 in range(0, S, BLOCK_S):
             s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
             end = tl.load(e_ptr + row.to(tl.int64)[:, None] * stride_eb + s.to(tl.int64)[None, :] * stride_es, mask=w, other=-1)
-            z = tl.where(w, (x - mean) * scale, 0.0)  # [BLOCK_R, BLOCK_S]; 0 * NaN stays NaN, as in the reference
+            z = tl.where(w, (x * down - mean) * scale, 0.0)  # [BLOCK_R, BLOCK_S]; 0 * NaN stays NaN, as in the reference
             covers = end[:, None, :] >= t[None, :, None]  # [BLOCK_R, BLOCK_T, BLOCK_S]
             adv += block_sum(tl.where(covers, z[:, None, :], 0.0), 2)
         offs = row.to(tl.int64)[:, None] * T + t[None, :]

@@ -392,9 +392,14 @@ class _Tiles:
 # the common case); 16 warps split the same tile (same arithmetic intensity, still one CTA per
 # SM) at 112-128 registers with no spill on sm_80/sm_90, aligned or not.
 _FWD_TILES_16 = _Tiles(block_n=128, block_v=128, block_k=32, split_tiles=32, num_warps=16, num_stages=3)
+# Before Hopper (sm_80, sm_86, sm_89) the 16-warp tile is capped at 128 registers too, and triton 3.6 (the GPU
+# machines' version) spills 32 B there (3.9: none); 64x128 on 8 warps compiles with no spill on sm_80 with both
+# (158-216 registers with 3.6). Same BLOCK_K, so the backward's recomputed logits stay the forward's bits.
+_FWD_TILES_16_PRE_HOPPER = _Tiles(block_n=64, block_v=128, block_k=32, split_tiles=32, num_warps=8, num_stages=3)
 _BWD_TILES_16 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_16.block_k, split_tiles=1, num_warps=8, num_stages=3)
-# float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows)
-_FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=2)
+# float32 forward: K steps of 16 (32 spilled 40 B on sm_80 once the K loop read unit-stride rows); 3 stages: with 2,
+# triton 3.6's sm_80 build was held to 128 registers and spilled 8 B (3 stages: 184-188 unaligned, 128 aligned, none)
+_FWD_TILES_32 = _Tiles(block_n=64, block_v=64, block_k=16, split_tiles=64, num_warps=8, num_stages=3)
 _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, split_tiles=1, num_warps=8, num_stages=2)
 
 
@@ -439,10 +444,19 @@ _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
 _TORCH_PARTIAL_ELEMS = 1 << 22  # the torch forward's per-(vocabulary chunk, row) partials of a group of rows
 
 
-def _tiles(dtype: torch.dtype, backward: bool = False) -> _Tiles:
+def _tiles(dtype: torch.dtype, backward: bool = False, hopper: bool = True) -> _Tiles:
+    """The tiles of ``_fwd_kernel`` (or, with ``backward``, ``_dz_kernel``) for this input dtype; ``hopper=False``:
+    a GPU before sm_90 (the interpreter takes the Hopper tiles)."""
     if dtype == torch.float32:
         return _BWD_TILES_32 if backward else _FWD_TILES_32
-    return _BWD_TILES_16 if backward else _FWD_TILES_16
+    if backward:
+        return _BWD_TILES_16
+    return _FWD_TILES_16 if hopper else _FWD_TILES_16_PRE_HOPPER
+
+
+def _hopper(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device takes the Hopper tiles: sm_90 or later, or a CPU tensor (the interpreter)."""
+    return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
 def _dot_f32(hidden: torch.Tensor) -> bool:
@@ -478,13 +492,17 @@ def aot_configs() -> list[KernelConfig]:
 
     configs = []
     for dtype, ty in TRITON_DTYPE_NAMES.items():
-        t, tb = _tiles(dtype), _tiles(dtype, backward=True)
+        tb = _tiles(dtype, backward=True)
         for has_bias in (False, True):
-            fwd_consts = {**_kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles, "STORE_Z": False}
+            for arch in (80, 90):
+                t = _tiles(dtype, hopper=arch >= 90)
+                fwd_consts = {**_kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles,
+                              "STORE_Z": False}
+                fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
+                configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages,
+                                            archs=(arch,)))
             dz_consts = _kernel_flags(dtype, has_bias, False, tb)
-            fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
             dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
-            configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages))
             configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
     configs.extend(_tma_aot_configs())
     return configs
@@ -598,7 +616,7 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     N, H = hidden.shape
     V = weight.shape[0]
     tma = _fwd_kernel_choice(hidden, weight) == "tma"
-    t = _TMA_TILES if tma else _tiles(hidden.dtype)
+    t = _TMA_TILES if tma else _tiles(hidden.dtype, hopper=_hopper(hidden))
     split_cols = t.split_tiles * t.block_v
     S = cdiv(V, split_cols)
     part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split

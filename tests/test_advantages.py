@@ -773,29 +773,104 @@ def test_gae_nan_or_inf_reaches_only_earlier_tokens(backend, csrc_ops):
         assert torch.allclose(adv[finite].double(), truth[finite], rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "csrc"])
-def test_group_advantages_of_huge_finite_scores(backend, csrc_ops):
+_HUGE_SCORES = [1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38, -3e38, 3e38, -1e38, 2e38, 1e25, -2e25, 3e25, 5.0]
+
+
+def _huge_close(out, truth):
+    """Each group's outputs within float32 rounding of its own scale (an entry next to 3e38 is only known to ~1e31)."""
+    scale = truth.abs().reshape(-1, 4).amax(1, keepdim=True).clamp(min=1.0).expand(-1, 4).reshape(-1)
+    finite = torch.isfinite(truth)
+    assert torch.equal(torch.isfinite(out), finite)
+    assert ((out.double() - truth).abs()[finite] <= 4e-7 * scale[finite]).all(), (out, truth)
+
+
+@pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("groups", ["contiguous", "index", "index-unequal", "large"])
+def test_group_advantages_of_huge_finite_scores(device, backend, mode, groups, csrc_ops):
     # float32 squares of deviations past ~1.8e19 overflow (and sums near 3.4e38): the torch and csrc backends keep
-    # their statistics in float64. (The Triton kernels square in float32: scores this large overflow there.)
-    truth = reference.group_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38], dtype=torch.float64), 4)
-    with forced_backend(backend):
-        out = rlkernels.group_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 3e38, 1e38]), 4)
-    assert torch.allclose(out.double(), truth, rtol=1e-6)
+    # their statistics in float64, the Triton kernels form them on scores scaled by a power of two (they gave NaN
+    # and zeros here). dr_grpo / rloo legitimately overflow to -inf where 3e38 - (-3e38) does.
+    s = torch.tensor(_HUGE_SCORES)  # [16]
+    kwargs = {"group_size": 4}
+    if groups == "index":  # groups of one size, interleaved: the tile kernel's gather
+        perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # [16]
+        index = torch.empty(16, dtype=torch.int64)
+        index[perm] = torch.arange(16) // 4
+        s, kwargs = s[torch.argsort(perm)], {"index": index}
+    if groups == "index-unequal":  # unequal groups: the three-pass kernel
+        index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 4])  # [16]
+        kwargs = {"index": index}
+    if groups == "large":  # groups beyond the tile kernel's 4096: the three-pass kernel, contiguous
+        s = torch.tensor(_HUGE_SCORES[:4]).repeat_interleave(1500)  # [6000]: 1500 copies of each
+        kwargs = {"group_size": 6000}
+    truth = reference.group_advantages(s.double(), mode=mode, **kwargs).float().double()  # as float32 holds it
+    out = run_on(device, backend, rlkernels.group_advantages, s, mode=mode, **kwargs)
+    if groups == "large":
+        scale = truth.abs().max().clamp(min=1.0)
+        assert torch.equal(torch.isfinite(out), torch.isfinite(truth))
+        fin = torch.isfinite(truth)
+        assert ((out.double() - truth).abs()[fin] <= 4e-7 * scale).all()
+    elif groups == "index-unequal":
+        fin = torch.isfinite(truth)
+        assert torch.equal(torch.isfinite(out), fin)
+        for g in range(5):
+            sel = index == g
+            scale = truth[sel].abs().max().clamp(min=1.0)
+            assert ((out.double() - truth).abs()[sel & fin] <= 4e-7 * scale).all(), (g, out[sel], truth[sel])
+    else:
+        if groups == "index":  # compare in the groups' order
+            out, truth = out[perm], truth[perm]
+        _huge_close(out, truth)
 
 
-@pytest.mark.parametrize("backend", ["torch", "csrc"])
+@pytest.mark.parametrize("device", devices())
+def test_group_advantages_scaling_keeps_ordinary_scores_bitwise(device):
+    """The Triton kernels scale a group only past 2**32, and then by a power of two: scores below it give the same
+    bits as before, and a group of large scores the same bits as the group divided by a power of two (up to eps)."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(64, generator=g) * 3.0  # [64]
+    small = run_on(device, "triton", rlkernels.group_advantages, s, 8, eps=0.0)
+    big = run_on(device, "triton", rlkernels.group_advantages, s * 2.0**80, 8, eps=0.0)
+    big_index = run_on(device, "triton", rlkernels.group_advantages, s * 2.0**80, index=torch.arange(64) // 8, eps=0.0)
+    assert torch.equal(small, big) and torch.equal(small, big_index)
+
+
+@pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
 @pytest.mark.parametrize("scale", [1e19, 1e30])
-def test_whiten_huge_finite_values(backend, scale, csrc_ops):
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_huge_finite_values(device, backend, scale, shift_mean, csrc_ops):
     # float32 squares overflow above 1.8e19: the torch path's variance became inf and every output 0 (csrc sums
-    # float64 squares). Both now match the float64 truth. (The Triton statistics kernel still squares in float32:
-    # a documented limit.)
+    # float64 squares; the Triton merge kernel then recomputes the statistics of x·2**-100: it gave all zeros).
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]) * scale  # [1, 5]
     mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)  # [1, 5]
-    truth = reference.masked_whiten(x.double(), mask)  # [1, 5]
-    with forced_backend(backend):
-        got = rlkernels.masked_whiten(x, mask)
+    truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [1, 5]
+    got = run_on(device, backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
     assert torch.isfinite(got).all()
     assert rel_error(got[mask], truth[mask]) <= REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
+def test_whiten_extreme_values_over_many_tiles(device, backend, csrc_ops):
+    """Values up to ±3e38 spread over several programs' shares (their means ~1e38 apart: the merge overflows too),
+    with masked-out infinities and NaN, in bfloat16 and float32; a masked-in NaN still gives NaN everywhere."""
+    g = torch.Generator().manual_seed(11)
+    n = 3 * 4096 + 77
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n, generator=g) * 1e37  # [n]
+        x[: n // 3] += 1e38
+        x[-100:] = 3e38
+        mask = torch.rand(n, generator=g) < 0.8  # [n]
+        x[~mask & (torch.arange(n) % 3 == 0)] = float("inf")
+        x[~mask & (torch.arange(n) % 3 == 1)] = float("nan")
+        x = x.to(dtype)
+        truth = reference.masked_whiten(x.double(), mask)  # [n]
+        got = run_on(device, backend, rlkernels.masked_whiten, x, mask)
+        assert rel_error(got[mask], truth[mask]) <= REL_TOL[torch.float32], dtype
+        x[5] = float("nan")
+        mask[5] = True
+        got = run_on(device, backend, rlkernels.masked_whiten, x, mask)
+        assert got[mask].isnan().all(), dtype
 
 
 def test_group_size_takes_numpy_integers_and_int16_masks_are_masks():

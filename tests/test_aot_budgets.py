@@ -29,8 +29,11 @@ MODULES = ("rlkernels.softmax", "rlkernels.advantages", "rlkernels.losses", "rlk
 BUDGETS: dict[str, float] = {
     "_logprobs_fwd_kernel": 10.0,
     "_logprobs_bwd_kernel": 16.0,
-    # groups of one size <= 4096, contiguous or index-given (gathered through an int32 permutation: 12 B per score)
+    # groups of one size <= 4096, contiguous: 8 B per score -> 40
     "_group_tile_kernel": 40.0,
+    # the same, index-given: gathered and scattered through an int32 permutation, 12 B per score -> 60 (it met 40
+    # until the kernel scaled groups past 2**32 by a power of two, against float32 overflow: 41.2 at 256 columns)
+    "_group_tile_kernel[HAS_INDEX=True]": 60.0,
     # masked_whiten's statistics pass reads x and a uint8 mask: 3 B per element for bf16 x -> 30, 2x headroom
     "_whiten_partial_kernel": 15.0,
     # its apply pass reads x and writes float32: at least 6 B per element -> 60, 2x headroom
@@ -63,7 +66,8 @@ def test_memory_bound_kernels_keep_two_ctas_per_sm(module):
 def test_memory_bound_kernels_meet_their_instruction_budgets(module):
     over = []
     for report in _reports(module):
-        budget = BUDGETS.get(report.label.split("(")[0])
+        name = report.label.split("(")[0]
+        budget = BUDGETS.get(f"{name}[HAS_INDEX=True]" if "HAS_INDEX=True" in report.label else name, BUDGETS.get(name))
         if budget is not None and report.instructions_per_element > budget:
             over.append(f"{report} (budget {budget})")
     assert not over, "over budget:\n" + "\n".join(over)

@@ -415,11 +415,16 @@ def test_triton_backward_uses_the_forward_k_blocking():
     import rlkernels.fused_linear as mod
 
     for dtype in TRITON_DTYPES:
-        assert mod._tiles(dtype).block_k == mod._tiles(dtype, backward=True).block_k, dtype
+        for hopper in (True, False):
+            assert mod._tiles(dtype, hopper=hopper).block_k == mod._tiles(dtype, backward=True).block_k, dtype
     fwd = [c for c in mod.aot_configs() if c.kernel is mod._fwd_kernel]
     bwd = [c for c in mod.aot_configs() if c.kernel is mod._dz_kernel]
-    for f, d in zip(fwd, bwd):
-        for key in ("BLOCK_K", "IEEE", "DOT_F32", "HAS_BIAS"):
+    assert len(fwd) == 2 * len(bwd)  # one forward per architecture family
+    for f in fwd:
+        # the backward of the same input dtype and bias
+        (d,) = [d for d in bwd if d.signature["h_ptr"] == f.signature["h_ptr"]
+                and d.constexprs["HAS_BIAS"] == f.constexprs["HAS_BIAS"]]
+        for key in ("BLOCK_K", "IEEE", "DOT_F32"):
             assert f.constexprs[key] == d.constexprs[key], key
 
 

@@ -166,6 +166,26 @@ def test_every_device_matches_float64(device, backend):
     assert rel_error(out.cpu(), truth) <= REL_TOL[torch.float32]
 
 
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("index", [False, True])
+def test_huge_finite_step_rewards(device, backend, mode, index):
+    """Step rewards up to ±3e38: float32 sums and squared deviations overflow (the torch and Triton paths gave all
+    zeros here). The torch path keeps its statistics in float64, the Triton kernel forms them on the rewards scaled
+    by a power of two; both match the float64 truth, group by group at float32 rounding of the group's scale."""
+    rewards = torch.tensor([[1e20, -2e20], [3e38, 5.0], [-3e38, 1e38], [2.0, 1e25], [7.0, -1.5], [3.0, 2.0]])  # [6, 2]
+    ends = torch.tensor([[1, 3], [0, 3], [2, 3], [1, 2], [0, 3], [2, 3]])  # [6, 2]
+    groups = {"index": torch.tensor([0, 0, 1, 1, 2, 2])} if index else {"group_size": 2}
+    truth = reference.process_advantages(rewards.double(), ends, 4, mode=mode, **groups).float().double()  # [6, 4]
+    out = run(backend, rewards.to(device), ends.to(device), 4, mode=mode,
+              **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in groups.items()}).cpu()
+    fin = torch.isfinite(truth)
+    assert torch.equal(torch.isfinite(out), fin), (out, truth)
+    for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
+        scale = truth[rows][fin[rows]].abs().max().clamp(min=1.0)
+        assert ((out[rows] - truth[rows]).abs()[fin[rows]] <= 4e-7 * scale).all(), (out[rows], truth[rows])
+
+
 def test_custom_op_passes_opcheck_and_compiles():
     """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
     gen = torch.Generator().manual_seed(6)
