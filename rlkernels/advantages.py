@@ -245,18 +245,21 @@ def _group_kernel(
         first = tl.load(s_run)
     n = count.to(tl.float32)
     acc = tl.full([BLOCK], 0.0, tl.float32)
-    acc_lo = tl.full([BLOCK], 0.0, tl.float32)  # Σ s·2**-64: the sum where scores beyond 2**32 would overflow it
     amax = tl.full([BLOCK], 0.0, tl.float32)
     differ = tl.full([BLOCK], 0, tl.int32)
-    for i in range(0, count, BLOCK):  # pass 1: sums, largest |s|, and whether every member equals the first
+    for i in range(0, count, BLOCK):  # pass 1: sum, largest |s|, and whether every member equals the first
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
         acc += x
-        acc_lo += x * 5.421010862427522e-20  # 2**-64
         amax = tl.maximum(amax, tl.abs(x))
         differ += tl.where(ok & (x != first), 1, 0)  # NaN != NaN: a group with NaN is never constant
     down, up = _group_scales(block_max(amax, 0))
-    # the mean of s·down: Σs / n, or for a scaled group Σ(s·2**-64)·2**64·down / n (powers of two: the same sum)
-    mean = tl.where(down == 1.0, block_sum(acc, 0), block_sum(acc_lo, 0) * (down * 1.8446744073709552e19)) / n
+    mean = block_sum(acc, 0) / n  # the mean of s·down: for a scaled group, summed again below
+    if down != 1.0:  # scores past 2**32 (the sum above may have overflowed): pass 1b, the sum of s·down
+        acc = tl.full([BLOCK], 0.0, tl.float32)
+        for i in range(0, count, BLOCK):
+            src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
+            acc += x * down
+        mean = block_sum(acc, 0) / n
     constant = (block_sum(differ, 0) == 0) | (n < 2.0)
     ssq = tl.full([BLOCK], 0.0, tl.float32)
     for i in range(0, count, BLOCK):  # pass 2: Σ(s·down - mean)², exact where Σs² - n·mean² is not
@@ -564,7 +567,9 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
 _GAE_CONFIGS = ((4, 256, 2), (2, 512, 2))
 _GAE_VEC = 16  # _gae_kernel's VEC: consecutive tokens per thread (its in-register flip is written for 16)
 # _group_kernel (one program per group): index-given groups of unequal sizes, groups of > 4096
-_GROUP_BLOCK, _GROUP_WARPS = 256, 4
+# 8 warps: one score per thread per block. With 4 warps (two each) triton 3.6's sm_90 build of the index-given grpo
+# kernel, held to 32 registers, spilled 8 B once the kernel also tracked the largest |score| (_group_scales)
+_GROUP_BLOCK, _GROUP_WARPS = 256, 8
 # _group_tile_kernel: groups of one size padded to GS columns (the powers of two it is compiled for, so the AOT
 # set stays small), max(GS, _GROUP_TILE) scores per program: 16 per thread (4 warps up to GS = 2048, 8 above)
 _GROUP_TILE_GS = (16, 64, 256, 1024, 2048, 4096)
@@ -1248,7 +1253,6 @@ def _process_kernel(
         hi = lo + group_size
     cnt = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
-    acc_lo = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)  # Σ r·2**-64: the sum where rewards past 2**32 overflow it
     nan = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     big = tl.full([BLOCK_R, BLOCK_S], float("inf"), tl.float32)
     top = -big  # running max of the valid rewards
@@ -1259,7 +1263,6 @@ def _process_kernel(
             s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
             cnt += w.to(tl.float32)
             acc += x
-            acc_lo += x * 5.421010862427522e-20  # 2**-64
             nan += tl.where(w & (x != x), 1.0, 0.0)
             top = tl.maximum(top, tl.where(w, x, -big))
             neg = tl.maximum(neg, tl.where(w, -x, -big))
@@ -1268,9 +1271,16 @@ def _process_kernel(
     min_g = -block_max(block_max(neg, 1), 0)
     # the statistics of r·down (see _group_scales: 1 unless |r| passes 2**32), scaled back by up
     down, up = _group_scales(tl.maximum(top_g, -min_g))
-    total = tl.where(down == 1.0, block_sum(block_sum(acc, 1), 0),
-                     block_sum(block_sum(acc_lo, 1), 0) * (down * 1.8446744073709552e19))  # Σ r·down
-    mean = total / tl.maximum(n, 1.0)
+    mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)  # the mean of r·down: a scaled group sums again
+    if down != 1.0:  # rewards past 2**32 (the sum above may have overflowed): pass 1b, the sum of r·down
+        acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+        for off in range(lo, hi, BLOCK_R):
+            row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
+            for s0 in range(0, S, BLOCK_S):
+                s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms,
+                                         BLOCK_S)
+                acc += x * down
+        mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)
     constant = ((top_g == min_g) & (block_sum(block_sum(nan, 1), 0) == 0.0)) | (n < 2.0)
     ssq = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     if STD:
@@ -1301,7 +1311,9 @@ def _process_kernel(
 
 
 # (BLOCK_R, BLOCK_S, BLOCK_T, num_warps) by the number of steps: few steps, a longer token block
-_PROCESS_CONFIGS = ((8, 8, 64, 4), (8, 32, 16, 4))
+# (the first on 8 warps: on 4, triton 3.6's sm_80 build of the index-given kernel, held to 128 registers, spilled
+# 8 B once the kernel gained its scaled pass for rewards past 2**32)
+_PROCESS_CONFIGS = ((8, 8, 64, 8), (8, 32, 16, 4))
 
 
 def _process_config(S: int) -> tuple[int, int, int, int]:
