@@ -1048,7 +1048,10 @@ def group_advantages(
     ``index`` (exactly one of the two). ``grpo``: ``(s - mean)/(std + eps)``
     (unbiased std); ``dr_grpo``: ``s - mean``; ``rloo``: ``s - mean of the
     others``. A group of one, and every member of a group whose scores are all
-    equal, gets exactly 0. NaN stays inside its group. No gradient.
+    equal, gets exactly 0. NaN stays inside its group. Any finite float32 score
+    (up to ±3.4e38) is handled on every backend: the statistics never overflow
+    (a result beyond float32, e.g. ``dr_grpo`` of 3e38 and -3e38, is ±inf). No
+    gradient.
 
     Args:
         scores: ``[N]`` float tensor, one score (reward) per sequence.
@@ -1089,7 +1092,8 @@ def masked_whiten(
     Every position is transformed; only masked-in ones (``mask != 0``) enter the
     statistics (values elsewhere, even NaN, are ignored by them). With
     ``shift_mean=False`` the mean is added back. With fewer than two masked entries
-    the variance is taken as 0. No gradient.
+    the variance is taken as 0. Any finite float32 values (up to ±3.4e38) are handled
+    on every backend: the statistics never overflow. No gradient.
 
     With ``process_group``, ``μ`` and the variance are those of the masked entries of
     every rank of the group together: each rank gets its own part of
