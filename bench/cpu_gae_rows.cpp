@@ -1,9 +1,10 @@
-// GAE's CPU row loop, standalone (issue 14): why csrc/advantages.cpp skews the rows of a tile.
+// GAE's CPU row loop, standalone (issue 14): how csrc/advantages.cpp skews the rows of a tile, and why.
 //   g++ -O3 -o /tmp/cpu_gae_rows bench/cpu_gae_rows.cpp && /tmp/cpu_gae_rows
-// One thread, B=64 rows of T=2048 float32 tokens, right-padded masks; per variant the best of 300 runs and whether
-// its outputs equal the first variant's bit for bit. A variant walks R rows side by side, row i running S·i tokens
-// behind row 0 (S = 0: all rows at the same token, the kernel before the skew; R = 4, S = 16: the kernel now).
-// The five arrays come from malloc, so their bases agree modulo 4 KiB, and rows T·4 bytes apart share L1 sets.
+// One thread, B=64 rows of T float32 tokens, right-padded masks; per T and skew rule the best of 100 runs (ns per
+// token) and whether its outputs equal the unskewed walk's bit for bit. A tile walks R = 4 rows side by side, row
+// i running S·i tokens behind row 0: "S=0" (all rows at the same token), "S=16" (the fixed skew of 2026-11-23),
+// "rule" (csrc/gae_row_skew.h, included here: the extension's own rule, S printed). The five arrays come from
+// malloc, so their bases agree modulo 4 KiB, as torch's page-aligned large tensors do.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -12,10 +13,12 @@
 #include <random>
 #include <vector>
 
+#include "../csrc/gae_row_skew.h"
+
 // rows [b0, b0 + R) of GAE, the recursion of csrc/advantages.cpp's gae_row_tile (unit time stride)
-template <int64_t R, int64_t S>
+template <int64_t R>
 void rows(const float* r, const float* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
-          float gamma, float gl) {
+          float gamma, float gl, int64_t S) {
   float next_value[R], next_adv[R];
   for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
   for (int64_t s = T - 1 + (R - 1) * S; s >= 0; --s) {
@@ -36,36 +39,41 @@ void rows(const float* r, const float* v, const bool* m, float* a_out, float* r_
 }
 
 int main() {
-  const int64_t B = 64, T = 2048;
-  std::vector<float> r(B * T), v(B * T), a0(B * T), o0(B * T), a(B * T), o(B * T);
-  std::vector<char> mc(B * T);
-  std::mt19937 g(0);
-  std::normal_distribution<float> n;
-  for (auto& x : r) x = n(g);
-  for (auto& x : v) x = n(g);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t L = T / 2 + g() % (T / 2);
-    for (int64_t t = 0; t < T; ++t) mc[b * T + t] = t < L;
-  }
-  const bool* m = reinterpret_cast<const bool*>(mc.data());
-  bool first = true;
-  auto bench = [&](const char* name, auto tile, int64_t R) {
-    auto run = [&] { for (int64_t b0 = 0; b0 < B; b0 += R) tile(r.data(), v.data(), m, a.data(), o.data(), b0, T, 0.99f, 0.99f * 0.95f); };
-    run();
-    double best = 1e9;
-    for (int k = 0; k < 300; ++k) {
-      const auto t0 = std::chrono::steady_clock::now();
-      run();
-      best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  const int64_t B = 64, R = 4;
+  for (int64_t T : {512, 528, 1024, 1040, 2040, 2048, 2056, 2064, 2112, 3000, 4096, 4112}) {
+    std::vector<float> r(B * T), v(B * T), a0(B * T), o0(B * T), a(B * T), o(B * T);
+    std::vector<char> mc(B * T);
+    std::mt19937 g(0);
+    std::normal_distribution<float> n;
+    for (auto& x : r) x = n(g);
+    for (auto& x : v) x = n(g);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t L = T / 2 + g() % (T / 2);
+      for (int64_t t = 0; t < T; ++t) mc[b * T + t] = t < L;
     }
-    if (first) a0 = a, o0 = o, first = false;
-    const bool same = std::memcmp(a.data(), a0.data(), 4 * B * T) == 0 && std::memcmp(o.data(), o0.data(), 4 * B * T) == 0;
-    std::printf("%-24s %8.1f us  %.2f ns/token  %s\n", name, best, best * 1e3 / (B * T), same ? "same bits" : "DIFFERENT");
-  };
-  bench("4 rows, no skew", rows<4, 0>, 4);
-  bench("4 rows, skew 16 (now)", rows<4, 16>, 4);
-  bench("2 rows, no skew", rows<2, 0>, 2);
-  bench("8 rows, no skew", rows<8, 0>, 8);
-  bench("8 rows, skew 16", rows<8, 16>, 8);
-  bench("1 row", rows<1, 0>, 1);
+    const bool* m = reinterpret_cast<const bool*>(mc.data());
+    auto bench = [&](int64_t S) {
+      auto run = [&] {
+        for (int64_t b0 = 0; b0 < B; b0 += R) rows<R>(r.data(), v.data(), m, a.data(), o.data(), b0, T, 0.99f, 0.99f * 0.95f, S);
+      };
+      run();
+      double best = 1e9;
+      for (int k = 0; k < 100; ++k) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run();
+        best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      if (S == 0) a0 = a, o0 = o;
+      const bool same = std::memcmp(a.data(), a0.data(), 4 * B * T) == 0 && std::memcmp(o.data(), o0.data(), 4 * B * T) == 0;
+      std::printf("  %5.2f%s", best * 1e3 / (B * T), same ? "" : " DIFFERENT");
+    };
+    const int64_t rule = rlkernels::gae_row_skew(T, 4 * T, 4, 4 * T, 4, R);
+    std::printf("T=%5ld  ns/token:  S=0", static_cast<long>(T));
+    bench(0);
+    std::printf("   S=16");
+    bench(16);
+    std::printf("   rule (S=%2ld)", static_cast<long>(rule));
+    bench(rule);
+    std::printf("\n");
+  }
 }

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "gae_row_skew.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -25,23 +27,17 @@ namespace {
 // multiply-add), so a task walks kRows rows side by side: kRows independent dependency chains per time step,
 // written without branches (a select per state), which the core overlaps.
 constexpr int64_t kRows = 4;
-constexpr int64_t kSkew = 16;  // tokens (one 64-byte line of float32) between neighbouring rows of a tile
 
 template <typename scalar_t, int64_t R>
 void gae_row_tile(const scalar_t* r, const scalar_t* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
-                  int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl) {
+                  int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl,
+                  int64_t skew) {
   float next_value[R], next_adv[R];  // the value and advantage of each row's next valid token (0 past the end)
   for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
-  // Row i runs kSkew·i tokens behind row 0: rows T floats apart (a multiple of 4 KiB for T = 1024, 2048, ...)
-  // would otherwise put the same token of all R rows of all five arrays into one L1 set (5R lines in an 8-way
-  // set: a conflict miss per access), and alias 4 KiB apart between the loads and the stores. Measured with
-  // bench/cpu_gae_rows.cpp (one thread, B=64 T=2048, arrays from malloc, so their bases agree mod 4 KiB;
-  // bench/results/cpu-gae-rows-2026-11-23.txt): 4 rows unskewed 1075-1127 us, skewed 124-125 us (2 rows unskewed
-  // 119 us; 8 rows 1898-2043 us unskewed, 145 us skewed). Inside torch the tensors' addresses happened not
-  // to line up and both took ~100-200 us: the skew makes that independent of where the allocator puts them.
-  for (int64_t s = T - 1 + (R - 1) * kSkew; s >= 0; --s) {
+  // Row i runs skew·i tokens behind row 0 (gae_row_skew.h: rows that would share an L1 set are spread)
+  for (int64_t s = T - 1 + (R - 1) * skew; s >= 0; --s) {
     for (int64_t i = 0; i < R; ++i) {
-      const int64_t t = s - i * kSkew;
+      const int64_t t = s - i * skew;
       if (t < 0 || t >= T) continue;
       const int64_t b = b0 + i;
       const float vt = static_cast<float>(v[b * vs0 + t * vs1]);
@@ -71,14 +67,16 @@ void gae_rows(const at::Tensor& rewards, const at::Tensor& values, const at::Ten
   const int64_t ms0 = mask.stride(0), ms1 = mask.stride(1);
   const float gl = gamma * lam;
   const int64_t tiles = (B + kRows - 1) / kRows;
+  const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t skew = gae_row_skew(T, rs0 * elem, rs1 * elem, vs0 * elem, vs1 * elem, kRows);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t b0 = tile * kRows;
       if (b0 + kRows <= B) {
-        gae_row_tile<scalar_t, kRows>(r, v, m, a_out, r_out, b0, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
+        gae_row_tile<scalar_t, kRows>(r, v, m, a_out, r_out, b0, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl, skew);
       } else {
         for (int64_t b = b0; b < B; ++b)  // the last rows, one at a time
-          gae_row_tile<scalar_t, 1>(r, v, m, a_out, r_out, b, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl);
+          gae_row_tile<scalar_t, 1>(r, v, m, a_out, r_out, b, T, rs0, rs1, vs0, vs1, ms0, ms1, gamma, gl, 0);
       }
     }
   });

@@ -178,6 +178,20 @@ def test_gae_masked_runs_across_chunks_and_blocks(backend, csrc_ops):
     check_gae(backend, r, v, m, 0.9, 0.8, REL_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("T", [1024, 1040, 2040, 2056, 2064])
+def test_gae_rows_at_every_tile_skew(T, csrc_ops):
+    # The CPU kernel walks 4 rows at once, row i some tokens behind row 0, the lag chosen from the row stride
+    # (csrc/gae_row_skew.h: 16 tokens at T = 1024, 8 at 2040, 24 at 2056, none at 1040 or 2064). Every lag, and
+    # the 9th row walked alone, must give the recursion of each row by itself.
+    gen = torch.Generator().manual_seed(T)
+    r, v, m = gae_inputs(9, T, "gaps", "per-token", torch.float32, gen)
+    check_gae("csrc", r, v, m, 0.99, 0.95, REL_TOL[torch.float32])
+    a, ret = run("csrc", rlkernels.gae, r, v, m, gamma=0.99, lam=0.95)
+    for b in (0, 3, 8):  # each row as a batch of one: no tile, no lag
+        a1, ret1 = run("csrc", rlkernels.gae, r[b:b + 1], v[b:b + 1], m[b:b + 1], gamma=0.99, lam=0.95)
+        assert torch.equal(a[b], a1[0]) and torch.equal(ret[b][m[b]], ret1[0][m[b]])
+
+
 def test_gae_transparency_and_zero_rows(csrc_ops):
     # inserting masked tokens anywhere must not change the advantages of the valid ones
     gen = torch.Generator().manual_seed(6)
