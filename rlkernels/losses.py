@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import math
 import operator
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
 from rlkernels.softmax import _bf16_round_bits
 
 
-def _constexpr(value: int):
+def _constexpr(value):
     """A module constant read by the kernels and the host alike: Triton's kernels read only ``tl.constexpr``
     globals, and the host indexes tensors with it through ``Tensor.select`` (which takes its ``__index__``)."""
     return tl.constexpr(value) if HAS_TRITON else value
@@ -70,6 +71,19 @@ BLOCK_KL = 1024  # elements per program of the elementwise KL kernel
 NUM_WARPS = 4  # KL and value kernels: 8 fp32 elements per thread, ~40-50 registers
 POLICY_WARPS = 8  # the policy kernel keeps 8 block accumulators live: 4 warps would need ~150-195 registers
 
+# k3 = e^-d + d - 1 (d = logp - ref) is d²/2 - d³/6 + ... near 0, where the direct float32 form cancels (its
+# absolute error of ~6e-8 read as 0 below |d| ~ 1e-4). Below |d| = 1 the kernels take d²·Σ_k c_k d^k, c_k =
+# (-1)^k / (k + 2)!, k = 0..8 (truncation 5e-8 relative at |d| = 1, where the direct form's own rounding error is
+# ~3e-7 relative); the derivative 1 - e^-d is then d - k3. Against float64 (tests/test_losses.py::test_k3_*):
+# <= 5e-7 relative for |d| in [1e-6, 10] on every backend (the direct form: 0 below |d| ~ 1e-4).
+# GSPO's policy kernel forms and sums its KL in pass 3 (_seq_grad_pass), not in pass 2 beside eight block sums:
+# with the series there, ptxas capped two configurations at 80 registers and spilled (triton 3.6 and 3.9).
+_K3_COEFFS = tuple(float((-1) ** k / math.factorial(k + 2)) for k in range(9))  # c_0 .. c_8 (host)
+_K3_BELOW = 1.0  # |d| below which the series is taken (host)
+_K3_TAYLOR = _constexpr(_K3_COEFFS)  # the same, as the kernels read them
+_K3_TERMS = _constexpr(len(_K3_COEFFS))
+_K3_SERIES_BELOW = _constexpr(_K3_BELOW)
+
 # ================================================================ Triton kernels
 
 
@@ -82,10 +96,14 @@ def _kl_and_grad(d, EST: tl.constexpr):
     elif EST == KL_K2:
         kl = 0.5 * d * d
         g = d
-    elif EST == KL_K3:  # exp(ref - logp) - (ref - logp) - 1, direct (its precision: kl_penalty's docstring)
+    elif EST == KL_K3:  # exp(ref - logp) - (ref - logp) - 1: _K3_TAYLOR's series below |d| = 1, else direct
         e = tl.exp(-d)
-        kl = e + d - 1.0
-        g = 1.0 - e
+        small = tl.abs(d) < _K3_SERIES_BELOW
+        t = _K3_TAYLOR[_K3_TERMS - 1]
+        for k in tl.static_range(_K3_TERMS - 2, -1, -1):  # Horner: Σ_k c_k d^k
+            t = t * d + _K3_TAYLOR[k]
+        kl = tl.where(small, d * d * t, e + d - 1.0)
+        g = tl.where(small, d - kl, 1.0 - e)  # 1 - e^-d = d - k3: no cancellation near 0
     else:  # KL_ABS; torch's sign(0) = 0 subgradient
         kl = tl.abs(d)
         g = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
@@ -223,13 +241,12 @@ def _policy_token_pass(
         pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
         x = pg
         g = _ratio_grad(dpg, r)  # d pg / d logp (token ratio)
-        if HAS_REF:
+        if HAS_REF and not SEQ_RATIO:  # GSPO sums its KL in pass 3, which forms it for the gradient anyway
             kl, dkl = _kl_and_grad(lp - _masked_load(ref_row, t, inb, keep), KL_EST)
             x += kl_coef * kl
             g_kl = kl_coef * dkl * m
             acc_kl += kl * m
-            if not SEQ_RATIO:
-                tl.store(g_ref_row + t, -g_kl, mask=inb)
+            tl.store(g_ref_row + t, -g_kl, mask=inb)
         if HAS_ENT:
             ent = _masked_load(ent_row, t, inb, keep)  # [BLOCK]
             x -= entropy_coef * ent
@@ -240,7 +257,7 @@ def _policy_token_pass(
             acc_ds += dpg * m
         else:
             g = g * m
-            if HAS_REF:
+            if HAS_REF:  # (token ratio)
                 g += g_kl
             tl.store(g_logp_row + t, g, mask=inb)
         acc_mask += m
@@ -258,7 +275,9 @@ def _seq_grad_pass(
     HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """GSPO pass 3: every token's gradients; through ``s_b = exp(Σ m·(logp - old) / n_b)`` each token's
-    ``dloss/dlogp`` is ``coef · m`` with ``coef = s_b · Σ m·dpg/ds / n_b``, plus its KL term."""
+    ``dloss/dlogp`` is ``coef · m`` with ``coef = s_b · Σ m·dpg/ds / n_b``, plus its KL term. Returns the row's
+    ``Σ m·kl`` (pass 2 leaves the KL to this pass: fewer registers held through pass 2's eight sums)."""
+    acc_kl = tl.full([BLOCK], 0.0, tl.float32)  # [BLOCK]
     for t0 in range(t_begin, t_end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)  # [BLOCK]
         inb = t < t_end
@@ -268,12 +287,14 @@ def _seq_grad_pass(
             keep = m != 0
             d = _masked_load(logp_row, t, inb, keep) - _masked_load(ref_row, t, inb, keep)  # [BLOCK]
             kl, dkl = _kl_and_grad(d, KL_EST)
+            acc_kl += kl * m
             g_kl = kl_coef * dkl * m
             g += g_kl
             tl.store(g_ref_row + t, -g_kl, mask=inb)
         if HAS_ENT:
             tl.store(g_ent_row + t, -entropy_coef * m, mask=inb)
         tl.store(g_logp_row + t, g, mask=inb)
+    return block_sum(acc_kl, 0)
 
 
 @jit
@@ -341,8 +362,10 @@ def _policy_kernel(
         HAS_REF, KL_EST, HAS_ENT, SEQ_RATIO, BLOCK,
     )
     if SEQ_RATIO:
-        _seq_grad_pass(logp_row, mask_row, ref_row, g_logp_row, g_ref_row, g_ent_row, t_begin, t_end,
-                       _ratio_grad(ds, s_row) * inv_n, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT, BLOCK)
+        kl = _seq_grad_pass(logp_row, mask_row, ref_row, g_logp_row, g_ref_row, g_ent_row, t_begin, t_end,
+                            _ratio_grad(ds, s_row) * inv_n, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT, BLOCK)
+        if HAS_REF:
+            loss += kl_coef * kl
     part = part_ptr + (b * tl.num_programs(1) + c) * NSLOTS
     _store_partials(part, n_mask, loss, clip, approx_kl, ratio, kl, ent, 0.0)
 
@@ -748,9 +771,14 @@ def _kl_terms(d: torch.Tensor, estimator: str):
         return d, torch.ones_like(d)
     if estimator == "k2":
         return 0.5 * d * d, d
-    if estimator == "k3":  # the Triton kernel's direct form
+    if estimator == "k3":  # the Triton kernel's form: _K3_TAYLOR's series below |d| = 1, else direct
         e = torch.exp(-d)
-        return e + d - 1.0, 1.0 - e
+        small = d.abs() < _K3_BELOW
+        t = torch.full_like(d, _K3_COEFFS[-1])
+        for c in reversed(_K3_COEFFS[:-1]):
+            t = t * d + c
+        kl = torch.where(small, d * d * t, e + d - 1.0)
+        return kl, torch.where(small, d - kl, 1.0 - e)
     return d.abs(), torch.sign(d)
 
 
@@ -1057,9 +1085,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
             ``"k3"`` (``exp(ref - logp) - (ref - logp) - 1``, unbiased and non-negative) or
             ``"abs"`` (``|logp - ref|``).
 
-    k3 is the direct float32 form: near ``logp = ref`` its value has an absolute error of about 6e-8 (so it
-    reads 0 below ``|logp - ref|`` ~ 1e-4, where the true value is under 5e-9); the reference computes it in
-    float64. Elementwise, so packed ``[1, total]`` inputs need no sequence boundaries (no ``cu_seqlens``).
+    k3 keeps float32's relative precision at every ``|logp - ref|`` (near 0 it is ~d²/2, which the direct form
+    ``exp(-d) + d - 1`` would round to 0 below ~1e-4): a short series below ``|d| = 1``, the direct form above;
+    within 1e-6 relative of the float64 value on every backend, its gradient too. Elementwise, so packed
+    ``[1, total]`` inputs need no sequence boundaries (no ``cu_seqlens``).
 
     Returns:
         ``[...]`` float32. Differentiable in ``logp`` and ``ref_logp``; gradients come back in
