@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import math
 import operator
 from dataclasses import dataclass
 
@@ -257,7 +256,7 @@ def _policy_token_pass(
             acc_ds += dpg * m
         else:
             g = g * m
-            if HAS_REF:  # (token ratio)
+            if HAS_REF:
                 g += g_kl
             tl.store(g_logp_row + t, g, mask=inb)
         acc_mask += m
