@@ -40,8 +40,9 @@ bench-quick: $(VENV)/.installed
 # part within 8 minutes on one H100/H200. Writes bench/results/<gpu>-<date>.json and .md (parts run in separate
 # calls on the same day merge into one file); then `python tools/readme_perf.py` puts the newest into README.
 # It runs with the GPU machine's own python (torch and triton are there; nothing is installed): no venv.
-# On this workplace's device tool, one part per call, carrying the peers' wheels and copying the results back:
-#   run(command="make gpu PART=bench && cp bench/results/*.json bench/results/*.md $OUT/", carry=[".gpu-wheels"])
+# On this workplace's device tool, one part per call, carrying the peers' wheels and copying the results back
+# (`;`, not `&&`: a part that fails still wrote its results, and they must come back):
+#   run(command="make gpu PART=bench; cp bench/results/*.json bench/results/*.md $OUT/", carry=[".gpu-wheels"])
 # The SmolLM2 GGUF (94 MiB) is over one call's 64 MiB: `make gpu-wheels` splits it into two pieces; carry
 # .gpu-wheels in one call holding the first piece and .gpu-wheels-2 in a second, which joins them:
 #   run(command="mkdir -p build && cp .gpu-wheels/*.part-aa build/", carry=[".gpu-wheels"])
@@ -51,10 +52,15 @@ GPU_PY     ?= python3
 PART       ?= all
 GPU_WHEELS ?= .gpu-wheels
 ONLY       ?=
+TOTAL_S    ?=
 # ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
+# TOTAL_S=480 makes the parts of one call share 480 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
+# 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included:
+#   run(command="make gpu PART=env,tests,bench TOTAL_S=480; cp bench/results/*.json bench/results/*.md $OUT/",
+#       carry=[".gpu-wheels"], timeout_s=570)
 gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
-	  $(if $(ONLY),--only $(ONLY))
+	  $(if $(ONLY),--only $(ONLY)) $(if $(TOTAL_S),--total-s $(TOTAL_S))
 
 # The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.
 gpu-dry-run: $(VENV)/.installed

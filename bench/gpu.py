@@ -54,6 +54,11 @@ from bench import harness
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("env", "tests", "memcheck", "bench", "trainer")
 PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), so it ends within 8
+# With --total-s (several parts in one call under a device lease shorter than their budgets), the parts share
+# that time: each part, when it starts, gets the time left times its weight over the weights of the parts still
+# to run (capped by --budget-s). The weights are how long each part wants relative to the others: env measures
+# two ceilings in seconds; memcheck runs one small case per kernel under the sanitizer.
+PART_WEIGHTS = {"env": 0.1, "tests": 1.0, "memcheck": 0.5, "bench": 1.5, "trainer": 1.0}
 # the op test files whose cuda parametrizations the tests part runs, one pytest process each
 TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
               "tests/test_losses.py", "tests/test_advantages.py", "tests/test_hf.py", "tests/test_compile.py")
@@ -182,9 +187,10 @@ def install_wheels(wheels: Path, site: Path) -> list[str]:
 class Part:
     """What every part gets: the device, whether it is a dry run, a deadline, and where to print."""
 
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, budget_s: float | None = None):
         self.args, self.device, self.dry = args, device, args.dry_run
-        self.deadline = time.monotonic() + args.budget_s
+        self.budget_s = args.budget_s if budget_s is None else min(budget_s, args.budget_s)
+        self.deadline = time.monotonic() + self.budget_s
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -507,6 +513,11 @@ def render_markdown(record: dict) -> str:
 # ------------------------------------------------------------------ main
 
 
+def part_share(parts_left: list[str]) -> float:
+    """The fraction of the call's remaining time that ``parts_left[0]`` gets under ``--total-s``."""
+    return PART_WEIGHTS[parts_left[0]] / sum(PART_WEIGHTS[name] for name in parts_left)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench --gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -515,6 +526,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=None, help="default bench/results (dry run: build/gpu-dry-run)")
     parser.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="peers' wheels (make gpu-wheels)")
     parser.add_argument("--budget-s", type=float, default=PART_BUDGET_S, help="per part: no new work after this")
+    parser.add_argument("--total-s", type=float, default=None,
+                        help="all parts of this call together: no new work after this; each part gets a share "
+                             "of what is left by its weight (PART_WEIGHTS), at most --budget-s")
     parser.add_argument("--pytest-k", default="cuda", help="tests part: pytest -k expression (default: cuda)")
     parser.add_argument("--test-files", nargs="*", default=None, help=f"tests part (default: {' '.join(TEST_FILES)})")
     parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
@@ -524,6 +538,9 @@ def main(argv=None) -> int:
     unknown = [x for x in parts if x not in PARTS]
     if unknown:
         parser.error(f"--part: unknown {unknown}; parts: {', '.join(PARTS)}")
+    if args.budget_s <= 0 or args.total_s is not None and not args.total_s > 0:
+        parser.error("--budget-s and --total-s must be > 0 seconds")
+    call_deadline = None if args.total_s is None else time.monotonic() + args.total_s
     if args.dry_run:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -545,10 +562,11 @@ def main(argv=None) -> int:
                   command="python -m bench --gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   env=environment(device))
     ok = True
-    for name in parts:
-        print(f"== {name}", flush=True)
+    for i, name in enumerate(parts):
         start = time.monotonic()
-        got = PART_FUNCTIONS[name](Part(args, device))
+        share = None if call_deadline is None else max(call_deadline - start, 0.0) * part_share(parts[i:])
+        print(f"== {name}" + ("" if share is None else f" (its share of --total-s: {share:.0f} s)"), flush=True)
+        got = PART_FUNCTIONS[name](Part(args, device, share))
         record.update(got)
         record.setdefault("seconds", {})[name] = round(time.monotonic() - start, 1)
         part_ok = all(v.get("ok", True) for v in got.values() if isinstance(v, dict))

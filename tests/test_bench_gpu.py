@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu
 from tools import readme_perf
@@ -137,3 +138,31 @@ def test_rows_state_the_ratio_to_the_fastest_peer():
     assert {k: r.vs_best_peer for k, r in rows.items() if k != "peer c"} == {"eager": 0.2, "rlkernels": 2.0, "peer a": 0.5, "peer b": 1.0}
     assert rows["rlkernels"].speedup == 10.0 and rows["peer c"].skipped
     assert harness.format_table(list(rows.values())).splitlines()[2].rstrip().endswith("0.20x")
+
+
+def test_parts_share_the_time_of_one_call():
+    """--total-s: each part gets the time left times its weight over the parts still to run, so parts that use all
+    of their share end the call at its deadline, a larger weight gets more, and --budget-s still caps a part."""
+    import argparse
+
+    for parts in (list(gpu.PARTS), ["env", "tests", "bench"], ["bench"]):
+        left, shares = 480.0, {}
+        for i, name in enumerate(parts):
+            shares[name] = left * gpu.part_share(parts[i:])
+            left -= shares[name]
+        assert left == pytest.approx(0.0, abs=1e-9) and sum(shares.values()) == pytest.approx(480.0)
+    assert shares == {"bench": pytest.approx(480.0)}
+    weights = gpu.PART_WEIGHTS
+    assert set(weights) == set(gpu.PARTS) and all(w > 0 for w in weights.values())
+    args = argparse.Namespace(dry_run=True, budget_s=60.0)
+    cpu = torch.device("cpu")
+    assert 55.0 < gpu.Part(args, cpu, 500.0).time_left() <= 60.0  # the part's own budget caps its share
+    assert 5.0 < gpu.Part(args, cpu, 10.0).time_left() <= 10.0
+    assert 55.0 < gpu.Part(args, cpu).time_left() <= 60.0  # no --total-s: the part's budget
+
+
+@pytest.mark.parametrize("flags", [["--total-s", "0"], ["--total-s", "-5"], ["--budget-s", "0"]])
+def test_time_flags_must_be_positive(flags, capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--part", "env", *flags])
+    assert "must be > 0" in capsys.readouterr().err
