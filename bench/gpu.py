@@ -5,7 +5,8 @@ starting new work once its budget is spent and says so), runnable alone or all i
 
 - ``env``: GPU, driver, torch, triton, CUDA, nvcc and the peers' versions, and the device's own ceilings
   measured in the same run (a 1 GiB device-to-device copy, a bf16 8192^3 matmul);
-- ``tests``: builds the csrc extension (CUDA kernels included where nvcc is), then runs the op test files,
+- ``tests``: builds the csrc extension (CUDA kernels included where nvcc is), then runs the op test files (with
+  pytest-xdist workers where it is installed),
   each as its own ``pytest -q -k cuda`` (the ``cuda`` parametrizations of the one suite), one summary line
   per file;
 - ``memcheck``: ``compute-sanitizer --tool memcheck`` over ``python -m bench.memcheck`` (one small case of
@@ -226,6 +227,15 @@ def parse_pytest_summary(output: str) -> dict:
     return {**counts, "seconds": float(seconds.group(1)) if seconds else None, "summary": last}
 
 
+def pytest_workers(p: Part) -> int:
+    """pytest-xdist workers for each test file: ``--pytest-workers``, or by default 8 on a GPU machine that has
+    xdist (its image does; the tests' Triton kernels compile on the host, one per configuration, and the cores
+    would otherwise wait on one process), none in a dry run or without xdist."""
+    if p.args.pytest_workers is not None:
+        return p.args.pytest_workers
+    return 0 if p.dry or importlib.util.find_spec("xdist") is None else 8
+
+
 def part_tests(p: Part) -> dict:
     from rlkernels import _extension
 
@@ -236,6 +246,9 @@ def part_tests(p: Part) -> dict:
     print(f"  csrc extension: {'built' if ext['available'] else 'UNAVAILABLE: ' + str(ext['error'])}, "
           f"CUDA kernels: {'yes' if ext['cuda_kernels'] else 'no'} ({ext['seconds']} s)", flush=True)
     files, results = p.args.test_files or list(TEST_FILES), []
+    workers = pytest_workers(p)
+    if workers:
+        print(f"  pytest-xdist: {workers} workers per file (Triton compiles its kernels in parallel)", flush=True)
     for i, path in enumerate(files):
         share = p.time_left() / (len(files) - i)  # what is left, shared by the files still to run
         if share < 5:
@@ -243,6 +256,8 @@ def part_tests(p: Part) -> dict:
             print(f"  {path}: not run (part time budget spent)", flush=True)
             continue
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", p.args.pytest_k, path]
+        if workers:
+            cmd += ["-n", str(workers)]
         try:
             done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=share)
             row = {"file": path, "returncode": done.returncode, **parse_pytest_summary(done.stdout)}
@@ -530,6 +545,8 @@ def main(argv=None) -> int:
                         help="all parts of this call together: no new work after this; each part gets a share "
                              "of what is left by its weight (PART_WEIGHTS), at most --budget-s")
     parser.add_argument("--pytest-k", default="cuda", help="tests part: pytest -k expression (default: cuda)")
+    parser.add_argument("--pytest-workers", type=int, default=None,
+                        help="tests part: pytest-xdist workers per file (default: 8 with xdist on a GPU, else 0)")
     parser.add_argument("--test-files", nargs="*", default=None, help=f"tests part (default: {' '.join(TEST_FILES)})")
     parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
     parser.add_argument("--memcheck-only", default="", help="memcheck part: case name prefixes (default: all)")
@@ -540,6 +557,8 @@ def main(argv=None) -> int:
         parser.error(f"--part: unknown {unknown}; parts: {', '.join(PARTS)}")
     if args.budget_s <= 0 or args.total_s is not None and not args.total_s > 0:
         parser.error("--budget-s and --total-s must be > 0 seconds")
+    if args.pytest_workers is not None and args.pytest_workers < 0:
+        parser.error(f"--pytest-workers must be >= 0, got {args.pytest_workers}")
     call_deadline = None if args.total_s is None else time.monotonic() + args.total_s
     if args.dry_run:
         device = torch.device("cpu")

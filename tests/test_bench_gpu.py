@@ -166,3 +166,19 @@ def test_time_flags_must_be_positive(flags, capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--part", "env", *flags])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_pytest_workers_default_and_override():
+    """8 xdist workers per test file on a GPU machine that has pytest-xdist, none in a dry run; the flag wins."""
+    import argparse
+    import importlib.util
+
+    cpu = torch.device("cpu")
+    part = gpu.Part(argparse.Namespace(dry_run=True, budget_s=60.0, pytest_workers=None), cpu)
+    assert gpu.pytest_workers(part) == 0
+    part = gpu.Part(argparse.Namespace(dry_run=False, budget_s=60.0, pytest_workers=None), cpu)
+    assert gpu.pytest_workers(part) == (8 if importlib.util.find_spec("xdist") else 0)
+    part = gpu.Part(argparse.Namespace(dry_run=False, budget_s=60.0, pytest_workers=3), cpu)
+    assert gpu.pytest_workers(part) == 3
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--part", "env", "--pytest-workers", "-1"])
