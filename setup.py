@@ -3,31 +3,30 @@
 ``pip install .`` works without it: the extension is otherwise built with ninja
 at first use (``rlkernels._extension``). Set ``RLKERNELS_BUILD_EXT=1`` to build it
 now, into ``rlkernels/_C*.so`` (loaded with ``torch.ops.load_library``): the C++
-CPU kernels always, the CUDA kernels too when the installed torch has CUDA and
-``nvcc`` is found. torch must already be installed (use
+CPU kernels always, the CUDA kernels too when the installed torch has CUDA,
+``nvcc`` is found and there is a target: a visible GPU, or ``TORCH_CUDA_ARCH_LIST``
+(e.g. ``"8.0;9.0"``) on a machine without one. torch must already be installed (use
 ``pip install --no-build-isolation .``); it is never a build requirement.
 """
 import os
 import sys
-import shutil
 
 from setuptools import setup
 
 
 def extension_modules():
     from torch.utils import cpp_extension
-    import torch
 
     here = os.path.dirname(os.path.abspath(__file__))
     csrc = os.path.join("csrc")
     sources = [os.path.join(csrc, "advantages.cpp")]
     sys.path.insert(0, here)
-    from rlkernels._extension import openmp_flags  # at::parallel_for's OpenMP pragma needs -fopenmp
+    # the JIT build's rules: -fopenmp for at::parallel_for's pragma; CUDA kernels with a CUDA torch, nvcc and a
+    # target (a visible GPU or TORCH_CUDA_ARCH_LIST, e.g. "8.0;9.0" for a wheel built on a machine without one)
+    from rlkernels._extension import cuda_build_possible, openmp_flags
 
     omp = openmp_flags()
-    nvcc = cpp_extension.CUDA_HOME and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
-    with_cuda = torch.version.cuda is not None and bool(nvcc or shutil.which("nvcc"))
-    if with_cuda:
+    if cuda_build_possible():
         sources += [os.path.join(csrc, "advantages_cuda.cu"), os.path.join(csrc, "advantages_cuda_binding.cpp")]
         ext = cpp_extension.CUDAExtension(
             "rlkernels._C",

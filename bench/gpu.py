@@ -242,9 +242,11 @@ def part_tests(p: Part) -> dict:
     start = time.monotonic()
     ops = _extension.load()  # builds csrc/ (CPU + CUDA kernels where nvcc is) or loads the prebuilt library
     ext = {"available": ops is not None, "cuda_kernels": ops is not None and _extension.has_cuda_kernels(),
-           "error": _extension.error(), "seconds": round(time.monotonic() - start, 1)}
+           "error": _extension.error(), "cuda_blocker": _extension.cuda_build_blocker(),
+           "seconds": round(time.monotonic() - start, 1)}
     print(f"  csrc extension: {'built' if ext['available'] else 'UNAVAILABLE: ' + str(ext['error'])}, "
-          f"CUDA kernels: {'yes' if ext['cuda_kernels'] else 'no'} ({ext['seconds']} s)", flush=True)
+          f"CUDA kernels: {'yes' if ext['cuda_kernels'] else 'no (' + str(ext['cuda_blocker']) + ')'} "
+          f"({ext['seconds']} s)", flush=True)
     files, results = p.args.test_files or list(TEST_FILES), []
     workers = pytest_workers(p)
     if workers:

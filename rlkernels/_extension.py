@@ -47,13 +47,30 @@ class ExtensionUnavailable(RuntimeError):
 
 
 def cuda_build_possible() -> bool:
-    """CUDA kernels are built only when torch has CUDA and an nvcc is at hand."""
+    """Whether the build includes the CUDA kernels (see :func:`cuda_build_blocker`)."""
+    return cuda_build_blocker() is None
+
+
+def cuda_build_blocker() -> str | None:
+    """Why the CUDA kernels are not built, or None when they are: torch must have CUDA, there must be an
+    architecture to build for -- a visible GPU (torch's build targets its compute capability) or
+    ``TORCH_CUDA_ARCH_LIST`` -- and the toolkit torch will use (``CUDA_HOME``, or its guess from the ``nvcc`` on the
+    PATH) must hold ``bin/nvcc`` and ``include/cuda_runtime.h``. A CUDA torch on a machine without a GPU (a login
+    node, a CPU CI runner) has no target: torch's build would stop with an IndexError while choosing one, taking
+    the CPU kernels down with it; a guessed toolkit without headers (an ``nvcc`` wrapper script outside the
+    toolkit) fails to compile. In those cases the CPU kernels are built alone."""
     if torch.version.cuda is None:
-        return False
+        return "torch is a CPU build"
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        return "no GPU is visible and TORCH_CUDA_ARCH_LIST is not set"
     from torch.utils import cpp_extension
 
     home = cpp_extension.CUDA_HOME
-    return bool(home and os.path.exists(os.path.join(home, "bin", "nvcc"))) or shutil.which("nvcc") is not None
+    if not home or not (os.path.exists(os.path.join(home, "bin", "nvcc")) or shutil.which("nvcc")):
+        return "nvcc was not found (set CUDA_HOME to the CUDA toolkit)"
+    if not os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        return f"the CUDA toolkit at CUDA_HOME={home} has no include/cuda_runtime.h (set CUDA_HOME to the toolkit)"
+    return None
 
 
 def openmp_flags() -> list[str]:
@@ -94,9 +111,13 @@ def _build() -> None:
         torch.ops.load_library(prebuilt)
         return
     sources = [os.path.join(CSRC_DIR, s) for s in CPU_SOURCES]
-    with_cuda = cuda_build_possible()
+    blocker = cuda_build_blocker()
+    with_cuda = blocker is None
     if with_cuda:
         sources += [os.path.join(CSRC_DIR, s) for s in CUDA_SOURCES]
+    elif torch.version.cuda is not None and torch.cuda.is_available():  # a GPU that will run Triton only: say why
+        warnings.warn(f"rlkernels: building the csrc extension without its CUDA kernels: {blocker}", RuntimeWarning,
+                      stacklevel=3)
     missing = [s for s in sources if not os.path.exists(s)]
     if missing:
         raise ExtensionUnavailable(f"sources not found: {missing} (install from a source checkout or build with RLKERNELS_BUILD_EXT=1)")

@@ -280,3 +280,37 @@ def test_double_backward_raises_naming_the_op(backend, case):
         assert torch.isfinite(g).all() and g.abs().sum() > 0
         with pytest.raises(RuntimeError, match=f"rlkernels.{name} does not support double backward"):
             torch.autograd.grad(make(x), x, create_graph=True)
+
+
+def test_cuda_kernels_are_built_only_with_a_target_and_a_toolkit(tmp_path, monkeypatch):
+    """A CUDA torch on a machine with no GPU (and no TORCH_CUDA_ARCH_LIST) builds the CPU kernels alone (torch's
+    build would otherwise fail choosing a target, taking them down too; seen with torch 2.11+cu130 here), and so
+    does a toolkit without headers; with a target and a whole toolkit the CUDA kernels are built."""
+    from torch.utils import cpp_extension
+
+    from rlkernels import _extension
+
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(toolkit))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setenv("RLKERNELS_CACHE", str(tmp_path / "cache"))
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "CPU build" in _extension.cuda_build_blocker() and not _extension.cuda_build_possible()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert "TORCH_CUDA_ARCH_LIST" in _extension.cuda_build_blocker()
+    assert _extension.build_directory().endswith("_cpu")  # the CPU-only library has a cache folder of its own
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert "cuda_runtime.h" in _extension.cuda_build_blocker()  # nvcc but no headers: no CUDA kernels
+    (toolkit / "include").mkdir()
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    assert _extension.cuda_build_blocker() is None and _extension.cuda_build_possible()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a visible GPU is a target too
+    assert _extension.cuda_build_possible()
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setattr(_extension.shutil, "which", lambda name: None)
+    assert "nvcc" in _extension.cuda_build_blocker()
