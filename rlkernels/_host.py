@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 # Triton's names for the tensor dtypes the kernels load (ahead-of-time signatures use them).
@@ -31,11 +33,22 @@ _SCHEMA_TYPES = {"float": "float", "float | None": "float?", "int": "int", "int 
 def op_schema(tensors: str, options: type, returns: str) -> str:
     """A ``torch.library.custom_op`` schema: the op's tensor arguments (``"Tensor x, Tensor? y"``), then one typed
     argument per field of the frozen dataclass ``options``, in field order and under the field's name: the op
-    receives them as ``*dataclasses.astuple(opt)`` and rebuilds ``options(*args)``; ``returns`` as in a schema."""
-    import dataclasses
-
+    receives them as ``*option_values(opt)`` and rebuilds ``options(*args)``; ``returns`` as in a schema."""
     fields = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}" for f in dataclasses.fields(options))
     return f"({tensors}, {fields}) -> {returns}"
+
+
+def option_values(opt) -> tuple:
+    """The fields of the frozen options dataclass ``opt``, in field order: a custom op's trailing arguments (see
+    :func:`op_schema`). Not ``dataclasses.astuple``, which deep-copies every value: torch 2.11's dynamo cannot
+    trace ``copy.deepcopy``, so every ``torch.compile(fullgraph=True)`` of an op failed there."""
+    return tuple(getattr(opt, f.name) for f in dataclasses.fields(opt))
+
+
+def option_dict(opt) -> dict:
+    """The fields of the frozen options dataclass ``opt`` by name (``dataclasses.asdict`` without its deep copy,
+    for the reason given at :func:`option_values`)."""
+    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
 
 
 def lse_merge(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None):

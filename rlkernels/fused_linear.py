@@ -75,7 +75,6 @@ with autograd -> public function.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -83,7 +82,9 @@ import torch
 
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, refuse_double_backward, unit_stride
+from rlkernels._host import (
+    TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, option_values, refuse_double_backward, unit_stride,
+)
 from rlkernels._triton import cdiv, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -342,7 +343,7 @@ def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr,
 class LinearLogprobsOptions:
     """The validated non-tensor arguments of one :func:`linear_logprobs` call, under the public keyword names and
     meanings, down to the kernels (which receive ``temperature`` and ``ignore_index`` as they are). Both custom ops
-    take them as ``*dataclasses.astuple(opt)`` and rebuild ``LinearLogprobsOptions(*args)``; defaults live only in
+    take them as ``*option_values(opt)`` and rebuild ``LinearLogprobsOptions(*args)``; defaults live only in
     the public signature."""
 
     temperature: float  # > 0: divides the logits
@@ -1196,7 +1197,7 @@ def _kept_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
                          schema=op_schema(_FWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_op(hidden, weight, labels, bias, *options):
     """``hidden`` [N, H], ``weight`` [V, H], int64 ``labels`` [N], ``bias`` [V] or None, then
-    ``*astuple(LinearLogprobsOptions)``. Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each
+    ``*option_values(LinearLogprobsOptions)``. Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each
     row's max logit ``z/T`` and ``log Σ exp(z/T - max)``, kept apart for the backward (never summed into one lse),
     the same layout and values (to float32 rounding) for every backend; at rows labelled ``ignore_index`` all three
     are exact zeros (:func:`_kept_rows`: no backend sees those rows). Without ``return_entropy`` the entropy is
@@ -1229,7 +1230,7 @@ def _(hidden, weight, labels, bias, *options):
                          schema=op_schema(_BWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
     """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
-    ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*astuple(LinearLogprobsOptions)``. Returns
+    ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsOptions)``. Returns
     ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
     opt = LinearLogprobsOptions(*options)
     if not opt.return_entropy:
@@ -1271,7 +1272,7 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
     dh, dw, db = _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp,
-                                              *dataclasses.astuple(ctx.options))
+                                              *option_values(ctx.options))
     return (dh, dw, None, db if ctx.has_bias else None) + no_grads(LinearLogprobsOptions)
 
 
@@ -1287,7 +1288,7 @@ _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
 def _reference_linear_logprobs(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     """:func:`rlkernels.reference.linear_logprobs` behind the op's label check (on the CPU, when not compiled:
     compiled, a bad label gives NaN there, as on a GPU)."""
-    if not torch.compiler.is_compiling():
+    if not _checks._tracing():
         labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [...] int64
     return reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                                      return_entropy=opt.return_entropy, ignore_index=opt.ignore_index)
@@ -1361,6 +1362,6 @@ def linear_logprobs(
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         y = labels.reshape(-1).long()  # [N]
-        logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, *dataclasses.astuple(opt))  # [N], [N], [2, N]
+        logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
     logp = logp.reshape(lead)  # [...]
     return (logp, entropy.reshape(lead)) if opt.return_entropy else logp

@@ -76,7 +76,6 @@ Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -87,7 +86,10 @@ from rlkernels import _backend, _checks, losses, reference
 from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, refuse_double_backward, unit_stride
+from rlkernels._host import (
+    TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, option_dict, option_values, refuse_double_backward,
+    unit_stride,
+)
 from rlkernels._triton import cdiv, jit, tl
 
 # Budget of one chunk's float32 [chunk, V] logits tile (the only chunk-sized buffer): this floor, or the size of
@@ -118,7 +120,7 @@ _WIDEN_ROWS = 1024
 @dataclass(frozen=True)
 class FusedPolicyOptions:
     """The validated non-tensor arguments of :func:`linear_policy_loss` / :func:`logits_policy_loss`, under their
-    public names, plus which inputs need a gradient. The ops take them as ``*dataclasses.astuple(opt)``."""
+    public names, plus which inputs need a gradient. The ops take them as ``*option_values(opt)``."""
 
     temperature: float  # > 0: divides the logits
     ignore_index: int  # labels equal to it give logp = entropy = 0 and no gradient (as in linear_logprobs)
@@ -179,7 +181,7 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
                                    ref_logp=ref_logp, entropy=entropy_stand_in, **policy_kwargs)
     return FusedPolicyOptions(_checks.temperature(temperature), _checks.index(ignore_index, "ignore_index"),
                               _checks.flag(return_entropy, "return_entropy"),
-                              *dataclasses.astuple(popt), *grads)
+                              *option_values(popt), *grads)
 
 
 # ---------------------------------------------------------------- chunked computation (torch)
@@ -394,7 +396,7 @@ def _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt
     ent = entropy if opt.with_entropy else None  # [B, T] or None
     old_logp = logp.detach() if old_logp is None else old_logp  # on-policy (old_logp=None): ratio 1
     loss, metrics = losses.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=ent,
-                                       **dataclasses.asdict(opt.policy))
+                                       **option_dict(opt.policy))
     metrics = dict(metrics, token_logp=logp.detach().float())  # what the three-GEMM op reports
     if ent is not None:
         metrics["token_entropy"] = ent.detach().float()
@@ -913,7 +915,7 @@ def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.
     row. A copy only where such an entry exists (checked on the CPU, where it costs no sync; on a GPU, and while
     torch.compile traces, always: three elementwise passes over ``hidden``)."""
     unused = (mask == 0) | (labels == opt.ignore_index)  # [B, T]
-    if (hidden.device.type == "cpu" and not torch.compiler.is_compiling()  # traced: no data-dependent branch
+    if (hidden.device.type == "cpu" and not _checks._tracing()  # traced: no data-dependent branch
             and (not bool(unused.any()) or bool(torch.isfinite(hidden[unused]).all()))):
         return hidden
     bad = unused[..., None] & ~torch.isfinite(hidden)  # [B, T, H]
@@ -978,9 +980,10 @@ def _(logits, labels, old_logp, advantages, mask, ref_logp, *options):
 def _upstream_is_one(d_loss: torch.Tensor) -> bool:
     """Whether the upstream gradient is exactly 1 (``loss.backward()``): then the stored gradients are handed out
     as they are, with no gradient-sized copy (and autograd copies them before accumulating when the graph is
-    retained). One scalar read (a device sync on a GPU); under ``torch.compile`` always False (no data-dependent
-    branch in the traced backward)."""
-    return not torch.compiler.is_compiling() and bool(d_loss == 1)
+    retained). One scalar read (a device sync on a GPU); while traced always False (no data-dependent branch in
+    the traced backward: torch 2.11's AOT autograd traces it with ``torch.compiler.is_compiling()`` False, hence
+    ``_checks._tracing``, which also sees its dispatch mode)."""
+    return not _checks._tracing() and bool(d_loss == 1)
 
 
 def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
@@ -1060,7 +1063,7 @@ def _metrics_dict(metrics, logp, entropy, opt: FusedPolicyOptions, has_ref: bool
 
 
 def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
-    if not torch.compiler.is_compiling():
+    if not _checks._tracing():
         labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)
     hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]: as the three-GEMM op cleans it
     out = reference.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
@@ -1069,7 +1072,7 @@ def _reference_linear(hidden, weight, labels, old_logp, advantages, mask, ref_lo
 
 
 def _reference_logits(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    if not torch.compiler.is_compiling():
+    if not _checks._tracing():
         labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)
     # the loss from logits whose unused rows hold no NaN/inf (0 · NaN in the softmax's backward would reach
     # d_logits); the per-token metrics from the logits as given, 0 where non-finite at a masked-out token, as
@@ -1092,7 +1095,7 @@ def _reference_policy(out, old_logp, advantages, mask, ref_logp, opt: FusedPolic
     logp, entropy = out if opt.with_entropy else (out, None)
     old_logp = logp.detach() if old_logp is None else old_logp  # on-policy: old = the log-probs themselves
     loss, metrics = reference.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
-                                          **dataclasses.asdict(opt.policy))
+                                          **option_dict(opt.policy))
     metrics = dict(metrics)
     metrics["token_logp"] = logp.detach().float()
     if entropy is not None:
@@ -1210,7 +1213,7 @@ def linear_policy_loss(
                 and _torch_layout(hidden, weight, opt) == "two-op"):
             return _two_op(hidden, weight, labels, *constants, bias, opt)
         loss, metrics, logp, ent, *_ = _linear_op(hidden, weight, labels.long(), *constants, bias,
-                                                   *dataclasses.astuple(opt))
+                                                   *option_values(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
 
 
@@ -1258,5 +1261,5 @@ def logits_policy_loss(
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_LOGITS_IMPLS, logits):
             return _reference_logits(logits, labels, *constants, opt)
-        loss, metrics, logp, ent, _ = _logits_op(logits, labels.long(), *constants, *dataclasses.astuple(opt))
+        loss, metrics, logp, ent, _ = _logits_op(logits, labels.long(), *constants, *option_values(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)

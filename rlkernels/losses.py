@@ -30,7 +30,6 @@ functions.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -41,7 +40,9 @@ from rlkernels import _backend, _checks
 from rlkernels import packing as _packing
 from rlkernels import reference as _ref
 from rlkernels._device import block_sum
-from rlkernels._host import mask_u8, no_grads, op_schema, refuse_double_backward, unit_stride
+from rlkernels._host import (
+    mask_u8, no_grads, op_schema, option_dict, option_values, refuse_double_backward, unit_stride,
+)
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
 from rlkernels.softmax import _bf16_round_bits
@@ -1098,7 +1099,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_KL_IMPLS, logp):
             return _ref.kl_penalty(logp, ref_logp, opt.estimator)
-        kl, _ = _kl_op(logp, ref_logp, *dataclasses.astuple(opt))  # [...] fp32
+        kl, _ = _kl_op(logp, ref_logp, *option_values(opt))  # [...] fp32
     return kl
 
 
@@ -1182,8 +1183,8 @@ def policy_loss(
     constants = (old_logp.detach(), advantages.detach(), mask.detach())  # [B, T], [B, T] or [B], [B, T]
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_POLICY_IMPLS, logp):
-            return _ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy, **dataclasses.asdict(opt))
-        loss, metrics, *_ = _policy_op(logp, *constants, ref_logp, entropy, *dataclasses.astuple(opt))  # [], [5]
+            return _ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy, **option_dict(opt))
+        loss, metrics, *_ = _policy_op(logp, *constants, ref_logp, entropy, *option_values(opt))  # [], [5]
     metrics = dict(zip(POLICY_METRICS, metrics.detach()))
     if ref_logp is None:
         del metrics["kl"]
@@ -1228,7 +1229,7 @@ def value_loss(
     constants = (old_values.detach(), returns.detach(), mask.detach())  # [B, T] each
     with _backend.float32_compute(values.device):
         if _backend.serves_reference(_VALUE_IMPLS, values):
-            return _ref.value_loss(values, *constants, **dataclasses.asdict(opt))
-        loss, metrics, _, _ = _value_op(values, *constants, *dataclasses.astuple(opt))  # loss [], metrics [2]
+            return _ref.value_loss(values, *constants, **option_dict(opt))
+        loss, metrics, _, _ = _value_op(values, *constants, *option_values(opt))  # loss [], metrics [2]
     metrics = metrics.detach()
     return loss, {"clipfrac": metrics[0], "values_mean": metrics[1]}

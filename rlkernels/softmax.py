@@ -51,14 +51,13 @@ overflow of ``max·log2(e)`` itself past 2.4e38, would no longer cancel.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema, refuse_double_backward
+from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema, option_values, refuse_double_backward
 from rlkernels._triton import HAS_TRITON, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -316,7 +315,7 @@ def _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl
 class LogprobsOptions:
     """The non-tensor options of one :func:`logprobs` call, validated: its keyword arguments under their own names
     and meanings, down to the kernels (which receive ``1 / temperature`` and ``ignore_index``). They cross each
-    custom op as ``*dataclasses.astuple(opt)`` and come back as ``LogprobsOptions(*args)``; the defaults live in
+    custom op as ``*option_values(opt)`` and come back as ``LogprobsOptions(*args)``; the defaults live in
     the public signature only."""
 
     temperature: float  # > 0, divides the logits
@@ -679,7 +678,7 @@ _BWD_IMPLS = {"torch": _torch_backward, "triton": _triton_backward}
 @torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=(),
                          schema=op_schema("Tensor logits, Tensor labels", LogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _logprobs_fwd_op(logits, labels, *options):
-    """``logits`` [..., V], int64 ``labels`` [...], then ``*astuple(LogprobsOptions)``. Returns ``(logp, entropy,
+    """``logits`` [..., V], int64 ``labels`` [...], then ``*option_values(LogprobsOptions)``. Returns ``(logp, entropy,
     stats)``: ``logp``, ``entropy`` [...] and ``stats`` [..., 2], each row's max logit and shifted sum
     ``Σ e^((x - max)/T)`` ((0, 1) on ignored rows, NaN for a label out of range), the same layout and values
     (to float32 rounding) for every backend; the backward needs only ``stats`` and ``entropy``. Without
@@ -707,7 +706,7 @@ _BWD_TENSORS = "Tensor logits, Tensor labels, Tensor stats, Tensor entropy, Tens
 def _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *options):
     """``logits`` [..., V], ``labels`` [...] int64, ``stats`` [..., 2] and ``entropy`` [...] from the forward,
     upstream ``g_logp`` [...] and ``g_entropy`` [...] (None: no entropy gradient), then
-    ``*astuple(LogprobsOptions)``. Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
+    ``*option_values(LogprobsOptions)``. Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
     opt = LogprobsOptions(*options)
     if not opt.return_entropy:
         g_entropy = None  # the entropy output was zeros, not a function of the logits
@@ -731,7 +730,7 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     logits, labels, stats, entropy = ctx.saved_tensors  # [..., V], [...], [..., 2], [...]
     g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp  # [...]
     with _backend.float32_compute(logits.device):
-        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *dataclasses.astuple(ctx.options))
+        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *option_values(ctx.options))
     return (dlogits, None) + no_grads(LogprobsOptions)
 
 
@@ -747,7 +746,7 @@ _logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def _reference_logprobs(logits, labels, opt: LogprobsOptions):
     """:func:`rlkernels.reference.logprobs` with the op's label check (on the CPU, when not compiled: compiled,
     a bad label gives NaN there, as on a GPU)."""
-    if not torch.compiler.is_compiling():
+    if not _checks._tracing():
         _checks.labels(labels, logits.shape[-1], opt.ignore_index)
     return reference.logprobs(logits, labels, temperature=opt.temperature, return_entropy=opt.return_entropy,
                               ignore_index=opt.ignore_index)
@@ -801,5 +800,5 @@ def logprobs(
         if _backend.serves_reference(_FWD_IMPLS, logits):
             return _reference_logprobs(logits, labels, opt)
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
-        logp, entropy, _ = _logprobs_fwd_op(logits, labels.long(), *dataclasses.astuple(opt))  # [...] x2, [..., 2]
+        logp, entropy, _ = _logprobs_fwd_op(logits, labels.long(), *option_values(opt))  # [...] x2, [..., 2]
     return (logp, entropy) if opt.return_entropy else logp

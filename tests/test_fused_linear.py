@@ -948,9 +948,12 @@ def test_float32_output_matmul_signatures_hold_for_cuda():
         pytest.skip("this torch has no float32-output matmul; the exact float32 fallback runs everywhere")
     a = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")  # [n, V]
     b = torch.empty(128, 32, dtype=torch.bfloat16, device="meta")  # [V, H]
-    acc = torch.empty(64, 32, dtype=torch.float32, device="meta")  # [n, H]
     assert torch.mm(a, b, out_dtype=torch.float32).dtype == torch.float32
-    assert torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc) is acc
+    # addmm's float32-output overload: its schema (torch 2.11's meta kernel for it is a decomposition that takes
+    # out_dtype for beta, so a meta call fails there; CUDA runs ATen's kernel, checked by the cuda tests)
+    args = {x.name: str(x.type) for x in torch.ops.aten.addmm.dtype_out._schema.arguments}
+    assert list(args)[:4] == ["self", "mat1", "mat2", "out_dtype"]
+    assert args["self"] == args["mat1"] == args["mat2"] == args["out"] == "Tensor"
 
 
 # ---------------------------------------------------------------- the Hopper forward and the plain baseline

@@ -8,8 +8,11 @@ temperature != 1, the verl adapter's tensor-parallel functions, and the errors.
 
 One forked process group per world size runs every scenario (forked: the children reuse the imported modules, so a
 test costs seconds, not an import of torch per rank; a forkserver, immune to a lock some thread of the test process
-might hold at the fork, cost ~20 s more per session on the loaded 2-core test machine). A rank that hangs turns
-into a failure after the gloo timeout (120 s), never a stalled suite."""
+might hold at the fork, cost ~20 s more per session on the loaded 2-core test machine). Except with a CUDA build of
+torch (torch 2.11+cu130 here, the GPU machines' torch): once the test process has run a backward, a forked child's
+backward raises "Unable to handle autograd's threading in combination with fork-based multiprocessing", so the
+group starts from a forkserver there. A rank that hangs turns into a failure after the gloo timeout (120 s), never
+a stalled suite."""
 from __future__ import annotations
 
 import contextlib
@@ -38,14 +41,14 @@ RTOL, ATOL = 1e-5, 1e-6  # float32 rounding (outputs and gradients are O(1))
 
 
 def _spawn(fn, world_size: int, *args):
-    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` forked processes joined in one gloo group; an
+    """Runs ``fn(rank, world_size, *args)`` in ``world_size`` forked processes (see above) joined in one gloo group; an
     exception in any rank fails the test (with its traceback)."""
     fd, path = tempfile.mkstemp(prefix="rlkernels-gloo-")
     os.close(fd)
     os.unlink(path)  # the file store creates it
     try:
         mp.start_processes(_run, args=(world_size, fn, "file://" + path, args), nprocs=world_size,
-                           start_method="fork")
+                           start_method="fork" if torch.version.cuda is None else "forkserver")
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
