@@ -1,9 +1,11 @@
-// GAE's CPU row loop, standalone (issue 14): how csrc/advantages.cpp skews the rows of a tile, and why.
+// GAE's CPU row loop, standalone (issue 14): how csrc/advantages.cpp skews the rows of a tile, and why; and the
+// SSE tile it runs for float32 rows (csrc/gae_tile_sse.h, included here: the extension's own code).
 //   g++ -O3 -o /tmp/cpu_gae_rows bench/cpu_gae_rows.cpp && /tmp/cpu_gae_rows
 // One thread, B=64 rows of T float32 tokens, right-padded masks; per T and skew rule the best of 100 runs (ns per
 // token) and whether its outputs equal the unskewed walk's bit for bit. A tile walks R = 4 rows side by side, row
 // i running S·i tokens behind row 0: "S=0" (all rows at the same token), "S=16" (the fixed skew of 2026-11-23),
-// "rule" (csrc/gae_row_skew.h, included here: the extension's own rule, S printed). The five arrays come from
+// "rule" (csrc/gae_row_skew.h, included here: the extension's own rule, S printed); then the SSE tile with S=0
+// and with the rule's S (both also checked bit for bit against the scalar walk). The five arrays come from
 // malloc, so their bases agree modulo 4 KiB, as torch's page-aligned large tensors do.
 #include <algorithm>
 #include <chrono>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "../csrc/gae_row_skew.h"
+#include "../csrc/gae_tile_sse.h"
 
 // rows [b0, b0 + R) of GAE, the recursion of csrc/advantages.cpp's gae_row_tile (unit time stride)
 template <int64_t R>
@@ -74,6 +77,25 @@ int main() {
     bench(16);
     std::printf("   rule (S=%2ld)", static_cast<long>(rule));
     bench(rule);
+    auto bench_sse = [&](int64_t S) {
+      auto run = [&] {
+        for (int64_t b0 = 0; b0 < B; b0 += R)
+          rlkernels::gae_tile4_sse(r.data(), v.data(), m, a.data(), o.data(), b0, T, T, T, T, 0.99f, 0.99f * 0.95f, S);
+      };
+      run();
+      double best = 1e9;
+      for (int k = 0; k < 100; ++k) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run();
+        best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      }
+      const bool same = std::memcmp(a.data(), a0.data(), 4 * B * T) == 0 && std::memcmp(o.data(), o0.data(), 4 * B * T) == 0;
+      std::printf("  %5.2f%s", best * 1e3 / (B * T), same ? "" : " DIFFERENT");
+    };
+    std::printf("   sse S=0");
+    bench_sse(0);
+    std::printf("   sse rule");
+    bench_sse(rule);
     std::printf("\n");
   }
 }

@@ -192,6 +192,30 @@ def test_gae_rows_at_every_tile_skew(T, csrc_ops):
         assert torch.equal(a[b], a1[0]) and torch.equal(ret[b][m[b]], ret1[0][m[b]])
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 7, 47, 50, 53, 1027])
+@pytest.mark.parametrize("layout", ["contiguous", "row-slice", "mask-strided"])
+def test_gae_float32_tiles_equal_single_rows(T, layout, csrc_ops):
+    # float32 rows with contiguous tokens run 4 to a vector tile (csrc/gae_tile_sse.h) whose lanes start and end
+    # at different tokens (a head and a tail walked per row, whole rows walked per row when T is short); other
+    # layouts run the scalar tile. Each row must be the recursion of that row alone, bit for bit, and the truth.
+    gen = torch.Generator().manual_seed(1000 + T)
+    B = 11  # two tiles of 4 and 3 rows alone
+    r, v, m = gae_inputs(B, T, "gaps", "per-token", torch.float32, gen)
+    if layout == "row-slice":  # rows T + 5 elements apart, tokens at a 12-byte offset: unaligned vector loads
+        wide_r, wide_v = torch.randn(B, T + 5, generator=gen), torch.randn(B, T + 5, generator=gen)
+        wide_r[:, 3:3 + T], wide_v[:, 3:3 + T] = r, v
+        r, v = wide_r[:, 3:3 + T], wide_v[:, 3:3 + T]
+    elif layout == "mask-strided":
+        m = m.t().contiguous().t()
+    check_gae("csrc", r, v, m, 0.99, 0.95, REL_TOL[torch.float32])
+    a, ret = run("csrc", rlkernels.gae, r, v, m, gamma=0.99, lam=0.95)
+    for b in range(B):
+        a1, ret1 = run("csrc", rlkernels.gae, r[b:b + 1].clone(), v[b:b + 1].clone(), m[b:b + 1].clone(), gamma=0.99,
+                       lam=0.95)
+        assert torch.equal(a[b], a1[0]), (b, T, layout)
+        assert torch.equal(ret[b][m[b]], ret1[0][m[b]]), (b, T, layout)
+
+
 def test_gae_transparency_and_zero_rows(csrc_ops):
     # inserting masked tokens anywhere must not change the advantages of the valid ones
     gen = torch.Generator().manual_seed(6)
