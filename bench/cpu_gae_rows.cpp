@@ -55,10 +55,9 @@ int main() {
       for (int64_t t = 0; t < T; ++t) mc[b * T + t] = t < L;
     }
     const bool* m = reinterpret_cast<const bool*>(mc.data());
-    auto bench = [&](int64_t S) {
-      auto run = [&] {
-        for (int64_t b0 = 0; b0 < B; b0 += R) rows<R>(r.data(), v.data(), m, a.data(), o.data(), b0, T, 0.99f, 0.99f * 0.95f, S);
-      };
+    // prints the best of 100 timed runs of `run` (ns per token) and whether its outputs equal the unskewed
+    // scalar walk's (the first one timed, which keeps its outputs as the reference)
+    auto bench = [&](auto run, bool reference) {
       run();
       double best = 1e9;
       for (int k = 0; k < 100; ++k) {
@@ -66,36 +65,32 @@ int main() {
         run();
         best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
       }
-      if (S == 0) a0 = a, o0 = o;
+      if (reference) a0 = a, o0 = o;
       const bool same = std::memcmp(a.data(), a0.data(), 4 * B * T) == 0 && std::memcmp(o.data(), o0.data(), 4 * B * T) == 0;
       std::printf("  %5.2f%s", best * 1e3 / (B * T), same ? "" : " DIFFERENT");
     };
-    const int64_t rule = rlkernels::gae_row_skew(T, 4 * T, 4, 4 * T, 4, R);
-    std::printf("T=%5ld  ns/token:  S=0", static_cast<long>(T));
-    bench(0);
-    std::printf("   S=16");
-    bench(16);
-    std::printf("   rule (S=%2ld)", static_cast<long>(rule));
-    bench(rule);
-    auto bench_sse = [&](int64_t S) {
-      auto run = [&] {
+    auto scalar = [&](int64_t S) {
+      return [&, S] {
+        for (int64_t b0 = 0; b0 < B; b0 += R) rows<R>(r.data(), v.data(), m, a.data(), o.data(), b0, T, 0.99f, 0.99f * 0.95f, S);
+      };
+    };
+    auto sse = [&](int64_t S) {
+      return [&, S] {
         for (int64_t b0 = 0; b0 < B; b0 += R)
           rlkernels::gae_tile4_sse(r.data(), v.data(), m, a.data(), o.data(), b0, T, T, T, T, 0.99f, 0.99f * 0.95f, S);
       };
-      run();
-      double best = 1e9;
-      for (int k = 0; k < 100; ++k) {
-        const auto t0 = std::chrono::steady_clock::now();
-        run();
-        best = std::min(best, std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-      }
-      const bool same = std::memcmp(a.data(), a0.data(), 4 * B * T) == 0 && std::memcmp(o.data(), o0.data(), 4 * B * T) == 0;
-      std::printf("  %5.2f%s", best * 1e3 / (B * T), same ? "" : " DIFFERENT");
     };
+    const int64_t rule = rlkernels::gae_row_skew(T, 4 * T, 4, 4 * T, 4, R);
+    std::printf("T=%5ld  ns/token:  S=0", static_cast<long>(T));
+    bench(scalar(0), true);
+    std::printf("   S=16");
+    bench(scalar(16), false);
+    std::printf("   rule (S=%2ld)", static_cast<long>(rule));
+    bench(scalar(rule), false);
     std::printf("   sse S=0");
-    bench_sse(0);
+    bench(sse(0), false);
     std::printf("   sse rule");
-    bench_sse(rule);
+    bench(sse(rule), false);
     std::printf("\n");
   }
 }

@@ -9,8 +9,9 @@
 // outputs are transposed back and stored as 16-byte vectors. The arithmetic is the scalar recursion's, operation
 // for operation ((r + gamma·next_value - v) + gamma·lambda·next_adv; a select per state), so both paths give the
 // same bits. Measured side by side (bench/cpu_gae_rows.cpp, one thread, B = 64, T = 512-4112, both skewed by
-// csrc/gae_row_skew.h's rule; bench/results/cpu-gae-rows-2026-11-26.txt): 0.89-0.99 ns per token against
-// 1.89-2.02 for the scalar tile, on a day the scalar tile was slower than its 1.32-1.61 of 2026-11-24.
+// csrc/gae_row_skew.h's rule; bench/results/cpu-gae-rows-2026-11-26.txt, four runs on a machine whose speed
+// varied): 0.89-1.30 ns per token against 1.22-2.77 for the scalar tile; in each line (the two timed back to
+// back) 1.05-2.33x faster, median 2.0x over the 48 lines.
 //
 // Lane i runs skew·i tokens behind lane 0, as in the scalar tile (rows a multiple of 4 KiB apart would otherwise
 // share an L1 set: 1.7-1.8 ns per token at T = 2048 and 4096 unskewed). The tokens a lane has before the others
