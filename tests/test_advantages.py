@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -112,7 +113,9 @@ def check_gae(backend, rewards, values, mask, gamma, lam, tol, device="cpu"):
 @pytest.mark.parametrize("kind", ["right-padded", "gaps"])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.0, 0.9), (0.9, 0.0), (1.0, 0.9)])
 def test_gae_matches_reference(device, backend, kind, gamma, lam, csrc_ops):
-    gen = torch.Generator().manual_seed(hash((backend, kind, gamma, lam)) % 2**31)
+    # a seed per case that is the same in every process (hash() of a str is salted per process, which made the
+    # inputs, and so the float32 rounding of the 300-token recursion, differ from run to run)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((backend, kind, gamma, lam)).encode()))
     for B, T, rewards_kind in ((5, 37, "per-token"), (3, 300, "end-only")):
         r, v, m = gae_inputs(B, T, kind, rewards_kind, torch.float32, gen)
         check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32], device=device)
