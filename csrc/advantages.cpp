@@ -71,7 +71,7 @@ void gae_rows(const at::Tensor& rewards, const at::Tensor& values, const at::Ten
   const int64_t tiles = (B + kRows - 1) / kRows;
   const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
   const int64_t skew = gae_row_skew(T, rs0 * elem, rs1 * elem, vs0 * elem, vs1 * elem, kRows);
-  // float32 with contiguous tokens: the SSE tile (gae_tile_sse.h), same bits, about 1.35x faster
+  // float32 with contiguous tokens: the SSE tile (gae_tile_sse.h; same bits, measured speed-up there)
   const bool sse = RLKERNELS_GAE_SSE && std::is_same<scalar_t, float>::value && rs1 == 1 && vs1 == 1 && ms1 == 1;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
