@@ -1,5 +1,6 @@
 // GAE's CPU row loop, standalone (issue 14): how csrc/advantages.cpp skews the rows of a tile, and why; and the
-// SSE tile it runs for float32 rows (csrc/gae_tile_sse.h, included here: the extension's own code).
+// SSE tile it runs for float32 rows. Both tiles are the extension's own code, included here (csrc/gae_tile.h's
+// scalar gae_row_tile, given strides at run time as the extension does; csrc/gae_tile_sse.h).
 //   g++ -O3 -o /tmp/cpu_gae_rows bench/cpu_gae_rows.cpp && /tmp/cpu_gae_rows
 // One thread, B=64 rows of T float32 tokens, right-padded masks; per T and skew rule the best of 100 runs (ns per
 // token) and whether its outputs equal the unskewed walk's bit for bit. A tile walks R = 4 rows side by side, row
@@ -16,33 +17,12 @@
 #include <vector>
 
 #include "../csrc/gae_row_skew.h"
+#include "../csrc/gae_tile.h"
 #include "../csrc/gae_tile_sse.h"
 
-// rows [b0, b0 + R) of GAE, the recursion of csrc/advantages.cpp's gae_row_tile (unit time stride)
-template <int64_t R>
-void rows(const float* r, const float* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
-          float gamma, float gl, int64_t S) {
-  float next_value[R], next_adv[R];
-  for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
-  for (int64_t s = T - 1 + (R - 1) * S; s >= 0; --s) {
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t t = s - i * S;
-      if (t < 0 || t >= T) continue;
-      const int64_t k = (b0 + i) * T + t;
-      const float vt = v[k], rt = r[k];
-      const bool valid = m[k];
-      const float step = (rt + gamma * next_value[i] - vt) + gl * next_adv[i];
-      const float a = valid ? step : 0.f;
-      next_value[i] = valid ? vt : next_value[i];
-      next_adv[i] = valid ? step : next_adv[i];
-      a_out[k] = a;
-      r_out[k] = a + vt;
-    }
-  }
-}
-
 int main() {
-  const int64_t B = 64, R = 4;
+  const int64_t B = 64;
+  constexpr int64_t R = 4;
   for (int64_t T : {512, 528, 1024, 1040, 2040, 2048, 2056, 2064, 2112, 3000, 4096, 4112}) {
     std::vector<float> r(B * T), v(B * T), a0(B * T), o0(B * T), a(B * T), o(B * T);
     std::vector<char> mc(B * T);
@@ -71,7 +51,9 @@ int main() {
     };
     auto scalar = [&](int64_t S) {
       return [&, S] {
-        for (int64_t b0 = 0; b0 < B; b0 += R) rows<R>(r.data(), v.data(), m, a.data(), o.data(), b0, T, 0.99f, 0.99f * 0.95f, S);
+        for (int64_t b0 = 0; b0 < B; b0 += R)
+          rlkernels::gae_row_tile<float, R>(r.data(), v.data(), m, a.data(), o.data(), b0, T, T, 1, T, 1, T, 1, 0.99f,
+                                            0.99f * 0.95f, S);
       };
     };
     auto sse = [&](int64_t S) {

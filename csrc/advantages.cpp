@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "gae_row_skew.h"
+#include "gae_tile.h"
 #include "gae_tile_sse.h"
 
 #include <cmath>
@@ -24,36 +25,8 @@
 namespace rlkernels {
 namespace {
 
-// GAE by the reverse recursion. On a CPU the sequential loop is the work-optimal scan; parallelism comes
-// from the rows. One row alone is latency-bound (each token's advantage waits on the previous one's
-// multiply-add), so a task walks kRows rows side by side: kRows independent dependency chains per time step,
-// written without branches (a select per state), which the core overlaps.
+// GAE: tiles of kRows rows walked side by side (gae_tile.h; the SSE tile for float32 rows, gae_tile_sse.h).
 constexpr int64_t kRows = 4;
-
-template <typename scalar_t, int64_t R>
-void gae_row_tile(const scalar_t* r, const scalar_t* v, const bool* m, float* a_out, float* r_out, int64_t b0, int64_t T,
-                  int64_t rs0, int64_t rs1, int64_t vs0, int64_t vs1, int64_t ms0, int64_t ms1, float gamma, float gl,
-                  int64_t skew) {
-  float next_value[R], next_adv[R];  // the value and advantage of each row's next valid token (0 past the end)
-  for (int64_t i = 0; i < R; ++i) next_value[i] = next_adv[i] = 0.f;
-  // Row i runs skew·i tokens behind row 0 (gae_row_skew.h: rows that would share an L1 set are spread)
-  for (int64_t s = T - 1 + (R - 1) * skew; s >= 0; --s) {
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t t = s - i * skew;
-      if (t < 0 || t >= T) continue;
-      const int64_t b = b0 + i;
-      const float vt = static_cast<float>(v[b * vs0 + t * vs1]);
-      const float rt = static_cast<float>(r[b * rs0 + t * rs1]);
-      const bool valid = m[b * ms0 + t * ms1];
-      const float step = (rt + gamma * next_value[i] - vt) + gl * next_adv[i];
-      const float a = valid ? step : 0.f;
-      next_value[i] = valid ? vt : next_value[i];
-      next_adv[i] = valid ? step : next_adv[i];
-      a_out[b * T + t] = a;
-      r_out[b * T + t] = a + vt;
-    }
-  }
-}
 
 template <typename scalar_t>
 void gae_rows(const at::Tensor& rewards, const at::Tensor& values, const at::Tensor& mask, at::Tensor& adv,

@@ -1,4 +1,4 @@
-// How far apart in time the rows of one GAE tile walk (csrc/advantages.cpp's gae_row_tile), free of ATen so
+// How far apart in time the rows of one GAE tile walk (csrc/gae_tile.h's gae_row_tile), free of ATen so
 // that bench/cpu_gae_rows.cpp measures the very rule the extension uses.
 //
 // A tile walks R rows side by side, row i running skew·i tokens behind row 0, so at any step row i's element

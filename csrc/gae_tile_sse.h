@@ -6,12 +6,14 @@
 // multiply-adds, three selects and two stores, for R rows. Here lane i of a 128-bit register holds row i: each
 // row's next four tokens are loaded as one 16-byte vector, four such vectors (rows 0..3) are transposed so that
 // register k holds token k of every row, the recursion steps through k = 3..0 once for all four rows, and the
-// outputs are transposed back and stored as 16-byte vectors. The arithmetic is the scalar recursion's, operation
+// outputs are transposed back and stored as 16-byte vectors. The arithmetic is gae_step's (gae_tile.h), operation
 // for operation ((r + gamma·next_value - v) + gamma·lambda·next_adv; a select per state), so both paths give the
 // same bits. Measured side by side (bench/cpu_gae_rows.cpp, one thread, B = 64, T = 512-4112, both skewed by
 // csrc/gae_row_skew.h's rule; bench/results/cpu-gae-rows-2026-11-26.txt, four runs on a machine whose speed
 // varied): 0.89-1.30 ns per token against 1.22-2.77 for the scalar tile; in each line (the two timed back to
-// back) 1.05-2.33x faster, median 2.0x over the 48 lines.
+// back) 1.05-2.33x faster, median 2.0x over the 48 lines. Those runs timed a unit-stride copy of the scalar loop; timed
+// against gae_tile.h's gae_row_tile itself, the extension's scalar tile, it is 1.98-3.07 ns per token with the skew
+// rule against 0.94-1.25 for this tile (two runs, same file).
 //
 // Lane i runs skew·i tokens behind lane 0, as in the scalar tile (rows a multiple of 4 KiB apart would otherwise
 // share an L1 set: 1.7-1.8 ns per token at T = 2048 and 4096 unskewed). The tokens a lane has before the others
@@ -20,6 +22,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "gae_tile.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -35,14 +39,9 @@ namespace rlkernels {
 inline void gae_row_range(const float* r, const float* v, const bool* m, float* a_out, float* r_out, int64_t t_lo,
                           int64_t t_hi, float gamma, float gl, float& next_value, float& next_adv) {
   for (int64_t t = t_hi - 1; t >= t_lo; --t) {
-    const float vt = v[t];
-    const bool valid = m[t];
-    const float step = (r[t] + gamma * next_value - vt) + gl * next_adv;
-    const float a = valid ? step : 0.f;
-    next_value = valid ? vt : next_value;
-    next_adv = valid ? step : next_adv;
+    const float a = gae_step(r[t], v[t], m[t], gamma, gl, next_value, next_adv);
     a_out[t] = a;
-    r_out[t] = a + vt;
+    r_out[t] = a + v[t];
   }
 }
 
