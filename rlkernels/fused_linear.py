@@ -1355,9 +1355,9 @@ def linear_logprobs(
         vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         logp, entropy = vocab_parallel.linear_logprobs(hidden, weight, labels, bias, opt, process_group, vocab_start)
         return (logp, entropy) if opt.return_entropy else logp
+    if _backend.serves_reference(_FWD_IMPLS, hidden):  # outside float32_compute: it sees the caller's autocast
+        return _reference_linear_logprobs(hidden, weight, labels, bias, opt)
     with _backend.float32_compute(hidden.device):
-        if _backend.serves_reference(_FWD_IMPLS, hidden):
-            return _reference_linear_logprobs(hidden, weight, labels, bias, opt)
         lead = hidden.shape[:-1]
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)

@@ -1056,9 +1056,9 @@ def _metrics_dict(metrics, logp, entropy, opt: FusedPolicyOptions, has_ref: bool
         del out["kl"]
     if not opt.with_entropy:
         del out["entropy"]
-    out["token_logp"] = logp.detach()
+    out["token_logp"] = logp.detach().float()  # float32 also for float64 inputs, as the reference backend's
     if opt.with_entropy:
-        out["token_entropy"] = entropy.detach()
+        out["token_entropy"] = entropy.detach().float()
     return out
 
 
@@ -1096,7 +1096,7 @@ def _reference_policy(out, old_logp, advantages, mask, ref_logp, opt: FusedPolic
     old_logp = logp.detach() if old_logp is None else old_logp  # on-policy: old = the log-probs themselves
     loss, metrics = reference.policy_loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
                                           **option_dict(opt.policy))
-    metrics = dict(metrics)
+    loss, metrics = losses.float32_result(loss, metrics, losses.POLICY_METRICS)
     metrics["token_logp"] = logp.detach().float()
     if entropy is not None:
         metrics["token_entropy"] = entropy.detach().float()
@@ -1206,9 +1206,9 @@ def linear_policy_loss(
         vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         return vocab_parallel.linear_policy_loss(hidden, weight, labels, *constants, bias, opt, process_group,
                                                  vocab_start)
+    if _backend.serves_reference(_LINEAR_IMPLS, hidden):  # outside float32_compute: it sees the caller's autocast
+        return _reference_linear(hidden, weight, labels, *constants, bias, opt)
     with _backend.float32_compute(hidden.device):
-        if _backend.serves_reference(_LINEAR_IMPLS, hidden):
-            return _reference_linear(hidden, weight, labels, *constants, bias, opt)
         if (_backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "torch"
                 and _torch_layout(hidden, weight, opt) == "two-op"):
             return _two_op(hidden, weight, labels, *constants, bias, opt)

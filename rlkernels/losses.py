@@ -63,6 +63,13 @@ SLOT_MASK, SLOT_LOSS, SLOT_CLIP, SLOT_APPROX_KL, SLOT_RATIO, SLOT_KL, SLOT_ENT, 
     _constexpr(i) for i in range(8)
 )
 POLICY_METRICS = ("clipfrac", "approx_kl", "ratio_mean", "kl", "entropy")  # order of the metrics vector
+VALUE_METRICS = ("clipfrac", "values_mean")
+
+
+def float32_result(loss: torch.Tensor, metrics: dict, keys: tuple[str, ...]):
+    """A reference-backend ``(loss, metrics)`` as every other backend returns it: float32 also for float64 inputs
+    (the loss's gradient still reaches them in their dtype), the metrics detached, in the order of ``keys``."""
+    return loss.float(), {key: metrics[key].detach().float() for key in keys if key in metrics}
 _POLICY_METRIC_SLOTS = [operator.index(s) for s in (SLOT_CLIP, SLOT_APPROX_KL, SLOT_RATIO, SLOT_KL, SLOT_ENT)]
 _VALUE_METRIC_SLOTS = [operator.index(s) for s in (SLOT_CLIP, SLOT_VALUES)]  # clipfrac, values_mean
 
@@ -1098,7 +1105,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     opt = _validate_kl(logp=logp, ref_logp=ref_logp, estimator=estimator)
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_KL_IMPLS, logp):
-            return _ref.kl_penalty(logp, ref_logp, opt.estimator)
+            return _ref.kl_penalty(logp, ref_logp, opt.estimator).float()  # float32 as every backend's, also for float64
         kl, _ = _kl_op(logp, ref_logp, *option_values(opt))  # [...] fp32
     return kl
 
@@ -1183,7 +1190,8 @@ def policy_loss(
     constants = (old_logp.detach(), advantages.detach(), mask.detach())  # [B, T], [B, T] or [B], [B, T]
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_POLICY_IMPLS, logp):
-            return _ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy, **option_dict(opt))
+            return float32_result(*_ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy,
+                                                    **option_dict(opt)), POLICY_METRICS)
         loss, metrics, *_ = _policy_op(logp, *constants, ref_logp, entropy, *option_values(opt))  # [], [5]
     metrics = dict(zip(POLICY_METRICS, metrics.detach()))
     if ref_logp is None:
@@ -1229,7 +1237,7 @@ def value_loss(
     constants = (old_values.detach(), returns.detach(), mask.detach())  # [B, T] each
     with _backend.float32_compute(values.device):
         if _backend.serves_reference(_VALUE_IMPLS, values):
-            return _ref.value_loss(values, *constants, **option_dict(opt))
+            return float32_result(*_ref.value_loss(values, *constants, **option_dict(opt)), VALUE_METRICS)
         loss, metrics, _, _ = _value_op(values, *constants, *option_values(opt))  # loss [], metrics [2]
     metrics = metrics.detach()
-    return loss, {"clipfrac": metrics[0], "values_mean": metrics[1]}
+    return loss, dict(zip(VALUE_METRICS, metrics))

@@ -84,19 +84,20 @@ def linear_logprobs(
     return_entropy: bool = False,
     ignore_index: int = -100,
 ):
-    """:func:`logprobs` of ``hidden @ weight.T + bias``, with the product accumulated in the compute dtype
-    (also under ``torch.autocast``, which would otherwise run the matmul in 16 bits)."""
-    from rlkernels._backend import float32_compute
-
+    """:func:`logprobs` of ``hidden @ weight.T + bias``, with the product accumulated in the compute dtype,
+    or in float64 inside ``torch.autocast``: autocast would run the matmul in 16 bits, and the backward's two
+    matmuls too when the backward runs inside it (turning autocast off around the forward does not reach them),
+    while it leaves float64 alone."""
     dtype = compute_dtype(hidden)
+    gemm = torch.float64 if torch.is_autocast_enabled(hidden.device.type) else dtype
     # an ignored token's row never meets the weight: its gradient is 0 even where its hidden state is NaN/inf
     # (a product with it would put 0 * NaN into d_weight)
-    h = torch.where((labels == ignore_index)[..., None], torch.zeros((), dtype=dtype, device=hidden.device), hidden.to(dtype))
-    with float32_compute(hidden.device):
-        logits = h @ weight.to(dtype).T  # [..., V]
-        if bias is not None:
-            logits = logits + bias.to(dtype)  # [..., V]
-    return logprobs(logits, labels, temperature=temperature, return_entropy=return_entropy, ignore_index=ignore_index)
+    h = torch.where((labels == ignore_index)[..., None], torch.zeros((), dtype=gemm, device=hidden.device), hidden.to(gemm))
+    logits = h @ weight.to(gemm).T  # [..., V]
+    if bias is not None:
+        logits = logits + bias.to(gemm)  # [..., V]
+    return logprobs(logits.to(dtype), labels, temperature=temperature, return_entropy=return_entropy,
+                    ignore_index=ignore_index)
 
 
 # ---------------------------------------------------------------- losses

@@ -882,3 +882,60 @@ def test_strided_or_expanded_bias_equals_its_contiguous_copy(backend):
             want, m_want = rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, bias=bias.contiguous())
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
         assert torch.allclose(m_got["token_logp"], m_want["token_logp"], rtol=1e-6, atol=1e-6)
+
+
+def test_float64_inputs_give_float32_results_on_every_backend_and_layout(monkeypatch):
+    """float64 inputs: the loss, every metric and the per-token log-probs come back float32 (as for any other
+    dtype), in one order, on every backend and torch layout, with the same values; the gradients keep float64
+    and agree to float32 rounding (the loss coefficients are float32 numbers on the fused rows)."""
+    x = _inputs(2, 8, 16, 50, seed=34)  # N = H: every layout fits
+    x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+    keys = ["clipfrac", "approx_kl", "ratio_mean", "kl", "entropy", "token_logp", "token_entropy"]
+    seen = {}
+    for backend in LOGITS_BACKENDS:
+        for layout in ("chunks", "two-op", "one-chunk") if backend == "torch" else (None,):
+            with monkeypatch.context() as m:
+                if layout is not None:
+                    m.setattr(fused_policy, "_torch_layout", lambda *a, layout=layout: layout)
+                h, w = x64["hidden"].clone().requires_grad_(), x64["weight"].clone().requires_grad_()
+                z = (x64["hidden"] @ x64["weight"].T).requires_grad_()  # [B, T, V]
+                with forced_backend(backend):
+                    for op, args, wrt in ((rlkernels.linear_policy_loss, (h, w), (h, w)),
+                                          (rlkernels.logits_policy_loss, (z,), (z,))):
+                        loss, metrics = op(*args, x64["labels"], x64["old_logp"], x64["advantages"], x64["mask"],
+                                           ref_logp=x64["ref_logp"], kl_coef=0.1, entropy_coef=0.01)
+                        name = f"{op.__name__} {backend} {layout}"
+                        assert loss.dtype == torch.float32, name
+                        assert list(metrics) == keys, name
+                        assert all(v.dtype == torch.float32 for v in metrics.values()), name
+                        grads = torch.autograd.grad(loss, wrt)
+                        assert all(g.dtype == torch.float64 for g in grads), name
+                        seen.setdefault(op.__name__, []).append((name, loss, metrics, grads))
+    for runs in seen.values():
+        _, loss, metrics, grads = runs[0]
+        for name, l2, m2, g2 in runs[1:]:
+            torch.testing.assert_close(l2, loss, rtol=1e-6, atol=1e-7, msg=name)
+            for k in keys:
+                torch.testing.assert_close(m2[k], metrics[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
+            for a, b in zip(g2, grads):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend,layout", [("torch", "chunks"), ("torch", "two-op"), ("torch", "one-chunk"),
+                                            ("reference", None)])
+def test_autocast_backward_inside_the_region(backend, layout, monkeypatch):
+    """Forward and backward both inside torch.autocast (bfloat16 on the CPU), float32 inputs: the loss and the
+    gradients are as close to the float64 truth as without autocast, on every backend and torch layout (the
+    reference backend's matmuls included, whose backward autocast would otherwise run in bfloat16)."""
+    if layout is not None:
+        monkeypatch.setattr(fused_policy, "_torch_layout", lambda *a: layout)
+    x = _inputs(2, 8, 16, 300, seed=35)  # N = H: every layout fits
+    options, upstream = dict(kl_coef=0.05, entropy_coef=0.01, temperature=0.9), 1.3
+    t_loss, _, t_grads, _ = _truth(x, options, upstream, lambda t: t.double())
+    _, _, e_grads, _ = _truth(x, options, upstream, lambda t: t)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, grads = _fused(x, options, upstream, torch.float32, backend)
+    torch.testing.assert_close(loss.double(), t_loss.double(), rtol=SCALAR_RTOL, atol=SCALAR_ATOL)
+    for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
+        assert g.dtype == torch.float32, name
+        assert_close_to_truth(g, t, torch.float32, eager=e, name=f"d_{name}")

@@ -413,6 +413,39 @@ def test_kl_penalty_noncontiguous_and_empty(backend):
     assert empty.shape == (0, 3) and empty.dtype == torch.float32
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_inputs_give_float32_results(backend):
+    """float64 inputs: the losses, their metrics (in one order) and the per-token KL come back float32 on every
+    backend, as for any other dtype; the values are the float64 truth to float32 rounding, the gradients keep
+    float64."""
+    B, T = 4, 37
+    x = _policy_inputs(B, T, torch.float64, seed=12)
+    logp = x["logp"].double().requires_grad_()  # [B, T]
+    args = tuple(x[k].double() for k in ("old_logp", "advantages")) + (x["mask"],)
+    kw = dict(ref_logp=x["ref_logp"].double(), entropy=x["entropy"].double(), kl_coef=0.1, entropy_coef=0.01)
+    t_loss, t_metrics = ref.policy_loss(logp, *args, **kw)
+    t_value, t_vmetrics = ref.value_loss(logp, *args, clip=0.2)
+    t_kl = ref.kl_penalty(logp, kw["ref_logp"])
+    with forced_backend(backend):
+        results = [("policy_loss", *rlkernels.policy_loss(logp, *args, **kw), t_loss, t_metrics, losses.POLICY_METRICS),
+                   ("value_loss", *rlkernels.value_loss(logp, *args, clip=0.2), t_value, t_vmetrics,
+                    ("clipfrac", "values_mean"))]
+        kl = rlkernels.kl_penalty(logp, kw["ref_logp"])
+    for name, loss, metrics, truth, t_metrics, keys in results:
+        assert loss.dtype == torch.float32 and loss.dim() == 0, name
+        torch.testing.assert_close(loss.double(), truth, rtol=1e-6, atol=1e-7, msg=name)
+        assert list(metrics) == list(keys), name
+        for k in keys:
+            assert metrics[k].dtype == torch.float32 and not metrics[k].requires_grad, f"{name} {k}"
+            torch.testing.assert_close(metrics[k].double(), t_metrics[k], rtol=1e-6, atol=1e-7, msg=f"{name} {k}")
+        (grad,) = torch.autograd.grad(loss, logp)
+        (t_grad,) = torch.autograd.grad(truth, logp)
+        assert grad.dtype == torch.float64, name
+        torch.testing.assert_close(grad, t_grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert kl.dtype == torch.float32
+    torch.testing.assert_close(kl.double(), t_kl, rtol=1e-6, atol=1e-7)
+
+
 # ---------------------------------------------------------------- autocast
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
