@@ -46,6 +46,13 @@ def mask(x, name: str = "mask") -> torch.Tensor:
     return x
 
 
+def mask_as_bool(x: torch.Tensor) -> torch.Tensor:
+    """A validated mask as bool, every nonzero entry counting as 1 (the kernels' rule): values other than 0 and 1,
+    which :func:`mask` refuses where it can look (on the CPU, not while tracing), then mean the same on every
+    backend rather than a weight on some and 1 on others."""
+    return x if x.dtype == torch.bool else x != 0
+
+
 def _tracing() -> bool:
     """Whether the call is being traced rather than run: ``torch.compile``, or a Python dispatch mode (fake tensors,
     rlkernels.testing's launch counter, which models a CUDA run, where a CPU-only check issues nothing). A check that
@@ -143,7 +150,9 @@ def finite(value, name: str) -> float:
         as_float = float(value)
     except OverflowError:  # an integer (or fraction) beyond float range
         as_float = math.inf
-    if not math.isfinite(as_float):
+    # comparisons rather than math.isfinite: torch.compile traces a number that changed between calls as a symbol,
+    # on which comparisons trace (each adds a guard) and math.isfinite does not; NaN fails both of them
+    if not -math.inf < as_float < math.inf:
         raise ValueError(f"{name} must be finite, got {value!r:.40}")
     if abs(as_float) > _FLOAT32_MAX:  # the kernels compute in float32: it would be inf there (then 0·inf = NaN)
         raise ValueError(f"{name} must be finite in float32, the kernels' precision (|{name}| <= {_FLOAT32_MAX:.3g}), "

@@ -1199,7 +1199,8 @@ def linear_policy_loss(
     opt = _validate(head_input=hidden, head_name="hidden", weight=weight, labels=labels, bias=bias,
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
-    constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
+    constants = tuple(None if t is None else t.detach()
+                      for t in (old_logp, advantages, _checks.mask_as_bool(mask), ref_logp))
     if process_group is not None or vocab_start is not None:  # the vocabulary split over a process group
         from rlkernels import vocab_parallel
 
@@ -1257,7 +1258,8 @@ def logits_policy_loss(
     opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
                     advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
-    constants = tuple(None if t is None else t.detach() for t in (old_logp, advantages, mask, ref_logp))
+    constants = tuple(None if t is None else t.detach()
+                      for t in (old_logp, advantages, _checks.mask_as_bool(mask), ref_logp))
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_LOGITS_IMPLS, logits):
             return _reference_logits(logits, labels, *constants, opt)

@@ -1187,7 +1187,8 @@ def policy_loss(
                            entropy=entropy, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio,
                            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg,
                            norm_length=norm_length)
-    constants = (old_logp.detach(), advantages.detach(), mask.detach())  # [B, T], [B, T] or [B], [B, T]
+    # [B, T], [B, T] or [B], [B, T] bool
+    constants = (old_logp.detach(), advantages.detach(), _checks.mask_as_bool(mask.detach()))
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_POLICY_IMPLS, logp):
             return float32_result(*_ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy,
@@ -1234,7 +1235,7 @@ def value_loss(
                                       mask=mask)
         return value_loss(**views, clip=clip, agg=agg)
     opt = _validate_value(values=values, old_values=old_values, returns=returns, mask=mask, clip=clip, agg=agg)
-    constants = (old_values.detach(), returns.detach(), mask.detach())  # [B, T] each
+    constants = (old_values.detach(), returns.detach(), _checks.mask_as_bool(mask.detach()))  # [B, T] each
     with _backend.float32_compute(values.device):
         if _backend.serves_reference(_VALUE_IMPLS, values):
             return float32_result(*_ref.value_loss(values, *constants, **option_dict(opt)), VALUE_METRICS)
