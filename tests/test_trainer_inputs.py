@@ -301,3 +301,51 @@ def test_ref_update_every_beyond_the_last_step_is_refused():
     with pytest.raises(ConfigError, match=r"^ref_update_every: it is larger than steps \(5\)"):
         from_dict({"steps": 5, "ref_update_every": 6})
     assert from_dict({"steps": 5, "ref_update_every": 5}).ref_update_every == 5
+
+
+@pytest.mark.parametrize("damage", ["state_empty", "state_list", "state_step_text", "policy_other_names"])
+def test_a_checkpoint_that_reads_back_but_does_not_fit_is_named_on_resume(tmp_path, capsys, damage):
+    out = ["--output-dir", str(tmp_path), "--save-every", "1"]
+    assert main(CLI + out + ["--steps", "2"]) == 0
+    path = tmp_path / "checkpoints" / "step_000002"
+    if damage == "policy_other_names":
+        from safetensors.torch import save_file
+
+        save_file({"foo": torch.zeros(2)}, str(path / "policy.safetensors"))
+    else:
+        state = json.loads((path / "state.json").read_text())
+        text = {"state_empty": "{}", "state_list": "[]", "state_step_text": json.dumps({**state, "step": "2"})}[damage]
+        (path / "state.json").write_text(text)
+    capsys.readouterr()
+    assert main(CLI + out + ["--steps", "3", "--resume"]) == 2
+    err = _error_line(capsys, "invalid configuration: resume: ")
+    assert f"delete {path} to resume from the one before it" in err
+
+
+@pytest.mark.parametrize("values, name", [
+    ({"output_dir": ""}, "output_dir"),
+    ({"output_dir": "  "}, "output_dir"),
+    ({"tiny_hidden": 12}, "tiny_hidden"),  # 4 heads of 3: rotary embeddings need an even head size
+    ({"tiny_hidden": 20}, "tiny_hidden"),
+])
+def test_values_that_would_fail_later_are_refused_at_start_up(values, name):
+    with pytest.raises(ConfigError, match=f"^{name}:"):
+        from_dict(values)
+    assert from_dict({"tiny_hidden": 24}).tiny_hidden == 24
+
+
+@pytest.mark.parametrize("value", [["x", "y"], False, 3, {"a": 1}])
+def test_a_text_field_of_another_type_in_a_config_file_is_refused(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)  # where str(value) used to become the output folder
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"output_dir": value}))
+    assert main(["--config", str(path)]) == 2
+    assert "output_dir: expected str" in _error_line(capsys, "invalid configuration: output_dir: ")
+
+
+def test_weights_driven_to_non_finite_probabilities_stop_with_exit_3(tmp_path, capsys):
+    """An absurd (finite) learning rate: the first update makes the policy's logits non-finite, and the next
+    rollout's sampling cannot draw from them: the run stops as for a NaN loss (exit 3, named), not a traceback."""
+    assert main(CLI + ["--output-dir", str(tmp_path), "--steps", "3", "--lr", "1e30"]) == 3
+    err = _error_line(capsys, "stopped: the policy's next-token probabilities are not finite at step 2")
+    assert "lr = 1e+30" in err

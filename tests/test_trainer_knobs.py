@@ -420,6 +420,16 @@ def test_an_infinite_value_is_refused_at_start_up(name):
     ({"shard": "fsdp", "fsdp_offload_ref": True, "kl_coef": 0.0}, "fsdp_offload_ref"),
     ({"recipe": "dapo", "algo": "ppo", "group_size": 1}, "algo"),
     ({"recipe": "instructgpt", "algo": "grpo", "group_size": 4}, "algo"),
+    ({"recipe": "instructgpt", "algo": "grpo"}, "algo"),  # not group_size: the 1 is the recipe's, not the user's
+    ({"algo": "ppo", "value_clip": 0.2}, "value_clip"),  # one epoch of one minibatch: the values are the old ones
+    ({"algo": "ppo", "value_coef": 0.0, "critic_lr": 1e-3, "epochs": 2}, "critic_lr"),
+    ({"algo": "ppo", "value_coef": 0.0, "value_agg": "seq-mean-token-sum"}, "value_agg"),
+    ({"algo": "ppo", "value_coef": 0.0, "value_clip": 0.2, "epochs": 2}, "value_clip"),
+    ({"algo": "ppo", "gamma": 0.0, "lam": 0.5}, "lam"),
+    ({"algo": "ppo", "gamma": 0.0, "truncation": "bootstrap"}, "truncation"),
+    ({"steps": 3, "save_every": 3}, "save_every"),
+    ({"reward_norm": "batch"}, "reward_norm"),  # group z-scores undo any shift and scale of the scores
+    ({"reward_norm": "running", "kl_coef": 0.0}, "reward_norm"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(values, name):
     with pytest.raises(ConfigError, match=f"^{name}:"):
@@ -431,6 +441,14 @@ def test_what_those_refusals_still_accept():
     assert from_dict({"shard": "fsdp", "policy_head": "two-op"}).policy_head == "two-op"
     assert from_dict({"shard": "fsdp", "fsdp_offload_ref": True, "kl_coef": 0.01}).fsdp_offload_ref
     assert from_dict({"max_grad_norm": float("inf")}).max_grad_norm == float("inf")  # no clipping: meaningful
+    assert from_dict({"algo": "ppo", "value_clip": 0.2, "epochs": 2}).value_clip == 0.2
+    assert from_dict({"algo": "ppo", "gamma": 0.5, "lam": 0.5, "truncation": "bootstrap"}).truncation == "bootstrap"
+    assert from_dict({"algo": "ppo", "value_coef": 0.0}).value_coef == 0.0  # the critic still gives GAE its values
+    assert from_dict({"steps": 3, "save_every": 2}).save_every == 2
+    assert from_dict({"steps": 3, "save_every": 0}).save_every == 0
+    for values in ({"reward_norm": "batch", "reward_clip": 1.0}, {"reward_norm": "batch", "advantage": "dr_grpo"},
+                   {"reward_norm": "running", "advantage": "rloo"}, {"reward_norm": "batch", "kl_in": "reward"}):
+        assert from_dict(values).reward_norm == values["reward_norm"], values
 
 
 def test_model_directory_and_reward_callable_are_checked_at_start_up(tmp_path):

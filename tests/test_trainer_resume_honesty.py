@@ -254,3 +254,21 @@ def test_a_users_file_in_checkpoints_alone_is_no_earlier_run(tmp_path):
     resumed = Trainer(dataclasses.replace(cfg, steps=2, resume=True))
     resumed.maybe_resume()
     assert resumed.step == 1
+
+
+def test_a_resume_with_another_seed_keeps_the_tiny_models_reference(tmp_path, capsys):
+    """The tiny model's initial weights come from the seed, and the KL reference is a copy of them: a resume that
+    samples with another seed still builds them from the run's own seed (it used to build another random
+    reference, silently), and says so."""
+    base = dict(losses="eager", steps=1, reward=DISTINCT, kl_coef=0.05)
+    first = Trainer(tiny(tmp_path, **base, seed=3))
+    initial = {k: v.clone() for k, v in first.ref.model.state_dict().items()}
+    first.run()
+    capsys.readouterr()
+    again = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "seed": 8}))
+    again.maybe_resume()
+    assert "resume: seed changed: 3 -> 8 (prompts and sampling; the tiny model's initial weights" in capsys.readouterr().err
+    for name, value in again.ref.model.state_dict().items():
+        assert torch.equal(value, initial[name]), name
+    fresh = Trainer(tiny(tmp_path / "other", **base, seed=8))  # a new run with that seed draws other weights
+    assert not torch.equal(fresh.ref.model.state_dict()["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])

@@ -132,9 +132,18 @@ def _read(path: Path, name: str, reader):
                           f"{path} to resume from the one before it") from None
 
 
+def _state(file: Path) -> dict:
+    """state.json as the trainer writes it: an object with an integer ``step`` (and a ``config`` object)."""
+    state = json.loads(file.read_text())
+    if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int) \
+            or not isinstance(state.get("config", {}), dict):
+        raise ValueError("it holds no step number and config the trainer wrote")
+    return state
+
+
 def saved_config(path: Path) -> dict:
     """The configuration a checkpoint was written with ({} if it predates that record)."""
-    return _read(path, "state.json", lambda f: json.loads(f.read_text())).get("config", {})
+    return _read(path, "state.json", _state).get("config", {})
 
 
 def load(path: Path, modules: dict[str, torch.nn.Module], optimizer) -> dict:
@@ -145,9 +154,16 @@ def load(path: Path, modules: dict[str, torch.nn.Module], optimizer) -> dict:
     weights = {name: _read(path, f"{name}.safetensors", lambda f: load_file(str(f))) for name in modules}
     optim = _read(path, "optimizer.pt", lambda f: torch.load(f, weights_only=False))
     rng = _read(path, "rng.pt", lambda f: torch.load(f, weights_only=False))
-    state = _read(path, "state.json", lambda f: json.loads(f.read_text()))
-    for name, module in modules.items():
-        module.load_state_dict(weights[name])
-    optimizer.load_state_dict(optim)
-    set_rng_state(rng)
+    state = _read(path, "state.json", _state)
+    from .config import ConfigError
+
+    try:
+        for name, module in modules.items():
+            module.load_state_dict(weights[name])
+        optimizer.load_state_dict(optim)
+        set_rng_state(rng)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:  # readable files that do not fit this run
+        why = " ".join(str(error).split())[:200] or type(error).__name__
+        raise ConfigError(f"resume: {path} does not fit this run's models ({why}); the checkpoint is damaged or "
+                          f"from another run: delete {path} to resume from the one before it") from None
     return state

@@ -110,13 +110,13 @@ class TrainConfig:
 
     # ------------------------------------------------------------ tiny model
     tiny_hidden: int = 64
-    """Hidden size of the built-in tiny model."""
+    """Hidden size of the built-in tiny model (a multiple of 8: 4 attention heads of an even size)."""
     tiny_layers: int = 2
     """Layers of the built-in tiny model."""
 
     # ------------------------------------------------------------ bookkeeping
     save_every: int = 100
-    """Checkpoint every N steps (0 = only at the end and on Ctrl-C)."""
+    """Checkpoint every N steps, N below steps (0 = only at the end and on Ctrl-C, where every run saves)."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir: prints the step it resumes from and one line per field changed since; an error if there is no checkpoint or it was trained with another algo, model or model size."""
     overwrite: bool = False
@@ -186,6 +186,7 @@ class TrainConfig:
         if getattr(self, "_explicit", None) is None:  # built directly, not by from_dict: what differs from the default
             self._explicit = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default)
         self._check_choices()
+        self._check_recipe_algo()  # before the ranges: the recipe's values would otherwise be blamed on the algo
         self._check_ranges()
         self._check_sources()
         self._check_device()
@@ -233,6 +234,29 @@ class TrainConfig:
                 if self.was_set(name):
                     self._refuse(name, "with one epoch of one minibatch every importance ratio is exactly 1, so "
                                        "no clip applies (set epochs or minibatches above 1)")
+        if self.algo == "ppo" and self.epochs * self.minibatches == 1 and self.was_set("value_clip"):
+            self._refuse("value_clip", "with one epoch of one minibatch the critic's values are still its old values "
+                                       "when the value loss is taken, so the clip never applies (set epochs or "
+                                       "minibatches above 1)")
+        if self.algo == "ppo" and self.value_coef == 0:
+            for name in ("critic_lr", "value_agg", "value_clip"):
+                if self.was_set(name):
+                    self._refuse(name, "value_coef is 0: the value loss, and with it the critic's training, is off")
+        if self.algo == "ppo" and self.gamma == 0:
+            if self.was_set("lam"):
+                self._refuse("lam", "gamma is 0: each advantage is that token's own TD error, and lam weighs "
+                                    "nothing")
+            if self.truncation == "bootstrap":
+                self._refuse("truncation", "gamma is 0: the bootstrapped value gamma * V would add 0")
+        if self.save_every >= self.steps and self.was_set("save_every") and self.save_every:
+            self._refuse("save_every", f"it is not below steps ({self.steps}): no checkpoint comes before the one "
+                                       "every run writes at its end (save_every 0)")
+        if (self.algo == "grpo" and self.advantage == "grpo" and self.reward_norm != "none"
+                and self.was_set("reward_norm") and self.reward_clip is None
+                and (self.kl_coef == 0 or self.kl_in in (None, "loss"))):
+            self._refuse("reward_norm", "advantage 'grpo' z-scores each group's scores, which undoes any shift and "
+                                        "scale of them (set reward_clip, put the KL in the reward, or use advantage "
+                                        "'dr_grpo' or 'rloo' for it to matter)")
         if self.ref_update_every > self.steps:
             self._refuse("ref_update_every", f"it is larger than steps ({self.steps}), so no step would copy the "
                                              "policy into the reference")
@@ -259,6 +283,8 @@ class TrainConfig:
         if self.fsdp_offload_ref and self.kl_coef == 0 and not self._reward_is_model():
             self._refuse("fsdp_offload_ref", "there is nothing to offload: no reference model (kl_coef is 0) and a "
                                              "rule reward, not a reward model")
+
+    def _check_recipe_algo(self) -> None:
         if self.recipe and self.was_set("algo"):
             from .recipes import recipe_values
 
@@ -352,13 +378,16 @@ class TrainConfig:
                 self._bad(name, f"must be > {floor} or None")
         if self.algo == "grpo" and self.group_size < 2:
             self._bad("group_size", "GRPO needs at least 2 samples per prompt")
-        if self.tiny_hidden % 4:
-            self._bad("tiny_hidden", "must be a multiple of 4 (4 attention heads)")
+        if self.tiny_hidden % 8:
+            self._bad("tiny_hidden", "must be a multiple of 8 (4 attention heads of an even size, as rotary "
+                                     "position embeddings need)")
         if (self.prompts_per_step * self.group_size) % self.minibatches:
             self._bad("minibatches", f"must divide prompts_per_step * group_size = {self.prompts_per_step * self.group_size}")
 
     def _check_sources(self) -> None:
         """The model, critic, prompts, task and reward exist (paths, names, modules)."""
+        if not self.output_dir.strip():
+            self._bad("output_dir", "must name a folder (an empty one would write the run into the current folder)")
         if self.model != "tiny":
             if not os.path.exists(self.model):
                 self._bad("model", "no such model directory or .gguf file")
@@ -503,7 +532,9 @@ def _coerce(name: str, value):
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
-        return str(value)
+        if not isinstance(value, str):  # a config file's list, number or bool where text is meant
+            raise TypeError
+        return value
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected {tp.__name__}{' or None' if optional else ''} (got {value!r})") from None
 

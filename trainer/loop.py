@@ -163,7 +163,9 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
             was = "sharded (shard='fsdp')" if sharding.is_sharded_checkpoint(path) else "whole (shard='ddp' or 'none')"
             raise ConfigError(f"shard: {path} holds a {was} checkpoint; resume with that shard mode (got {cfg.shard!r})")
         _check_writable(out)
-        return [f"resume: {name} changed: {saved[name]!r} -> {value!r}" for name, value in now.items()
+        notes = {"seed": " (prompts and sampling; the tiny model's initial weights, which the KL reference copies, "
+                         "keep the run's)"} if cfg.model == "tiny" else {}
+        return [f"resume: {name} changed: {saved[name]!r} -> {value!r}{notes.get(name, '')}" for name, value in now.items()
                 if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
     used = checkpoint.run_files(out)
     if used and not cfg.overwrite:
@@ -217,7 +219,7 @@ class Trainer:
         if hasattr(self.reward_fn, "model"):  # a reward model: dropout off (issue 15)
             knobs.disable_dropout(self.reward_fn.model)
 
-        self.policy, self.tokenizer = load_policy(cfg)
+        self.policy, self.tokenizer = load_policy(self._initial_model_config())
         knobs.disable_dropout(self.policy)  # old log-probs and the update's must come from the same function
         self.policy.to(self.device).train()
         self.eos_id = self.tokenizer.eos_token_id
@@ -256,6 +258,16 @@ class Trainer:
         self.step = 0
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
+
+    def _initial_model_config(self) -> TrainConfig:
+        """The config the policy is first built from: ``cfg``, but on a resume of the tiny model (random weights
+        drawn from the seed) with the checkpoint's seed, so that its initial weights, and the KL reference copied
+        from them, are the run's own whatever seed the resume samples with."""
+        cfg = self.cfg
+        if not (cfg.resume and cfg.model == "tiny"):
+            return cfg
+        saved = checkpoint.saved_config(checkpoint.latest(Path(cfg.output_dir) / "checkpoints"))
+        return dataclasses.replace(cfg, seed=saved.get("seed", cfg.seed))
 
     def _load_reference(self) -> TokenLogprobs:
         """The frozen reference policy: a copy of the initial policy, or ``ref_model`` (dropout off)."""
@@ -311,10 +323,17 @@ class Trainer:
             input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=cfg.temperature,
             top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
         )
-        if cfg.shard == "fsdp":  # inside the sharded root's forward, every process stepping until all are done
-            out = self.policy_lp(call=self.policy.generate, synced_gpus=True, **sampling)
-        else:
-            out = self.policy.generate(**sampling)
+        try:
+            if cfg.shard == "fsdp":  # inside the sharded root's forward, every process stepping until all are done
+                out = self.policy_lp(call=self.policy.generate, synced_gpus=True, **sampling)
+            else:
+                out = self.policy.generate(**sampling)
+        except RuntimeError as error:  # torch.multinomial refuses NaN/inf probabilities (on the CPU; a GPU asserts)
+            if "inf" not in str(error) or "nan" not in str(error):
+                raise
+            raise NonFiniteError(f"the policy's next-token probabilities are not finite at step {step}'s rollout "
+                                 f"(after {step - 1} updates; lr = {cfg.lr}): {' '.join(str(error).split())[:120]}"
+                                 ) from None
         self.policy.train()
         response = out[:, prompt_ids.shape[1] :]  # [B, R]
         is_eos = response == self.eos_id
