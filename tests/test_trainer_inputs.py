@@ -349,3 +349,19 @@ def test_weights_driven_to_non_finite_probabilities_stop_with_exit_3(tmp_path, c
     assert main(CLI + ["--output-dir", str(tmp_path), "--steps", "3", "--lr", "1e30"]) == 3
     err = _error_line(capsys, "stopped: the policy's next-token probabilities are not finite at step 2")
     assert "lr = 1e+30" in err
+
+
+@pytest.mark.parametrize("setup", [[], ["--algo", "ppo"], ["--recipe", "dapo", "--minibatches", "2"],
+                                   ["--algo", "ppo", "--epochs", "2", "--kl-target", "0.05"]], ids=str)
+def test_a_runs_config_json_given_back_as_config_runs_the_same_configuration(tmp_path, capsys, setup):
+    """config.json records every resolved value (defaults, the recipe's, clip_high = clip_low, the KL placement):
+    given back as --config, none of them counts as an option the user set to no effect."""
+    assert main(CLI + setup + ["--output-dir", str(tmp_path / "a")]) == 0
+    assert main(["--config", str(tmp_path / "a" / "config.json"), "--output-dir", str(tmp_path / "b")]) == 0, \
+        capsys.readouterr().err
+    first, again = (json.loads((tmp_path / run / "config.json").read_text()) for run in ("a", "b"))
+    assert {k: (v, again[k]) for k, v in first.items() if v != again[k]} == {
+        "output_dir": (str(tmp_path / "a"), str(tmp_path / "b"))}
+    # a key the user writes into a file still counts where it differs from what the run resolves
+    (tmp_path / "own.json").write_text(json.dumps({"kl_horizon": 500}))
+    assert main(["--config", str(tmp_path / "own.json"), "--output-dir", str(tmp_path / "c")]) == 2

@@ -583,8 +583,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def from_dict(values: dict) -> TrainConfig:
-    """Defaults < preset < ``values``; coerced and validated."""
+def from_dict(values: dict, file_keys: typing.Iterable[str] = ()) -> TrainConfig:
+    """Defaults < preset < recipe < ``values``; coerced and validated. ``file_keys`` (those of ``values`` read from
+    a config file) count as set by the user only where they differ from what the run resolves without them (the
+    default, the preset's or recipe's value, clip_high = clip_low, the KL placement and estimator), so a run's own
+    config.json, which records every resolved value, can be given back as ``--config``."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in values:
         if key not in known:
@@ -596,7 +599,18 @@ def from_dict(values: dict) -> TrainConfig:
 
     merged = {**PRESETS[preset](), **recipe_values(values.get("recipe", "")), **values}
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in merged.items()})
-    cfg._explicit = frozenset(values) - {"preset"}  # what the user set (file or flags): TrainConfig.was_set
+    base = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **PRESETS[preset](),
+            **recipe_values(cfg.recipe)}
+    implied = {key for key in file_keys if key in base and getattr(cfg, key) == _coerce(key, base[key])}
+    if cfg.clip_high == cfg.clip_low and "clip_high" in file_keys:
+        implied.add("clip_high")
+    if cfg.kl_coef > 0:  # as _resolve fills them
+        kl_in = "loss" if cfg.algo == "grpo" else "reward"
+        if "kl_in" in file_keys and cfg.kl_in == kl_in:
+            implied.add("kl_in")
+        if "kl_estimator" in file_keys and cfg.kl_estimator == ("k3" if cfg.kl_in == "loss" else "k1"):
+            implied.add("kl_estimator")
+    cfg._explicit = frozenset(values) - {"preset"} - implied  # what the user set (file or flags): TrainConfig.was_set
     return cfg.validate()
 
 
@@ -604,4 +618,4 @@ def parse_args(argv=None) -> TrainConfig:
     """CLI flags (and ``--config FILE``) to a validated :class:`TrainConfig`."""
     args = vars(build_parser().parse_args(argv))
     file_values = load_file(args.pop("config")) if "config" in args else {}
-    return from_dict({**file_values, **args})
+    return from_dict({**file_values, **args}, file_keys=set(file_values) - set(args))
