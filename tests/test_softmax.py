@@ -458,15 +458,26 @@ def test_autocast_changes_nothing(device, backend, dtype, autocast_dtype):
 
 
 def test_reference_linear_logprobs_ignores_autocast():
-    """The reference's matmul must not drop to bf16 under autocast (it defines the float32 meaning)."""
+    """The reference's matmul must not drop to bf16 under autocast (it defines the float32 meaning): inside
+    autocast it runs in float64 (which autocast leaves alone, in the backward too), so its float32 results are as
+    close to the float64 truth as outside autocast, forward and backward with the backward inside the region."""
     gen = torch.Generator().manual_seed(26)
     hidden, weight = torch.randn(6, 32, generator=gen), torch.randn(300, 32, generator=gen)
     labels = torch.randint(0, 300, (6,), generator=gen)
-    plain = reference.linear_logprobs(hidden, weight, labels, return_entropy=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = reference.linear_logprobs(hidden, weight, labels, return_entropy=True)
-    for a, b in zip(plain, cast):
-        assert a.dtype == torch.float32 and torch.equal(a, b)
+    g_logp, g_ent = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+
+    def run(cast, autocast):
+        h, w = cast(hidden).requires_grad_(), cast(weight).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logp, ent = reference.linear_logprobs(h, w, labels, return_entropy=True)
+            grads = torch.autograd.grad((logp * g_logp.to(logp)).sum() + (ent * g_ent.to(ent)).sum(), (h, w))
+        return (logp, ent, *grads)
+
+    truth = run(lambda t: t.double(), False)
+    plain = run(lambda t: t.clone(), False)
+    for name, a, b, t in zip(("logp", "entropy", "d_hidden", "d_weight"), plain, run(lambda t: t.clone(), True), truth):
+        assert b.dtype == torch.float32, name
+        assert_close_to_truth(b, t, torch.float32, eager=a, name=name)
 
 
 def test_reference_out_of_range_label_gives_nan_like_the_kernels():
