@@ -1105,7 +1105,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     opt = _validate_kl(logp=logp, ref_logp=ref_logp, estimator=estimator)
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_KL_IMPLS, logp):
-            return _ref.kl_penalty(logp, ref_logp, opt.estimator).float()  # float32 as every backend's, also for float64
+            return _ref.kl_penalty(logp, ref_logp, opt.estimator).float()  # float32 also for float64 inputs
         kl, _ = _kl_op(logp, ref_logp, *option_values(opt))  # [...] fp32
     return kl
 

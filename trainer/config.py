@@ -602,14 +602,11 @@ def from_dict(values: dict, file_keys: typing.Iterable[str] = ()) -> TrainConfig
     base = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **PRESETS[preset](),
             **recipe_values(cfg.recipe)}
     implied = {key for key in file_keys if key in base and getattr(cfg, key) == _coerce(key, base[key])}
-    if cfg.clip_high == cfg.clip_low and "clip_high" in file_keys:
-        implied.add("clip_high")
-    if cfg.kl_coef > 0:  # as _resolve fills them
-        kl_in = "loss" if cfg.algo == "grpo" else "reward"
-        if "kl_in" in file_keys and cfg.kl_in == kl_in:
-            implied.add("kl_in")
-        if "kl_estimator" in file_keys and cfg.kl_estimator == ("k3" if cfg.kl_in == "loss" else "k1"):
-            implied.add("kl_estimator")
+    for key in ("clip_high", "kl_in", "kl_estimator"):  # what _resolve would fill in were the key left out
+        resolved = dataclasses.replace(cfg, **{key: None})
+        resolved._resolve()
+        if key in file_keys and getattr(cfg, key) == getattr(resolved, key):
+            implied.add(key)
     cfg._explicit = frozenset(values) - {"preset"} - implied  # what the user set (file or flags): TrainConfig.was_set
     return cfg.validate()
 

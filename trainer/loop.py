@@ -165,7 +165,8 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
         _check_writable(out)
         notes = {"seed": " (prompts and sampling; the tiny model's initial weights, which the KL reference copies, "
                          "keep the run's)"} if cfg.model == "tiny" else {}
-        return [f"resume: {name} changed: {saved[name]!r} -> {value!r}{notes.get(name, '')}" for name, value in now.items()
+        return [f"resume: {name} changed: {saved[name]!r} -> {value!r}{notes.get(name, '')}"
+                for name, value in now.items()
                 if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
     used = checkpoint.run_files(out)
     if used and not cfg.overwrite:
