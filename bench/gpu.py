@@ -42,6 +42,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,8 @@ PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), s
 PART_WEIGHTS = {"env": 0.1, "tests": 1.0, "memcheck": 0.5, "bench": 1.5, "trainer": 1.0}
 # the op test files whose cuda parametrizations the tests part runs, one pytest process each
 TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
-              "tests/test_losses.py", "tests/test_advantages.py", "tests/test_hf.py", "tests/test_compile.py")
+              "tests/test_losses.py", "tests/test_advantages.py", "tests/test_process_advantages.py",
+              "tests/test_hf.py", "tests/test_compile.py")
 PEERS = {  # import name -> distribution name (pinned in the Makefile's gpu-wheels)
     "liger_kernel": "liger-kernel", "cut_cross_entropy": "cut-cross-entropy", "flash_attn": "flash-attn",
     "trl": "trl", "gguf": "gguf",
@@ -236,6 +238,26 @@ def pytest_workers(p: Part) -> int:
     return 0 if p.dry or importlib.util.find_spec("xdist") is None else 8
 
 
+LOG_DIR = ROOT / "build" / "gpu-logs"  # each test file's whole pytest output (the record keeps failures and a tail)
+
+
+def run_interruptible(cmd: list[str], timeout_s: float) -> tuple[str, int | None, bool]:
+    """Run ``cmd`` (stdout and stderr together); at ``timeout_s`` interrupt it as Ctrl-C does, so pytest stops
+    and prints the summary of the tests that finished, and kill it 30 s later if it has not ended.
+    Returns (output, returncode or None when killed, whether it was interrupted)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        return proc.communicate(timeout=timeout_s)[0], proc.returncode, False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=30)[0], proc.returncode, True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], None, True
+
+
 def part_tests(p: Part) -> dict:
     from rlkernels import _extension
 
@@ -257,16 +279,20 @@ def part_tests(p: Part) -> dict:
             results.append({"file": path, "returncode": None, "summary": "not run: part time budget spent"})
             print(f"  {path}: not run (part time budget spent)", flush=True)
             continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", p.args.pytest_k, path]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+               "-k", p.args.pytest_k, path]
         if workers:
             cmd += ["-n", str(workers)]
-        try:
-            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=share)
-            row = {"file": path, "returncode": done.returncode, **parse_pytest_summary(done.stdout)}
-            if done.returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
-                row["tail"] = (done.stdout + done.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            row = {"file": path, "returncode": None, "summary": f"timed out after {share:.0f} s"}
+        output, returncode, timed_out = run_interruptible(cmd, share)
+        log = LOG_DIR / (Path(path).stem + ".log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(output)
+        row = {"file": path, "returncode": returncode, **parse_pytest_summary(output), "log": str(log.relative_to(ROOT))}
+        row["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)[:200]
+        if timed_out:  # interrupted: the counts are of the tests that finished
+            row["summary"] = f"interrupted after {share:.0f} s (part time budget): {row['summary'] or 'no summary'}"
+        if returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
+            row["tail"] = output[-3000:]
         results.append(row)
         print(f"  {path}: {row['summary'] or 'no summary line (rc ' + str(row['returncode']) + ')'}", flush=True)
     ok = ext["available"] and all(r.get("returncode") in (0, 5) for r in results)
@@ -316,30 +342,46 @@ def _bench_cases(module, device: torch.device, dry: bool) -> list:
     return cases
 
 
-def part_bench(p: Part) -> dict:
+# The bench part's module order when --only does not give one: the contract's headline targets first, so a
+# short time budget measures them before the rest.
+BENCH_ORDER = ("softmax", "fused_linear", "advantages", "fused_policy", "losses", "trainer")
+
+
+def bench_modules(only: str) -> list[str]:
+    """The bench modules to run, in order: ``only``'s (comma-separated, in its order), else ``BENCH_ORDER``
+    then any other module; an unknown name in ``only`` is an error naming the modules there are."""
     from bench.__main__ import discover
 
+    found = discover()
+    if only:
+        wanted = [x.strip() for x in only.split(",") if x.strip()]
+        unknown = [x for x in wanted if x not in found]
+        if unknown:
+            raise SystemExit(f"--only: unknown bench modules {unknown}; there are: {', '.join(found)}")
+        return list(dict.fromkeys(wanted))
+    return [n for n in BENCH_ORDER if n in found] + [n for n in found if n not in BENCH_ORDER]
+
+
+def _is_compile(provider: str) -> bool:
+    return provider.startswith("torch.compile")
+
+
+def part_bench(p: Part) -> dict:
     ceilings_dict = _ceilings(p)
     ceilings = harness.Ceilings(ceilings_dict["copy_gbps"], ceilings_dict["matmul_tflops"], ceilings_dict["device"])
     timing = harness.Timing(1, 1, 0.0) if p.dry else harness.Timing(3, 10, 1.0)  # CUDA: do_bench for 1 s per row
-    names = [n for n in discover() if not p.args.only or n in p.args.only.split(",")]
-    rows, failed = [], []
-    for name in names:
+    cases, failed = [], []
+    for name in bench_modules(p.args.only):
         try:
-            cases = _bench_cases(importlib.import_module(f"bench.bench_{name}"), p.device, p.dry)
+            cases += _bench_cases(importlib.import_module(f"bench.bench_{name}"), p.device, p.dry)
         except Exception as error:  # one module that cannot set up must not hide the others
             failed.append(f"bench_{name}: {error!r}"[:300])
             print(f"  bench_{name}: could not set up its cases: {error!r}", flush=True)
-            continue
-        for case in cases:
-            if p.time_left() < 0:
-                case_rows = [harness.Row(case.op, case.shape, k, *[float("nan")] * 2, "", *[float("nan")] * 2,
-                                         skipped="not run: part time budget spent") for k in case.providers]
-            else:
-                case_rows = harness.run_cases([case], p.device, ceilings, quick=p.dry, passes=1, timing=timing)
-            if case_rows:
-                print(harness.format_table(case_rows).split("\n", 2)[-1], flush=True)
-            rows.extend(case_rows)
+    # two sweeps over every case: first all providers but torch.compile (seconds each), then torch.compile
+    # (tens of seconds of compiling per function): a short budget still measures every op's own rows
+    rows = harness.run_cases_in_sweeps(
+        cases, p.device, ceilings, timing, [lambda n: not _is_compile(n), _is_compile], p.time_left,
+        progress=lambda r: print(harness.format_table(r).split("\n", 2)[-1], flush=True))
     return {"ceilings": ceilings_dict, "model": model_at_ceilings(ceilings_dict),
             "bench": {"rows": harness.rows_as_dicts(rows), "failed_modules": failed, "ok": not failed}}
 

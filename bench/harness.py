@@ -479,6 +479,36 @@ def run_cases(cases: list[Case], device: torch.device, ceilings: Ceilings, *, qu
     return rows
 
 
+def run_cases_in_sweeps(cases: list[Case], device: torch.device, ceilings: Ceilings, timing: Timing,
+                        sweeps: list[Callable[[str], bool]], time_left: Callable[[], float],
+                        progress: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """Rows for every case, measured in sweeps over all cases: sweep ``k`` measures the providers whose name
+    ``sweeps[k]`` accepts, one pass each. Once ``time_left()`` is negative, what is still to measure becomes a
+    row skipped with "not run: time budget spent". Under a short time budget the cheap providers of every case
+    come first (e.g. torch.compile, which compiles for tens of seconds per function, in the last sweep).
+    ``progress`` gets the rows measured in each (case, sweep) as they finish."""
+    measured: list[dict[str, _Measured]] = [{} for _ in cases]
+    for accept in sweeps:
+        for case, got in zip(cases, measured):
+            names = [n for n in case.providers if accept(n) and n not in got]
+            if not names:
+                continue
+            if time_left() < 0:
+                for n in names:
+                    got[n] = _Measured(skipped="not run: time budget spent")
+                continue
+            part = dataclasses.replace(case, providers={n: case.providers[n] for n in names})
+            _measure_case(part, device, timing, got)
+            if progress is not None:
+                progress(_rows(part, got, ceilings))
+    rows: list[Row] = []
+    for case, got in zip(cases, measured):
+        for n in case.providers:
+            got.setdefault(n, _Measured(skipped="not run: no sweep measures it"))
+        rows.extend(_rows(case, got, ceilings))
+    return rows
+
+
 def run_case(case: Case, device: torch.device, ceilings: Ceilings, *, quick: bool, passes: int = 1) -> list[Row]:
     """The rows of one case (see :func:`run_cases`)."""
     return run_cases([case], device, ceilings, quick=quick, passes=passes)
