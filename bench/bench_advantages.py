@@ -86,7 +86,34 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             providers["csrc"] = lambda s: A._group_csrc(s, 16, None, "grpo", 1e-6)
         out.append(Case("group_advantages grpo", f"N={N} G=16 float32", 8 * N, 5 * N, "memory", make_scores, providers,
                         baseline="python-loop" if N <= 16384 else "eager-vectorized"))
-    return out + process_cases(device, quick)
+    return out + whiten_cases(device) + process_cases(device, quick)
+
+
+def eager_whiten(x, mask, eps=1e-8):
+    """masked_whiten as trainers write it (TRL's masked_mean / masked_var): float32 sums of x times the mask."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n
+    var = ((x - mean) ** 2 * m).sum() / (n - 1)
+    return (x - mean) * torch.rsqrt(var + eps)
+
+
+def whiten_cases(device: torch.device) -> list[Case]:
+    """masked_whiten of float32 advantages: read x (4 bytes) and the mask (1), write float32 (4): 9 bytes per
+    element; at least two passes over x are needed (statistics, then the output), the bound counts one."""
+    B, T = (64, 512) if device.type == "cpu" else (1024, 4096)
+
+    def make_inputs():
+        x = torch.randn(B, T, device=device) * 3.0 + 1.0  # [B, T]
+        lengths = torch.randint(T // 2, T + 1, (B,), device=device)
+        return x, torch.arange(T, device=device)[None, :] < lengths[:, None]  # [B, T] right-padded
+
+    providers = {"eager": eager_whiten, "torch": lambda x, m: A._whiten_torch(x, m, True, 1e-8)}
+    if device.type == "cuda":
+        providers["triton"] = lambda x, m: A._whiten_triton(x, m, True, 1e-8)
+    if _extension.load() is not None and (device.type == "cpu" or _extension.has_cuda_kernels()):
+        providers["csrc"] = lambda x, m: A._whiten_csrc(x, m, True, 1e-8)
+    return [Case("masked_whiten", f"B={B} T={T} float32", 9 * B * T, 6 * B * T, "memory", make_inputs, providers)]
 
 
 def process_cases(device: torch.device, quick: bool) -> list[Case]:

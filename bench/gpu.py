@@ -538,6 +538,10 @@ def render_markdown(record: dict) -> str:
                 lines.append(f"| `{r['file']}` | {r['passed']} | {r['failed']} | {r['skipped']} | {r['errors']} | {_num(r.get('seconds'), '.1f')} |")
             else:
                 lines.append(f"| `{r['file']}` | {r.get('summary', '')} | | | | |")
+        failures = [f for r in t.get("files", []) for f in r.get("failures", [])]
+        if failures:
+            lines += ["", f"Failed ({len(failures)}):", ""] + [f"- `{f}`" for f in failures[:40]]
+            lines += [f"- ... and {len(failures) - 40} more"] if len(failures) > 40 else []
     m = record.get("memcheck")
     if m:
         lines += ["", f"Memcheck ({m.get('tool')}): {m.get('cases', 0)} kernel cases, {len(m.get('failed_cases', []))} failed, "
@@ -549,7 +553,7 @@ def render_markdown(record: dict) -> str:
         for r in b.get("rows", []):
             head = f"| {r['op']} | {r['shape']} | {r['provider']} |"
             if r.get("skipped") or r.get("error"):
-                lines.append(f"{head} {r.get('skipped') or 'failed: ' + r['error']} | | | | | |")
+                lines.append(f"{head} {r.get('skipped') or 'failed: ' + r['error'][:120].replace('|', '/')} | | | | | |")
                 continue
             lines.append(f"{head} {_num(r['median_ms'], '.4g')} | {harness.format_rate(r['rate'], r['rate_unit'])} | "
                          f"{_num(100 * r['fraction_of_bound'], '.1f')}% | {_num(r['peak_mib'], '.1f')} | "

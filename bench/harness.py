@@ -416,7 +416,7 @@ def _measure_case(case: Case, device: torch.device, timing: Timing, out: dict[st
             ms, _ = time_median_ms(step, device, timing)
             got.samples.append(ms)
         except Exception as error:  # a provider that fails is reported, not fatal
-            got.error = repr(error)[:120]
+            got.error = repr(error)[:600]
         finally:
             del inputs, step
     if ready:
@@ -425,7 +425,7 @@ def _measure_case(case: Case, device: torch.device, timing: Timing, out: dict[st
                 out[name].samples.extend(times)
         except Exception as error:
             for name in ready:
-                out[name].error = repr(error)[:120]
+                out[name].error = repr(error)[:600]
         ready.clear()
 
 

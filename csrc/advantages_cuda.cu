@@ -206,14 +206,18 @@ __device__ __forceinline__ int warp_sum(int x) {
   return x;
 }
 
-__device__ __forceinline__ float warp_max(float x) {
+constexpr int kGroupWarps = 4;
+
+__device__ __forceinline__ double warp_sum(double x) {
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, d));
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
   return x;
 }
 
-constexpr int kGroupWarps = 4;
-
+// The statistics in double, as the CPU kernel keeps them (the op is memory bound): exact to float32 rounding
+// for any group size, and scores up to float32's 3.4e38 neither overflow the sum nor the squared deviations.
+// (They were float32 with power-of-two scaling past 2^32: on an H100, groups of 6000 huge scores came out with
+// 18 float32 ulps of error, from the float32 sum of ~190 scores per lane.)
 __global__ void __launch_bounds__(kGroupWarps * 32)
     group_kernel(const float* __restrict__ s, float* __restrict__ out, const int64_t* __restrict__ perm,
                  const int64_t* __restrict__ starts, int64_t G, int mode, float eps) {
@@ -221,44 +225,35 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
   if (g >= G) return;
   const int lane = threadIdx.x & 31;
   const int64_t lo = starts[g], hi = starts[g + 1];
-  const float n = static_cast<float>(hi - lo);
+  const double n = static_cast<double>(hi - lo);
   auto at = [&](int64_t i) { return perm != nullptr ? perm[i] : i; };
   const float first = s[at(lo)];
-  float sum = 0.f, sum_lo = 0.f, amax = 0.f;  // sum_lo: Σ s·2^-64, the sum where scores past 2^32 overflow sum
+  double sum = 0.0;
   int differ = 0;
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const float x = s[at(i)];
     sum += x;
-    sum_lo += x * 0x1p-64f;
-    amax = fmaxf(amax, fabsf(x));
     differ += (x != first);  // NaN != NaN: a group with NaN is never constant
   }
-  // Scores past 2^32: the statistics of s·down, down a power of two bringing the largest |s| into [2, 4) (exact
-  // scaling), so neither the sum nor the squared deviations overflow (1e20 squared does in float32).
-  amax = warp_max(amax);
-  int e = 0;
-  frexpf(amax, &e);  // amax = f·2^e, f in [0.5, 1)
-  const bool big = amax >= 0x1p32f && amax <= 3.4028235e38f;
-  const float down = big ? ldexpf(1.f, 2 - e) : 1.f, up = big ? ldexpf(1.f, e - 2) : 1.f;
-  const float mean = (big ? warp_sum(sum_lo) * (down * 0x1p64f) : warp_sum(sum)) / n;  // of s·down
+  const double mean = warp_sum(sum) / n;
   const bool zero = warp_sum(differ) == 0 || hi - lo < 2;
-  float ssq = 0.f;
+  double ssq = 0.0;
   for (int64_t i = lo + lane; i < hi; i += 32) {
-    const float d = s[at(i)] * down - mean;
+    const double d = static_cast<double>(s[at(i)]) - mean;
     ssq += d * d;
   }
   ssq = warp_sum(ssq);
-  float scale;
-  if (mode == 0) {  // (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
-    scale = 1.f / (sqrtf(ssq / fmaxf(n - 1.f, 1.f)) + eps * down);
-  } else if (mode == 1) {
-    scale = up;
-  } else {
-    scale = n / fmaxf(n - 1.f, 1.f) * up;  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+  double scale;
+  if (mode == 0) {  // (s - mean) / (std + eps), unbiased std
+    scale = 1.0 / (sqrt(ssq / fmax(n - 1.0, 1.0)) + static_cast<double>(eps));
+  } else if (mode == 1) {  // s - mean
+    scale = 1.0;
+  } else {  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
+    scale = n / fmax(n - 1.0, 1.0);
   }
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const int64_t j = at(i);
-    out[j] = zero ? 0.f : (s[j] * down - mean) * scale;
+    out[j] = zero ? 0.f : static_cast<float>((static_cast<double>(s[j]) - mean) * scale);
   }
 }
 

@@ -75,12 +75,6 @@ def _compose(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
 
 
 @jit
-def _take_last(a1, b1, c1, z1, e1, a2, b2, c2, z2, e2):
-    """A reduction that keeps its last operand: along a thread's own elements, the last element."""
-    return a2, b2, c2, z2, e2
-
-
-@jit
 def _xor(a, b):
     return a ^ b
 
@@ -128,6 +122,7 @@ def _gae_kernel(
     ch = tl.arange(0, NCH)  # [NCH] chunks in scan order
     rel = (((NCH - 1 - ch) * VEC)[:, None] + tl.arange(0, VEC)[None, :])[None, :, :]  # [1, NCH, VEC] ascending
     gl = gamma * lam
+    last_tok = (tl.arange(0, VEC) == VEC - 1)[None, None, :]  # [1, 1, VEC]: a chunk's last token in scan order
     one = tl.full([BLOCK_B, NCH], 1.0, tl.float32)
     zero = tl.full([BLOCK_B, NCH], 0.0, tl.float32)
     carry_a = tl.full([BLOCK_B], 0.0, tl.float32)  # A of the next valid token (0 past the end)
@@ -149,7 +144,14 @@ def _gae_kernel(
         ze = tl.where(valid, 0.0, 1.0)
         e = tl.where(valid, fv, 0.0)
         al, be, c, ze, e = tl.associative_scan((al, be, c, ze, e), 2, _compose)  # in-chunk prefixes
-        sa, sb, sc, sz, se = tl.reduce((al, be, c, ze, e), 2, _take_last)  # [BLOCK_B, NCH] chunk maps
+        # each chunk's whole map: its scan's last element, picked by a masked sum (exact: one nonzero term).
+        # Not tl.reduce with a keep-the-last combine: compiled reductions swap operands between lanes (they
+        # assume a commutative combine), which on an H100 gave GAE errors of 2-75 % (the interpreter keeps order)
+        sa = block_sum(tl.where(last_tok, al, 0.0), 2)  # [BLOCK_B, NCH] chunk maps
+        sb = block_sum(tl.where(last_tok, be, 0.0), 2)
+        sc = block_sum(tl.where(last_tok, c, 0.0), 2)
+        sz = block_sum(tl.where(last_tok, ze, 0.0), 2)
+        se = block_sum(tl.where(last_tok, e, 0.0), 2)
         pa = _exclusive_pairs(one, sa, BLOCK_B, NCH)  # [BLOCK_B, 2 NCH]
         pb = _exclusive_pairs(zero, sb, BLOCK_B, NCH)
         pc = _exclusive_pairs(zero, sc, BLOCK_B, NCH)
@@ -297,7 +299,7 @@ def _group_tile_kernel(
     idx = g[:, None] * group_size + j[None, :]  # [GROUPS, GS] (the launcher checks N < 2**31)
     if HAS_INDEX:
         idx = tl.load(perm_ptr + idx, mask=ok, other=0)  # [GROUPS, GS]
-    n = group_size.to(tl.float32)
+    n = tl.full([], 1.0, tl.float32) * group_size  # a float32 scalar (not .to(): Triton passes a group_size of 1 as a constant)
     x = tl.load(s_ptr + idx, mask=ok, other=0.0)  # [GROUPS, GS]
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
     top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
@@ -747,6 +749,9 @@ def aot_configs():
             groups, warps = _group_tile_config(gs, has_index)
             consts = {"HAS_INDEX": has_index, "GS": gs, "GROUPS": groups}
             configs.append(KernelConfig(_group_tile_kernel, sig, consts, num_warps=warps, elements=groups * gs))
+            if gs == _GROUP_TILE_GS[0]:  # groups of one: Triton passes an int argument equal to 1 as a constant
+                ones = {**sig, "group_size": "constexpr"}
+                configs.append(KernelConfig(_group_tile_kernel, ones, {**consts, "group_size": 1}, num_warps=warps))
     for mode in GROUP_MODES:
         for has_index in (False, True):
             sig = {

@@ -541,14 +541,13 @@ def _tma_aot_configs() -> list[KernelConfig]:
 #   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
 #   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
 #   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
-# The default stays "split" until `make gpu` measures the three side by side on an H100/H200 (bench/gpu.py, bench
-# part: bench_fused_linear's forward rows, one per kernel, next to bench/model.py's prediction); the choice and its
-# numbers are to be written here then. Not measured yet: the session that wrote "tma" had no GPU (AOT facts only:
-# tests/test_fused_linear.py::test_tma_forward_sass_has_tma_and_wide_wgmma). Predicted until then (`python -m
-# bench.model`, H100, N=8192 H=4096 V=128256 bf16, one cuBLAS GEMM 10.8 ms): split 14.4 ms (1.34x the GEMM), tma
-# 12.4 ms (1.15x), tma flat 12.9 ms (1.20x), tma with _TMA_TILES_2CTA 10.8 ms (1.00x, if two CTAs hide each other's
-# epilogue entirely: an assumption), cublas 12.2 ms (1.13x): within the model's error of each other, so only the
-# measurement can choose.
+# Measured on an H100 80GB HBM3 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.json, torch 2.11, triton 3.6;
+# forward alone, N=8192 H=4096 bf16, V=128256 / 151936): one cuBLAS GEMM 11.96 / 14.23 ms, split 31.87 / 36.86
+# (2.7x the GEMM: bench/model.py had predicted 1.16x), tma 14.72 / 17.86, tma 2cta 21.58 / 26.42, cublas
+# 13.86 / 17.78 (and 1 GiB more memory); tma flat does not compile with triton 3.6 (see _TMA_TILES). "tma" is the
+# fastest Triton forward by 2x, but the default stays "split" until tma's CUDA tests pass on a GPU: those tests
+# (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth on cuda) did not exist when the GPU ran, and
+# that session found a kernel (GAE's) right under the interpreter and wrong when compiled.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _FWD_KERNEL_DEFAULT = "split"

@@ -528,7 +528,7 @@ def _repeated_label_inputs(device, dtype):
     some ignored tokens."""
     hidden, weight, bias, labels, g_logp, g_ent = _inputs(48, 40, 300, bias=True, seed=91)
     labels = torch.where(labels == -100, labels, labels % 5)  # [N] 5 distinct labels, ~8 tokens each
-    leaves = [_leaf(x.to(device), dtype) for x in (hidden, weight, bias)]
+    leaves = [_leaf(x, dtype, device=device) for x in (hidden, weight, bias)]
     return leaves, labels.to(device), g_logp.to(device), g_ent.to(device)
 
 
@@ -985,28 +985,38 @@ def _spy_launches(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kernel", ["tma", "cublas"])
-@pytest.mark.parametrize("N,H,V,bias,temperature,dtype", [
+_FORWARD_CASES = [
     (45, 40, 301, True, 0.7, torch.bfloat16),  # odd V, H not a multiple of BLOCK_K
     (38, 48, 257, False, 1.3, torch.float16),
     (29, 40, 301, True, 0.7, torch.float32),  # float32: both fall back to _fwd_kernel (see _fwd_kernel_choice)
-])
-def test_forward_kernels_match_float64_truth(kernel, N, H, V, bias, temperature, dtype, monkeypatch):
-    """RLKERNELS_LINEAR_FWD=tma|cublas under the interpreter: outputs and (through the unchanged backward) gradients
-    against the float64 truth and no worse than eager, ignored tokens exactly 0; the chosen kernel is the one that
-    ran."""
-    monkeypatch.setattr(fl_module, "_TMA_TILES", _SMALL_TMA_TILES)
+]
+# on a GPU also several of the launcher's 128x128 tiles and 2048-wide splits (the interpreter would take minutes)
+_FORWARD_CASES_GPU = [(300, 264, 5000, True, 0.9, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kernel", ["tma", "cublas"])
+@pytest.mark.parametrize("device,N,H,V,bias,temperature,dtype",
+                         [(d, *c) for d in devices() for c in _FORWARD_CASES + (_FORWARD_CASES_GPU if d == "cuda" else [])])
+def test_forward_kernels_match_float64_truth(device, kernel, N, H, V, bias, temperature, dtype, monkeypatch):
+    """RLKERNELS_LINEAR_FWD=tma|cublas (under the interpreter on the CPU, with shrunk TMA tiles; compiled on a GPU,
+    with the launcher's own, where "tma" runs only on sm_90): outputs and (through the unchanged backward)
+    gradients against the float64 truth and no worse than eager, ignored tokens exactly 0; the chosen kernel is
+    the one that ran."""
+    if device == "cpu":
+        monkeypatch.setattr(fl_module, "_TMA_TILES", _SMALL_TMA_TILES)
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, kernel)
     calls = _spy_launches(monkeypatch)
     hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=bias, seed=N + V)
     truth = _run(reference.linear_logprobs, *(x.requires_grad_() if x is not None else None for x in (hidden, weight, b)),
                  labels, g_logp, g_ent, temperature)
-    eager = _run(reference.linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype),
-                 labels, g_logp, g_ent, temperature)
+    leaves = [_leaf(x, dtype, device=device) for x in (hidden, weight, b)]
+    labels, g_logp, g_ent = labels.to(device), g_logp.to(device), g_ent.to(device)
+    eager = _run(reference.linear_logprobs, *leaves, labels, g_logp, g_ent, temperature)
     with forced_backend("triton"):
-        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent,
-                   temperature)
-    expected = "split" if dtype == torch.float32 else kernel
+        out = _run(linear_logprobs, *[_leaf(x, dtype, device=device) for x in (hidden, weight, b)], labels, g_logp,
+                   g_ent, temperature)
+    runs_tma = device == "cpu" or torch.cuda.get_device_capability()[0] == 9
+    expected = "split" if dtype == torch.float32 or (kernel == "tma" and not runs_tma) else kernel
     assert calls[expected] == 1 and sum(calls.values()) == 1, calls
     ignored = labels == -100
     assert torch.all(out[0][ignored] == 0) and torch.all(out[1][ignored] == 0)
