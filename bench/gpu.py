@@ -527,6 +527,9 @@ def render_markdown(record: dict) -> str:
         lines.append(f"Ceilings measured in the same run: copy {harness.format_rate(c.get('copy_gbps', float('nan')), 'GB/s')} "
                      f"({c.get('copy_at', '')}), matmul {harness.format_rate(c.get('matmul_tflops', float('nan')), 'TFLOP/s')} "
                      f"({c.get('matmul_at', '')}).")
+    notes = record.get("notes") or []
+    if notes:  # what a reader must know about this run's rows (written by hand after the run)
+        lines += ["", "Notes on this run:", ""] + [f"- {n}" for n in notes]
     t = record.get("tests")
     if t:
         ext = t.get("extension", {})
