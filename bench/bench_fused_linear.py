@@ -108,6 +108,8 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
         "torch.compile": _step(_compiled_fn),
         "rlkernels": _step(_rlkernels),
     }
+    if device.type == "cuda":  # the whole step with the Hopper forward (the default stays "split" until it is tested there)
+        providers["rlkernels fwd tma"] = _step(lambda h, w, y: _forward_kernel("tma")(h, w, y, None, None))
     providers.update(_peers(device))
     return Case(
         op="linear_logprobs fwd+bwd",
@@ -173,13 +175,81 @@ def _forward_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.devi
     )
 
 
+def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    """The Triton backward (vocabulary outer: N < V) whole and phase by phase, each against one cuBLAS GEMM of the
+    same size (so each row's "of bound" and ratio read as "GEMMs' worth of time"): the dz kernel over every
+    vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), dh += dz @ W_j and
+    dz.T @ hidden with float32 results (the two GEMMs as the backward calls them, chunk by chunk), and the same two
+    with 16-bit results (what those GEMMs cost without the float32 output)."""
+    from rlkernels import fused_linear as fl
+
+    opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
+    t = fl._tiles(dtype, backward=True)
+    vc = fl._vocab_chunk(N, H, V, dtype, t)
+    chunks = [(v0, min(V, v0 + vc)) for v0 in range(0, V, vc)]
+
+    def make_inputs():
+        hidden = torch.randn(N, H, device=device, dtype=dtype)  # [N, H]
+        weight = torch.randn(V, H, device=device, dtype=dtype) * H**-0.5  # [V, H]
+        labels = torch.randint(0, V, (N,), device=device)  # [N]
+        logp, entropy, stats = fl._forward_triton(hidden, weight, labels, None, opt)  # [N], [N], [2, N]
+        g_logp, g_ent = torch.randn(N, device=device), torch.randn(N, device=device)  # [N] each
+        dz = torch.randn(N, vc, device=device).to(dtype)  # [N, vc] a chunk of dz, for the GEMM rows
+        return hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz
+
+    def whole(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        return fl._backward_triton(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, logp, opt)
+
+    def dz_kernel(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        dz_into = fl._dz_launcher(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, opt, t)
+        resid = torch.zeros(N, device=device)  # [N]
+        for v0, v1 in chunks:
+            dz_into(dz[:, : v1 - v0], resid, 0, N, v0, v1)
+
+    def dh_f32(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        dh = torch.zeros(N, H, device=device)  # [N, H] float32
+        for v0, v1 in chunks:
+            fl._addmm_f32(dh, dz[:, : v1 - v0], weight[v0:v1])
+
+    def dw_f32(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        for v0, v1 in chunks:
+            fl._mm_f32(dz[:, : v1 - v0].T, hidden)  # [vc, H] float32
+
+    def dh_16(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        dh = torch.zeros(N, H, device=device, dtype=dtype)  # [N, H]
+        for v0, v1 in chunks:
+            dh.addmm_(dz[:, : v1 - v0], weight[v0:v1])
+
+    def dw_16(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        for v0, v1 in chunks:
+            dz[:, : v1 - v0].T @ hidden  # [vc, H]
+
+    providers = {
+        "one GEMM (cuBLAS)": lambda hidden, weight, *rest: hidden @ weight.T,
+        "backward (all phases)": whole, "dz kernel": dz_kernel, "dh GEMMs float32 out": dh_f32,
+        "dW GEMMs float32 out": dw_f32, "dh GEMMs 16-bit out": dh_16, "dW GEMMs 16-bit out": dw_16,
+    }
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        op="linear_logprobs bwd phases",
+        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')} ({len(chunks)} chunks of {vc})",
+        bytes_moved=(N * H + V * H) * itemsize,
+        flops=2 * N * H * V,
+        bound="compute",
+        make_inputs=make_inputs,
+        providers=providers,
+        baseline="one GEMM (cuBLAS)",
+    )
+
+
 def cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         if quick:
             return [_case(4096, 4096, 128256, torch.bfloat16, device)]
         sizes = [(8192, 4096, V) for V in (128256, 151936)]
         return ([_case(*size, torch.bfloat16, device) for size in sizes]
-                + [_forward_case(*size, torch.bfloat16, device) for size in sizes])
+                + [_forward_case(*size, torch.bfloat16, device) for size in sizes]
+                + [_backward_phase_case(*sizes[0], torch.bfloat16, device)])
     # H=64 (the trainer demo's head): the time is in the elementwise passes over [N, V], not the GEMMs
     if quick:
         return [_case(256, 256, 8192, torch.float32, device), _case(256, 64, 32000, torch.float32, device)]
@@ -188,4 +258,5 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
 
 def tiny_cases(device: torch.device) -> list[Case]:
     """``python -m bench --gpu --dry-run``: the same case at a tiny, odd size (the code path, not a measurement)."""
-    return [_case(16, 24, 1000, torch.bfloat16, device), _forward_case(16, 24, 1000, torch.bfloat16, device)]
+    return [_case(16, 24, 1000, torch.bfloat16, device), _forward_case(16, 24, 1000, torch.bfloat16, device),
+            _backward_phase_case(16, 24, 1000, torch.bfloat16, device)]

@@ -704,17 +704,11 @@ def _vocab_outer(N: int, V: int) -> bool:
     return N < V
 
 
-def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
-    """``_dz_kernel`` writes ``dz`` (the input dtype) of a block of tokens x vocabulary entries and its label
-    residuals; cuBLAS does the two GEMMs, in the order :func:`_vocab_outer` picks (:func:`_bwd_vocab_outer`,
-    :func:`_bwd_tokens_outer`). Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs'
-    dtypes."""
-    # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
-    del logp  # the kernel forms log p at the label from the recomputed logits tile itself
-    hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
-    bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
-    N, V = hidden.shape[0], weight.shape[0]
-    t = _tiles(hidden.dtype, backward=True)
+def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt: LinearLogprobsOptions, t: _Tiles):
+    """``dz_into(dz, resid, r0, r1, v0, v1)``: ``_dz_kernel`` over the tokens ``r0..r1`` against the vocabulary
+    ``v0..v1`` (the backward's first phase; bench_fused_linear times it alone). ``hidden`` [N, H] and ``weight``
+    [V, H] at unit stride along H, ``labels`` [N] contiguous, ``bias`` [V] contiguous or None, ``stats`` [2, N],
+    ``entropy``, ``g_logp``, ``g_ent`` [N]."""
     flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)
     g_logp = g_logp.float().contiguous()  # [N]
     g_ent = g_ent.float().contiguous()  # [N]
@@ -734,11 +728,34 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
             v0, **flags, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
+    return dz_into
+
+
+def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+    """``_dz_kernel`` writes ``dz`` (the input dtype) of a block of tokens x vocabulary entries and its label
+    residuals; cuBLAS does the two GEMMs, in the order :func:`_vocab_outer` picks (:func:`_bwd_vocab_outer`,
+    :func:`_bwd_tokens_outer`). Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs'
+    dtypes."""
+    # g_logp, g_ent, labels, entropy: [N]; stats [2, N] (row max, log-sum); hidden [N, H]; weight [V, H]; bias [V] or None
+    del logp  # the kernel forms log p at the label from the recomputed logits tile itself
+    hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
+    bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
+    N, V = hidden.shape[0], weight.shape[0]
+    t = _tiles(hidden.dtype, backward=True)
+    dz_into = _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt, t)
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
     d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t)
     return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
+
+
+def _vocab_chunk(N: int, H: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
+    """The vocabulary-outer backward's chunk width: its ``[N, vc]`` dz (and, for 16-bit inputs, the float32
+    ``[vc, H]`` slice of d_weight) within ``_DZ_BUDGET_BYTES``, ending on the dz kernel's tiles."""
+    low = dtype != torch.float32
+    col_bytes = max(1, N * torch.empty((), dtype=dtype).element_size() + (H * 4 if low else 0))
+    return min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))
 
 
 def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
@@ -752,8 +769,7 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     V = weight.shape[0]
     dev = hidden.device
     low = hidden.dtype != torch.float32  # 16-bit dz: the label entries' rounding is carried in float32
-    col_bytes = max(1, N * hidden.element_size() + (H * 4 if low else 0))  # a column of dz, a row of the float32 slice
-    vc = min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))  # chunks end on tiles
+    vc = _vocab_chunk(N, H, V, hidden.dtype, t)
     S = cdiv(V, vc)
     dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
     resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
