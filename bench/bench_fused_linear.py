@@ -160,17 +160,22 @@ def _forward_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.devi
         labels = torch.randint(0, V, (N,), device=device)  # [N]
         return hidden, weight, labels, None, None
 
+    providers = {f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "tma 2cta", "cublas")}
+    return _against_one_gemm("linear_logprobs fwd", N, H, V, dtype, "", make_inputs, providers)
+
+
+def _against_one_gemm(op, N, H, V, dtype, note, make_inputs, providers) -> Case:
+    """A case whose baseline is one cuBLAS GEMM ``hidden @ weight.T`` of the shape (the inputs' first two), each
+    row's FLOPs counted as that GEMM's: its ratio and fraction read as "GEMMs' worth of time"."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    providers = {"one GEMM (cuBLAS)": lambda hidden, weight, labels, g_logp, g_ent: hidden @ weight.T}
-    providers.update({f"rlkernels fwd {name}": _forward_kernel(name) for name in ("split", "tma", "tma flat", "tma 2cta", "cublas")})
     return Case(
-        op="linear_logprobs fwd",
-        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}",
+        op=op,
+        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')}{note}",
         bytes_moved=(N * H + V * H) * itemsize,
         flops=2 * N * H * V,
         bound="compute",
         make_inputs=make_inputs,
-        providers=providers,
+        providers={"one GEMM (cuBLAS)": lambda hidden, weight, *rest: hidden @ weight.T, **providers},
         baseline="one GEMM (cuBLAS)",
     )
 
@@ -225,21 +230,11 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
             dz[:, : v1 - v0].T @ hidden  # [vc, H]
 
     providers = {
-        "one GEMM (cuBLAS)": lambda hidden, weight, *rest: hidden @ weight.T,
         "backward (all phases)": whole, "dz kernel": dz_kernel, "dh GEMMs float32 out": dh_f32,
         "dW GEMMs float32 out": dw_f32, "dh GEMMs 16-bit out": dh_16, "dW GEMMs 16-bit out": dw_16,
     }
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return Case(
-        op="linear_logprobs bwd phases",
-        shape=f"N={N} H={H} V={V} {str(dtype).removeprefix('torch.')} ({len(chunks)} chunks of {vc})",
-        bytes_moved=(N * H + V * H) * itemsize,
-        flops=2 * N * H * V,
-        bound="compute",
-        make_inputs=make_inputs,
-        providers=providers,
-        baseline="one GEMM (cuBLAS)",
-    )
+    return _against_one_gemm("linear_logprobs bwd phases", N, H, V, dtype, f" ({len(chunks)} chunks of {vc})",
+                             make_inputs, providers)
 
 
 def cases(device: torch.device, quick: bool) -> list[Case]:
