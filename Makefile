@@ -81,10 +81,13 @@ gpu-dry-run: $(VENV)/.installed
 # Peers' wheels for the GPU machine, which has no network: pure Python, pinned, --no-deps (so no other torch
 # comes along; the GPU machine's torch 2.11 / triton 3.6 serve them). gguf reads the SmolLM2 file.
 # .gpu-wheels/ and .gpu-wheels-2/ are ignored by git; the GGUF travels split (see `gpu` above).
-GPU_WHEEL_PINS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf==0.19.0
+# trl (selective_log_softmax, a peer row) with what it needs that the GPU image lacks: datasets, dill, multiprocess.
+GPU_WHEEL_PINS := liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf==0.19.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 \
+                  multiprocess==0.70.19
 gpu-wheels:  # uses .venv (make test creates it), or PY=...
 	mkdir -p .gpu-wheels .gpu-wheels-2
-	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .gpu-wheels $(GPU_WHEEL_PINS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+	  --platform manylinux_2_17_x86_64 --platform any -d .gpu-wheels $(GPU_WHEEL_PINS)  # the GPU image's Python 3.12
 	cp .gpu-wheels/*.whl .gpu-wheels-2/
 	gguf=$$($(PY) -c "import os; from rlkernels.hf import smollm2_gguf; f = smollm2_gguf(); print(os.path.join(*f) if f else '')"); \
 	if [ -n "$$gguf" ]; then split -b 48M "$$gguf" .gpu-wheels/SmolLM2-135M-Instruct.Q4_1.gguf.part- && \
