@@ -81,14 +81,16 @@ def csrc_available(device: torch.device) -> bool:
     return device.type == "cuda" and _extension.has_cuda_kernels()
 
 
-def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype | None = None) -> str:
+def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype | None = None, *,
+            cuda_default: str = "triton") -> str:
     """The one place a backend is chosen: the name of the implementation that serves tensors of ``dtype`` on
     ``device``, for an op implementing the backends in ``supported``.
 
     ``RLKERNELS_BACKEND`` wins when the op implements it and it can run here (csrc needs the extension for
-    that device; triton needs triton and a 16/32-bit float ``dtype``); otherwise the default: Triton on CUDA,
-    the csrc extension on the CPU for the ops that have one, chunked PyTorch elsewhere. Ops call this at run
-    time, inside their custom op, so ``torch.compile`` never traces the extension's first build.
+    that device; triton needs triton and a 16/32-bit float ``dtype``); otherwise the default: on CUDA the op's
+    ``cuda_default`` ("csrc" where a GPU measurement chose the CUDA kernel, when the extension has CUDA kernels),
+    else Triton; the csrc extension on the CPU for the ops that have one; chunked PyTorch elsewhere. Ops call
+    this at run time, inside their custom op, so ``torch.compile`` never traces the extension's first build.
     """
     triton_ok = "triton" in supported and has_triton() and (dtype is None or dtype in TRITON_DTYPES)
     forced = forced_backend()
@@ -97,6 +99,8 @@ def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype
             raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported")
         if forced == "triton" and triton_ok or forced == "csrc" and csrc_available(device) or forced in ("torch", "reference"):
             return forced
+    if device.type == "cuda" and cuda_default == "csrc" and "csrc" in supported and csrc_available(device):
+        return "csrc"
     if device.type == "cuda" and triton_ok:
         return "triton"
     if "csrc" in supported and device.type == "cpu" and csrc_available(device):

@@ -928,3 +928,29 @@ def test_group_size_takes_numpy_integers_and_int16_masks_are_masks():
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(3))  # [2, 5]
     mask = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]])  # [2, 5]
     torch.testing.assert_close(rlkernels.masked_whiten(x, mask.to(torch.int16)), rlkernels.masked_whiten(x, mask.bool()))
+
+
+def test_cuda_default_is_the_measured_kernel(monkeypatch):
+    """On CUDA, gae defaults to its csrc kernel when the extension has CUDA kernels (the H100 measurement chose
+    it), to Triton otherwise; the other advantage ops default to Triton; RLKERNELS_BACKEND still wins. (The
+    device is only named: the choice is made before any tensor exists.)"""
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("RLKERNELS_BACKEND", raising=False)
+    for has_kernels in (True, False):
+        monkeypatch.setattr(_backend, "csrc_available", lambda device, ok=has_kernels: ok)
+        gae_default = _backend.resolve(cuda, adv_mod._SUPPORTED, torch.float32, cuda_default="csrc")
+        assert gae_default == ("csrc" if has_kernels else "triton")
+        assert _backend.resolve(cuda, adv_mod._SUPPORTED, torch.float32) == "triton"
+        with forced_backend("torch"):
+            assert _backend.resolve(cuda, adv_mod._SUPPORTED, torch.float32, cuda_default="csrc") == "torch"
+    # the gae op asks for it: its own resolution on CUDA goes through cuda_default="csrc"
+    seen = {}
+    real = _backend.resolve
+
+    def spy(device, supported, dtype=None, **kwargs):
+        seen[device.type] = kwargs.get("cuda_default", "triton")
+        return real(device, supported, dtype, **kwargs)
+
+    monkeypatch.setattr(adv_mod.backends, "resolve", spy)
+    rlkernels.gae(torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool))
+    assert seen["cpu"] == "csrc"
