@@ -140,6 +140,24 @@ def _logits_fused(logits, labels, old, adv, mask, ref_logp):
     return rlkernels.logits_policy_loss(logits, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
 
 
+def _logits_one_kernel(logits, labels, old, adv, mask, ref_logp):
+    """logits_policy_loss with RLKERNELS_LOGITS_POLICY=one-kernel for the call (its forward; the backward only
+    scales the d_logits the forward wrote)."""
+    import os
+
+    from rlkernels import fused_policy
+
+    old_env = os.environ.get(fused_policy.LOGITS_ROW_ENV)
+    os.environ[fused_policy.LOGITS_ROW_ENV] = "one-kernel"
+    try:
+        return _logits_fused(logits, labels, old, adv, mask, ref_logp)
+    finally:
+        if old_env is None:
+            os.environ.pop(fused_policy.LOGITS_ROW_ENV)
+        else:
+            os.environ[fused_policy.LOGITS_ROW_ENV] = old_env
+
+
 def _logits_step(fn):
     def step(logits, *rest):  # logits [B, T, V], the leaf
         return torch.autograd.grad(fn(logits, *rest), [logits])
@@ -168,7 +186,8 @@ def _logits_case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Ca
         bound="memory",
         make_inputs=make_inputs,
         providers={"eager": _logits_step(_logits_eager), "torch.compile": _logits_step(_logits_compiled),
-                   "rlkernels two-op": _logits_step(_logits_two_op), "rlkernels": _logits_step(_logits_fused)},
+                   "rlkernels two-op": _logits_step(_logits_two_op), "rlkernels": _logits_step(_logits_fused),
+                   "rlkernels one-kernel": _logits_step(_logits_one_kernel)},
         baseline="rlkernels two-op",
     )
 

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import dataclass
 
 import torch
@@ -884,13 +885,36 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-_logits_triton_sequence = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
+_logits_triton_pair = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
+
+# Which Triton row serves ratio="token" (RLKERNELS_LOGITS_POLICY; GSPO always takes the pair):
+# - "pair" (the default): the logprobs kernels around the policy loss (_logits_triton_pair): a read pass for the
+#   statistics, the policy loss over [N], then a read-and-write pass for d_logits -- three passes over [N, V];
+# - "one-kernel": _logits_policy_kernel, a program per token that reads its row, forms the token's loss
+#   coefficients in registers and re-reads the row to write d_logits (two passes when the re-read hits L2).
+# Measured on an H100 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.md, N=8192 V=151936 bf16, fwd+bwd): the
+# one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately (the pair's
+# kernels) 2.56 ms: the re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes
+# at a program-per-row's lower bandwidth. The pair is the default since; the one kernel stays selectable for the
+# bench and for GPUs where it may pay (bench_fused_policy measures both).
+LOGITS_ROW_ENV = "RLKERNELS_LOGITS_POLICY"
+LOGITS_ROWS = ("pair", "one-kernel")
+
+
+def _logits_row() -> str:
+    """``$RLKERNELS_LOGITS_POLICY`` or "pair"; anything else is refused by name."""
+    name = os.environ.get(LOGITS_ROW_ENV, "").strip().lower() or "pair"
+    if name not in LOGITS_ROWS:
+        raise ValueError(f"{LOGITS_ROW_ENV} must be one of {LOGITS_ROWS}, got {name!r}")
+    return name
 
 
 def _logits_triton(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """The Triton row of logits_policy_loss (see the section's note): one kernel for ``ratio="token"``; the
-    logprobs kernels around the policy loss's own implementation for GSPO. Same outputs as :func:`_logits_torch`."""
-    run = _logits_triton_token if opt.ratio != "sequence" else _logits_triton_sequence
+    """The Triton row of logits_policy_loss: the logprobs kernels around the policy loss's own implementation
+    (:func:`_logits_triton_pair`), or for ``ratio="token"`` with ``RLKERNELS_LOGITS_POLICY=one-kernel`` the one
+    kernel (see the note above). Same outputs as :func:`_logits_torch`."""
+    one = opt.ratio != "sequence" and _logits_row() == "one-kernel"
+    run = _logits_triton_token if one else _logits_triton_pair
     return run(logits, labels, old_logp, advantages, mask, ref_logp, opt)
 
 

@@ -484,15 +484,21 @@ def _layout(logits, layout):
     return logits
 
 
+@pytest.mark.parametrize("row", fused_policy.LOGITS_ROWS)
 @pytest.mark.parametrize("dtype, agg, V, layout, options", LOGITS_TRITON_CASES,
                          ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
                          ",".join(f"{k}={v}" for k, v in o.items()))
-def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V, layout, options, monkeypatch):
-    """The Triton row (one kernel for ratio=token; the logprobs kernels around the policy loss for GSPO) under
-    the interpreter: against the float64 truth of the rounded logits and against the torch row, which must agree
-    on the loss and every metric to float32 rounding. V = 4097 runs at the small tile (1024-wide blocks): four
-    full blocks and a partial one, so both passes' loops (the second one backwards) run several iterations."""
+def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V, layout, options, row, monkeypatch):
+    """The Triton rows (RLKERNELS_LOGITS_POLICY: the logprobs kernels around the policy loss, the default, or one
+    kernel for ratio=token; GSPO always takes the former) under the interpreter: against the float64 truth of the
+    rounded logits and against the torch row, which must agree on the loss and every metric to float32 rounding.
+    V = 4097 runs at the small tile (1024-wide blocks): four full blocks and a partial one, so both passes' loops
+    (the second one backwards) run several iterations. The row asked for is the one that ran."""
     pytest.importorskip("triton")
+    monkeypatch.setenv(fused_policy.LOGITS_ROW_ENV, row)
+    ran = []
+    for name in ("_logits_triton_token", "_logits_triton_pair"):
+        monkeypatch.setattr(fused_policy, name, (lambda f, n: lambda *a: ran.append(n) or f(*a))(getattr(fused_policy, name), name))
     if V > fused_policy._sm._SMALL_V.block_v:
         monkeypatch.setattr(fused_policy._sm, "_launch_config", lambda V: fused_policy._sm._SMALL_V)
     B, T = 3, 5
@@ -513,6 +519,14 @@ def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V
         torch.testing.assert_close(metrics[k], v, rtol=1e-5, atol=1e-6, msg=k)
     if layout == "on-policy":
         assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
+    one = row == "one-kernel" and options.get("ratio") != "sequence"
+    assert set(ran) == {"_logits_triton_token" if one else "_logits_triton_pair"}
+
+
+def test_logits_row_refuses_an_unknown_name(monkeypatch):
+    monkeypatch.setenv(fused_policy.LOGITS_ROW_ENV, "fastest")
+    with pytest.raises(ValueError, match="RLKERNELS_LOGITS_POLICY"):
+        fused_policy._logits_row()
 
 
 @pytest.mark.parametrize("layout", ("contiguous", "noncontiguous", "sliced"))
