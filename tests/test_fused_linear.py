@@ -259,12 +259,23 @@ def test_label_out_of_range_raises_on_cpu(backend):
         assert out[1] == 0
 
 
-def test_nan_propagates():
-    hidden, weight = torch.randn(3, 8), torch.randn(10, 8)
+@pytest.mark.parametrize("device,backend", [(d, b) for d in devices() for b in backends(d)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates(device, backend, dtype):
+    """A NaN in one token's hidden state gives that token NaN log-prob and entropy and NaN gradient rows, and
+    leaves the other tokens finite (on a GPU too, in every dtype)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 8, generator=g)  # [3, 8]
     hidden[1, 2] = float("nan")
-    with forced_backend("torch"):
-        logp = linear_logprobs(hidden, weight, torch.tensor([1, 2, 3]))
-    assert torch.isnan(logp[1]) and not torch.isnan(logp[0]) and not torch.isnan(logp[2])
+    hidden = hidden.to(dtype).to(device).requires_grad_()
+    weight = torch.randn(10, 8, generator=g).to(dtype).to(device).requires_grad_()  # [10, 8]
+    with forced_backend(backend):
+        logp, ent = linear_logprobs(hidden, weight, torch.tensor([1, 2, 3], device=device), return_entropy=True)
+        (d_hidden,) = torch.autograd.grad((logp + ent).sum(), [hidden])
+    nan = torch.isnan(logp.float().cpu())
+    assert nan.tolist() == [False, True, False] and torch.isnan(ent.float().cpu()).tolist() == [False, True, False]
+    rows_nan = torch.isnan(d_hidden.float().cpu()).any(1)
+    assert rows_nan[1] and not rows_nan[0] and not rows_nan[2]
 
 
 # ---------------------------------------------------------------- hostile input
@@ -493,30 +504,31 @@ def test_autocast_backward_inside_the_region(backend):
     _check_all(out, truth, eager, torch.float32)
 
 
-@pytest.mark.parametrize("backend", backends("cpu"))
-def test_row_offsets_past_2_31_elements(backend):
+@pytest.mark.parametrize("device,backend", [(d, b) for d in devices() for b in backends(d)])
+def test_row_offsets_past_2_31_elements(device, backend):
     """``row * stride`` past 2^31 elements: hidden and weight are views whose row stride s < 2^31
     (an int32 kernel argument) puts row 2 at 2s > 2^31. Their storage spans ~2^32 bfloat16
-    elements (8 GiB of address space) but only the few pages holding the rows are ever touched,
-    so resident memory stays small. With 32-bit offsets, row 2's offset wraps to B0 - 2^21 (inside
-    the storage, so a wrong read rather than a crash): its logp and gradients come out wrong."""
+    elements (8 GiB of address space): on the CPU only the few pages holding the rows are ever touched,
+    so resident memory stays small; on a GPU it is 8 GiB of device memory. With 32-bit offsets, row 2's
+    offset wraps to B0 - 2^21 (inside the storage, so a wrong read rather than a crash): its logp and
+    gradients come out wrong."""
     N = V = 3
     H = 16
     s = 2**31 - 2**20  # row stride: fits int32; 2s does not
     B0 = 2**21  # first row: a wrapped offset 2s - 2^32 = -2^21 stays inside the storage
-    store = torch.empty(B0 + 2 * s + 2 * H, dtype=torch.bfloat16)  # untouched pages cost no memory
+    store = torch.empty(B0 + 2 * s + 2 * H, dtype=torch.bfloat16, device=device)  # CPU: untouched pages cost nothing
     hidden = torch.as_strided(store, (N, H), (s, 1), B0)  # [N, H] rows at B0 + r·s
     weight = torch.as_strided(store, (V, H), (s, 1), B0 + H)  # [V, H] rows right after hidden's
     g = torch.Generator().manual_seed(81)
     hidden.copy_(torch.randn(N, H, generator=g))
     weight.copy_(torch.randn(V, H, generator=g) * 0.4)
-    labels = torch.tensor([1, 0, 2])  # [N]
+    labels = torch.tensor([1, 0, 2], device=device)  # [N]
     g_logp, g_ent = torch.randn(N, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
-    compact = [hidden.double().clone().requires_grad_(), weight.double().clone().requires_grad_()]
-    truth = _run(reference.linear_logprobs, *compact, None, labels, g_logp, g_ent, 1.0)
+    compact = [hidden.double().cpu().clone().requires_grad_(), weight.double().cpu().clone().requires_grad_()]
+    truth = _run(reference.linear_logprobs, *compact, None, labels.cpu(), g_logp, g_ent, 1.0)
     with forced_backend(backend):
         out = _run(linear_logprobs, hidden.detach().requires_grad_(), weight.detach().requires_grad_(), None,
-                   labels, g_logp, g_ent, 1.0)
+                   labels, g_logp.to(device), g_ent.to(device), 1.0)
     del store, hidden, weight
     for name, got, want in zip(["logp", "entropy", "d_hidden", "d_weight"], (out[0], out[1], *out[2]),
                                (truth[0], truth[1], *truth[2])):
