@@ -36,7 +36,7 @@ bench: $(VENV)/.installed
 bench-quick: $(VENV)/.installed
 	$(PY) -m bench --quick
 
-# The GPU validation (bench/gpu.py): PART=env|tests|memcheck|bench|trainer (comma-separated; default all), each
+# The GPU validation (bench/gpu.py): PART=env|tests|memcheck|bench|trainer|profile (comma-separated; default all), each
 # part within 8 minutes on one H100/H200. Writes bench/results/<gpu>-<date>.json and .md (parts run in separate
 # calls on the same day merge into one file); then `python tools/readme_perf.py` puts the newest into README.
 # It runs with the GPU machine's own python (torch and triton are there; nothing is installed): no venv.
@@ -52,6 +52,7 @@ GPU_PY     ?= python3
 PART       ?= all
 GPU_WHEELS ?= .gpu-wheels
 ONLY       ?=
+PROFILE_ONLY ?=
 TOTAL_S    ?=
 # ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
 # TOTAL_S=520 makes the parts of one call share 520 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
@@ -72,7 +73,7 @@ gpu:
 	else rm -f rlkernels/_C_prebuilt.so; fi
 	CUDA_HOME=$${CUDA_HOME:-$$(test -f /usr/local/cuda/include/cuda_runtime.h && echo /usr/local/cuda)} \
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
-	  $(if $(ONLY),--only $(ONLY)) $(if $(TOTAL_S),--total-s $(TOTAL_S))
+	  $(if $(ONLY),--only $(ONLY)) $(if $(PROFILE_ONLY),--profile-only "$(PROFILE_ONLY)") $(if $(TOTAL_S),--total-s $(TOTAL_S))
 
 # The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.
 gpu-dry-run: $(VENV)/.installed

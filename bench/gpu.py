@@ -16,7 +16,10 @@ starting new work once its budget is spent and says so), runnable alone or all i
   forward kernel (``RLKERNELS_LINEAR_FWD``: the measurement that picks rlkernels.fused_linear's default) against
   one cuBLAS GEMM, and bench/model.py's prediction at the measured ceilings next to the measured times;
 - ``trainer``: one GRPO and one PPO step on SmolLM2-135M with fused vs eager ops (step time, update-phase
-  peak memory), then 60 GRPO steps of the ``smollm2`` preset (mean reward of the first and last fifth).
+  peak memory), then 60 GRPO steps of the ``smollm2`` preset (mean reward of the first and last fifth);
+- ``profile``: Nsight Compute (``ncu --clock-control none``) over one call of each ``bench/profile.py`` case
+  (the linear head, logprobs, GAE, group statistics, the policy loss at the contract's sizes): per kernel its
+  duration, SM and DRAM throughput as a share of peak, registers and achieved occupancy.
 
 Results go to ``bench/results/<gpu>-<date>.json`` (versions, git commit, command; parts run separately on the
 same day merge into one file) with a markdown table beside it (``.md``); ``tools/readme_perf.py`` puts the
@@ -32,7 +35,9 @@ machinery, it measures nothing.
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
+import glob
 import importlib
 import importlib.metadata
 import importlib.util
@@ -53,14 +58,14 @@ import torch
 from bench import harness
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("env", "tests", "memcheck", "bench", "trainer")
+PARTS = ("env", "tests", "memcheck", "bench", "trainer", "profile")
 PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), so it ends within 8
 # With --total-s (several parts in one call under a device lease shorter than their budgets), the parts share
 # that time: each part, when it starts, gets the time left times its weight over the weights of the parts still
 # to run (capped by --budget-s). The weights are how long each part wants relative to the others: env measures
 # two ceilings in seconds; memcheck runs one small case per kernel under the sanitizer.
 # Seen on an H100 (2026-11-26): env 3 s, memcheck 22 s, bench 217 s, the tests ~200 s as one pytest per file.
-PART_WEIGHTS = {"env": 0.05, "tests": 1.0, "memcheck": 0.2, "bench": 1.2, "trainer": 1.2}
+PART_WEIGHTS = {"env": 0.05, "tests": 1.0, "memcheck": 0.2, "bench": 1.2, "trainer": 1.2, "profile": 0.6}
 # the op test files whose cuda parametrizations the tests part runs, one pytest process each
 TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
               "tests/test_losses.py", "tests/test_advantages.py", "tests/test_process_advantages.py",
@@ -536,8 +541,115 @@ def part_trainer(p: Part) -> dict:
     return {"trainer": result}
 
 
+# ------------------------------------------------------------------ profile (Nsight Compute)
+
+NCU_SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy")
+# ncu's metric names (its --page details CSV) -> the record's keys
+NCU_METRICS = {"Duration": "us", "Compute (SM) Throughput": "sm_pct", "DRAM Throughput": "dram_pct",
+               "Memory Throughput": "memory_pct", "Registers Per Thread": "registers",
+               "Achieved Occupancy": "occupancy_pct"}
+_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
+def short_kernel_name(name: str) -> str:
+    """``void rlkernels_cuda::(anonymous namespace)::gae_kernel<...>(const float *, ...)`` -> ``gae_kernel``."""
+    text = name.replace("(anonymous namespace)", "").removeprefix("void ")
+    depth, out = 0, ""
+    for ch in text:  # drop template arguments
+        depth += ch == "<"
+        if depth == 0:
+            out += ch
+        depth -= ch == ">"
+    return out.split("(", 1)[0].rsplit("::", 1)[-1].strip() or name
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """Per kernel launch (in launch order), from ``ncu --csv --page details``: the short kernel name and the
+    metrics of ``NCU_METRICS`` (duration in microseconds). Lines that are not CSV rows (the program's own
+    output, ncu's ==PROF== lines) are skipped."""
+    rows = list(csv.reader([ln for ln in text.splitlines() if ln.startswith('"')]))
+    if not rows:
+        return []
+    header = rows[0]
+    try:
+        col = {k: header.index(k) for k in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
+    except ValueError:
+        return []
+    kernels: dict[str, dict] = {}
+    for r in rows[1:]:
+        if len(r) != len(header) or r[col["ID"]] == "ID":
+            continue
+        k = kernels.setdefault(r[col["ID"]], {"kernel": short_kernel_name(r[col["Kernel Name"]])})
+        key = NCU_METRICS.get(r[col["Metric Name"]])
+        if key is None:
+            continue
+        try:
+            value = float(r[col["Metric Value"]].replace(",", ""))
+        except ValueError:
+            continue
+        k[key] = value * _TO_US.get(r[col["Metric Unit"]].strip(), 1.0) if key == "us" else value
+    return list(kernels.values())
+
+
+def _ncu() -> str | None:
+    found = shutil.which("ncu") or _cuda_tool("ncu")
+    return found or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True)), None)
+
+
+def part_profile(p: Part) -> dict:
+    from bench import profile
+
+    prefixes = [x.strip() for x in p.args.profile_only.split(",") if x.strip()]
+    cases = [c for c in profile.CASES if not prefixes or any(c.startswith(x) for x in prefixes)]
+    tool = None if p.dry else _ncu()
+    if not p.dry and tool is None:
+        print("  ncu not found", flush=True)
+        return {"profile": {"tool": None, "ok": False, "cases": [], "summary": "ncu not found"}}
+    results = []
+    for case in cases:
+        if p.time_left() < 0:
+            results.append({"case": case, "summary": "not run: part time budget spent"})
+            continue
+        script = [sys.executable, "-m", "bench.profile", "--case", case, "--device", p.device.type]
+        if p.dry:
+            cmd = script + ["--tiny"]
+        else:  # --clock-control none: the card's clocks as we find them (never changed)
+            cmd = [tool, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "details",
+                   *[arg for s in NCU_SECTIONS for arg in ("--section", s)], *script]
+        output, returncode, interrupted = run_interruptible(cmd, max(p.time_left(), 5.0))
+        kernels = [] if p.dry else parse_ncu_csv(output)
+        row = {"case": case, "returncode": returncode, "kernels": kernels,
+               "total_us": round(sum(k.get("us", 0.0) for k in kernels), 2)}
+        if returncode != 0 or interrupted or (not p.dry and not kernels):
+            row["tail"] = output[-2000:]
+        results.append(row)
+        top = max(kernels, key=lambda k: k.get("us", 0.0), default=None)
+        print(f"  {case}: rc {returncode}, {len(kernels)} kernels, {row['total_us']:.1f} us under ncu"
+              + (f"; longest {top['kernel']} {top.get('us', 0):.1f} us, SM {top.get('sm_pct', float('nan')):.0f} %, "
+                 f"DRAM {top.get('dram_pct', float('nan')):.0f} %" if top else ""), flush=True)
+    ok = all(r.get("returncode") == 0 and (p.dry or r["kernels"]) for r in results if "returncode" in r)
+    tool_text = "none (dry run: the script alone)" if p.dry else f"{tool} --clock-control none, sections {', '.join(NCU_SECTIONS)}"
+    return {"profile": {"tool": tool_text, "cases": results, "ok": ok}}
+
+
+def _profile_lines(record: dict) -> list[str]:
+    prof = record.get("profile")
+    if not prof or not prof.get("cases"):
+        return []
+    lines = ["", f"Nsight Compute ({prof.get('tool')}), the kernels of one call per case (longest 8):", "",
+             "| case | kernel | us | SM % | DRAM % | registers | occupancy % |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for c in prof["cases"]:
+        if not c.get("kernels"):
+            lines.append(f"| {c['case']} | {c.get('summary') or 'no kernels (rc ' + str(c.get('returncode')) + ')'} | | | | | |")
+            continue
+        for k in sorted(c["kernels"], key=lambda k: -k.get("us", 0.0))[:8]:
+            lines.append(f"| {c['case']} | `{k['kernel']}` | {_num(k.get('us'), '.1f')} | {_num(k.get('sm_pct'), '.0f')} | "
+                         f"{_num(k.get('dram_pct'), '.0f')} | {_num(k.get('registers'), '.0f')} | {_num(k.get('occupancy_pct'), '.0f')} |")
+    return lines
+
+
 PART_FUNCTIONS = {"env": part_env, "tests": part_tests, "memcheck": part_memcheck, "bench": part_bench,
-                  "trainer": part_trainer}
+                  "trainer": part_trainer, "profile": part_profile}
 
 
 # ------------------------------------------------------------------ markdown
@@ -611,6 +723,7 @@ def render_markdown(record: dict) -> str:
                           f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
     elif tr:
         lines += ["", f"Trainer: {tr.get('summary', '')}"]
+    lines += _profile_lines(record)
     return "\n".join(lines) + "\n"
 
 
@@ -639,6 +752,7 @@ def main(argv=None) -> int:
     parser.add_argument("--test-files", nargs="*", default=None, help=f"tests part (default: {' '.join(TEST_FILES)})")
     parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
     parser.add_argument("--memcheck-only", default="", help="memcheck part: case name prefixes (default: all)")
+    parser.add_argument("--profile-only", default="", help="profile part: case name prefixes (default: all)")
     args = parser.parse_args(argv)
     parts = list(PARTS) if args.part == "all" else [x.strip() for x in args.part.split(",") if x.strip()]
     unknown = [x for x in parts if x not in PARTS]

@@ -92,7 +92,8 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     ok, the JSON holds what each part measured, the markdown table is beside it."""
     cmd = [sys.executable, "-m", "bench", "--gpu", "--dry-run", "--part", "all", "--out-dir", str(tmp_path),
            "--wheels", str(tmp_path / "no-wheels"), "--test-files", "tests/test_reference.py",
-           "--only", "softmax,losses", "--memcheck-only", "kl_penalty,gae,logprobs out-of-range"]
+           "--only", "softmax,losses", "--memcheck-only", "kl_penalty,gae,logprobs out-of-range",
+           "--profile-only", "gae csrc,policy"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -115,6 +116,8 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert [(s["algo"], s["losses"]) for s in steps] == [("grpo", "fused"), ("grpo", "eager"), ("ppo", "fused"), ("ppo", "eager")]
     assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
     assert record["trainer"]["run"]["steps"] == 3
+    assert [c["case"] for c in record["profile"]["cases"]] == ["gae csrc", "policy_loss"]
+    assert all(c["returncode"] == 0 for c in record["profile"]["cases"])
     assert path.with_suffix(".md").read_text() == gpu.render_markdown(record)
     assert "== trainer: ok" in done.stdout
 
@@ -203,3 +206,26 @@ def test_junit_counts_per_file(tmp_path):
     assert got == {"tests/test_a.py": (1, 1, 0, 0, 0.75), "tests/test_ab.py": (0, 0, 1, 1, 2.0),
                    "tests/test_c.py": (0, 0, 0, 0, 0.0)}
     assert all(r["passed"] == 0 for r in gpu.junit_counts(tmp_path / "missing.xml", files))
+
+
+NCU_CSV = """==PROF== Connected to process 123
+profiled gae csrc
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","74.51"
+"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","24.32"
+"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","40"
+"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","msecond","1,250.5"
+"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","12.5"
+"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","n/a"
+==PROF== Disconnected from process 123
+"""
+
+
+def test_ncu_csv_parsed_per_kernel_launch():
+    """The profile part's reading of ncu's --page details CSV: one entry per launch ID in order, short kernel
+    names (no namespace, template arguments or parameters), durations in microseconds whatever ncu's unit,
+    thousands separators read, values that are not numbers skipped, other lines ignored."""
+    got = gpu.parse_ncu_csv(NCU_CSV)
+    assert got == [{"kernel": "gae_kernel", "dram_pct": 74.51, "us": 24.32, "registers": 40.0},
+                   {"kernel": "_group_tile_kernel", "us": 1250500.0, "sm_pct": 12.5}]
+    assert gpu.parse_ncu_csv("no csv here\n") == []

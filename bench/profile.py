@@ -1,0 +1,117 @@
+"""``python -m bench.profile --case NAME [--device cuda] [--tiny]``: one call of one op at the contract's size,
+between ``cudaProfilerStart`` and ``cudaProfilerStop``, for Nsight Compute.
+
+``python -m bench --gpu --part profile`` runs it once per case under
+``ncu --profile-from-start off --section SpeedOfLight --section LaunchStats --section Occupancy --csv`` and
+records, per kernel launch of the profiled call, its duration, compute (SM) and DRAM throughput as a percentage of
+the device's peak, registers per thread and achieved occupancy: the "why" behind a bench row that misses its
+target (a GEMM phase at low SM throughput, a memory-bound kernel far from DRAM peak, a launch-bound op made of many
+short kernels). A warm-up call runs first, outside the profiled range, so Triton's compiles are not profiled.
+
+``--tiny`` (the dry run on a CPU) runs the same code at small sizes without a profiler: it checks the script.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+import rlkernels
+from rlkernels import advantages as A
+
+
+def _linear(device: torch.device, tiny: bool) -> Callable[[], object]:
+    N, H, V = (16, 24, 1000) if tiny else (8192, 4096, 128256)
+    hidden = torch.randn(N, H, device=device, dtype=torch.bfloat16).requires_grad_()  # [N, H]
+    weight = (torch.randn(V, H, device=device, dtype=torch.bfloat16) * H**-0.5).requires_grad_()  # [V, H]
+    labels = torch.randint(0, V, (N,), device=device)  # [N]
+
+    def step():
+        logp, ent = rlkernels.linear_logprobs(hidden, weight, labels, return_entropy=True)
+        return torch.autograd.grad([logp, ent], [hidden, weight], [torch.ones_like(logp), torch.ones_like(ent)])
+
+    return step
+
+
+def _logprobs(device: torch.device, tiny: bool) -> Callable[[], object]:
+    N, V = (16, 1000) if tiny else (8192, 151936)
+    logits = torch.randn(N, V, device=device, dtype=torch.bfloat16).requires_grad_()  # [N, V]
+    labels = torch.randint(0, V, (N,), device=device)  # [N]
+
+    def step():
+        logp, ent = rlkernels.logprobs(logits, labels, return_entropy=True)
+        return torch.autograd.grad([logp, ent], [logits], [torch.ones_like(logp), torch.ones_like(ent)])
+
+    return step
+
+
+def _gae(backend: str):
+    def make(device: torch.device, tiny: bool) -> Callable[[], object]:
+        B, T = (4, 64) if tiny else (1024, 4096)
+        r = torch.randn(B, T, device=device, dtype=torch.bfloat16)  # [B, T]
+        v = torch.randn(B, T, device=device, dtype=torch.bfloat16)  # [B, T]
+        m = torch.ones(B, T, device=device, dtype=torch.bool)  # [B, T]
+        impl = A._gae_csrc if backend == "csrc" else A._gae_triton
+        return lambda: impl(r, v, m, 0.99, 0.95)
+
+    return make
+
+
+def _group(backend: str):
+    def make(device: torch.device, tiny: bool) -> Callable[[], object]:
+        s = torch.randn(256 if tiny else 1 << 20, device=device)  # [N]
+        impl = A._group_csrc if backend == "csrc" else A._group_triton
+        return lambda: impl(s, 16, None, "grpo", 1e-6)
+
+    return make
+
+
+def _policy(device: torch.device, tiny: bool) -> Callable[[], object]:
+    B, T = (2, 37) if tiny else (256, 4096)
+    logp = torch.randn(B, T, device=device).requires_grad_()  # [B, T]
+    old = (logp.detach() + 0.1 * torch.randn(B, T, device=device))  # [B, T]
+    adv = torch.randn(B, device=device)  # [B]
+    mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
+
+    def step():
+        loss, _ = rlkernels.policy_loss(logp, old, adv, mask, clip_high=0.28)
+        return torch.autograd.grad(loss, [logp])
+
+    return step
+
+
+CASES = {
+    "linear_logprobs": _linear,  # fwd+bwd with entropy, N=8192 H=4096 V=128256 bf16
+    "logprobs": _logprobs,  # fwd+bwd with entropy, N=8192 V=151936 bf16
+    "gae csrc": _gae("csrc"), "gae triton": _gae("triton"),  # B=1024 T=4096 bf16
+    "group csrc": _group("csrc"), "group triton": _group("triton"),  # 2^20 scores, groups of 16
+    "policy_loss": _policy,  # PPO fwd+bwd, B=256 T=4096 float32
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", required=True, choices=sorted(CASES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="small sizes, no profiler (the CPU dry run)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    step = CASES[args.case](device, args.tiny)
+    step()  # warm-up: compiles and the extension's build stay outside the profiled range
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    print(f"profiled {args.case}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
