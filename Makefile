@@ -68,12 +68,14 @@ TOTAL_S    ?=
 gpu:
 	@if [ -f .gpu-ext/rlkernels_csrc.so ] && [ "$$(cat .gpu-ext/csrc.sha 2>/dev/null)" = "$$(cat csrc/* | sha256sum)" ]; then \
 	  cp .gpu-ext/rlkernels_csrc.so rlkernels/_C_prebuilt.so && \
-	  $(GPU_PY) -c "import torch; torch.ops.load_library('rlkernels/_C_prebuilt.so'); torch.ops.rlkernels_csrc.gae" && \
-	  echo "csrc extension: prebuilt .gpu-ext/rlkernels_csrc.so" || rm -f rlkernels/_C_prebuilt.so; \
-	else rm -f rlkernels/_C_prebuilt.so; fi
+	  $(GPU_PY) -c "import torch; torch.ops.load_library('rlkernels/_C_prebuilt.so'); torch.ops.rlkernels_csrc.gae" \
+	  2>/dev/null && echo "csrc extension: prebuilt .gpu-ext/rlkernels_csrc.so" || \
+	  { rm -f rlkernels/_C_prebuilt.so; echo "csrc extension: .gpu-ext's library does not load here: built at first use"; }; \
+	fi; \
 	CUDA_HOME=$${CUDA_HOME:-$$(test -f /usr/local/cuda/include/cuda_runtime.h && echo /usr/local/cuda)} \
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
-	  $(if $(ONLY),--only $(ONLY)) $(if $(PROFILE_ONLY),--profile-only "$(PROFILE_ONLY)") $(if $(TOTAL_S),--total-s $(TOTAL_S))
+	  $(if $(ONLY),--only $(ONLY)) $(if $(PROFILE_ONLY),--profile-only "$(PROFILE_ONLY)") $(if $(TOTAL_S),--total-s $(TOTAL_S)); \
+	status=$$?; rm -f rlkernels/_C_prebuilt.so; exit $$status  # the copy never outlives the run
 
 # The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.
 gpu-dry-run: $(VENV)/.installed
