@@ -127,25 +127,21 @@ def _forward_kernel(name: str):
     Hopper kernel's flattened schedule, which triton 3.6 fails to compile: its row then says so; "tma 2cta": its
     64x128 tiles, two CTAs per SM), set for the call only."""
     import dataclasses
-    import os
 
+    from bench.harness import env_set
     from rlkernels import fused_linear
 
     def step(hidden, weight, labels, g_logp, g_ent):
-        old_env, old_tiles = os.environ.get(fused_linear.FWD_KERNEL_ENV), fused_linear._TMA_TILES
-        os.environ[fused_linear.FWD_KERNEL_ENV] = name.split()[0]
+        old_tiles = fused_linear._TMA_TILES
         if name == "tma flat":
             fused_linear._TMA_TILES = dataclasses.replace(old_tiles, flatten=True)
         elif name == "tma 2cta":
             fused_linear._TMA_TILES = fused_linear._TMA_TILES_2CTA
         try:
-            return _rlkernels(hidden, weight, labels)
+            with env_set(fused_linear.FWD_KERNEL_ENV, name.split()[0]):
+                return _rlkernels(hidden, weight, labels)
         finally:
             fused_linear._TMA_TILES = old_tiles
-            if old_env is None:
-                os.environ.pop(fused_linear.FWD_KERNEL_ENV)
-            else:
-                os.environ[fused_linear.FWD_KERNEL_ENV] = old_env
 
     return step
 

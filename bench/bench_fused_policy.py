@@ -143,19 +143,11 @@ def _logits_fused(logits, labels, old, adv, mask, ref_logp):
 def _logits_one_kernel(logits, labels, old, adv, mask, ref_logp):
     """logits_policy_loss with RLKERNELS_LOGITS_POLICY=one-kernel for the call (its forward; the backward only
     scales the d_logits the forward wrote)."""
-    import os
-
+    from bench.harness import env_set
     from rlkernels import fused_policy
 
-    old_env = os.environ.get(fused_policy.LOGITS_ROW_ENV)
-    os.environ[fused_policy.LOGITS_ROW_ENV] = "one-kernel"
-    try:
+    with env_set(fused_policy.LOGITS_ROW_ENV, "one-kernel"):
         return _logits_fused(logits, labels, old, adv, mask, ref_logp)
-    finally:
-        if old_env is None:
-            os.environ.pop(fused_policy.LOGITS_ROW_ENV)
-        else:
-            os.environ[fused_policy.LOGITS_ROW_ENV] = old_env
 
 
 def _logits_step(fn):

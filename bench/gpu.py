@@ -66,7 +66,7 @@ PART_BUDGET_S = 420.0  # each part stops starting new work after this (7 min), s
 # two ceilings in seconds; memcheck runs one small case per kernel under the sanitizer.
 # Seen on an H100 (2026-11-26): env 3 s, memcheck 22 s, bench 217 s, the tests ~200 s as one pytest per file.
 PART_WEIGHTS = {"env": 0.05, "tests": 1.0, "memcheck": 0.2, "bench": 1.2, "trainer": 1.2, "profile": 0.6}
-# the op test files whose cuda parametrizations the tests part runs, one pytest process each
+# the op test files whose cuda parametrizations the tests part runs (in one pytest process)
 TEST_FILES = ("tests/test_softmax.py", "tests/test_fused_linear.py", "tests/test_fused_policy.py",
               "tests/test_losses.py", "tests/test_advantages.py", "tests/test_process_advantages.py",
               "tests/test_hf.py", "tests/test_compile.py")
@@ -243,7 +243,7 @@ def pytest_workers(p: Part) -> int:
     return 0 if p.dry or importlib.util.find_spec("xdist") is None else min(os.cpu_count() or 8, 16)
 
 
-LOG_DIR = ROOT / "build" / "gpu-logs"  # each test file's whole pytest output (the record keeps failures and a tail)
+LOG_DIR = ROOT / "build" / "gpu-logs"  # the tests part's whole pytest output and JUnit report (the record keeps a tail)
 
 
 def run_interruptible(cmd: list[str], timeout_s: float) -> tuple[str, int | None, bool]:

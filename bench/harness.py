@@ -248,6 +248,21 @@ def time_median_ms(fn: Callable[[], object], device: torch.device, timing: Timin
 
 
 @contextlib.contextmanager
+def env_set(name: str, value: str):
+    """``os.environ[name] = value`` for the block, then as it was (unset if it was): a provider that times one
+    setting of an environment switch (RLKERNELS_LINEAR_FWD, RLKERNELS_LOGITS_POLICY) without changing the others."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
 def _threads(n: int):
     old = torch.get_num_threads()
     torch.set_num_threads(n)
