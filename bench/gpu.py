@@ -552,8 +552,9 @@ _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "ms
 
 
 def short_kernel_name(name: str) -> str:
-    """``void rlkernels_cuda::(anonymous namespace)::gae_kernel<...>(const float *, ...)`` -> ``gae_kernel``."""
-    text = name.replace("(anonymous namespace)", "").removeprefix("void ")
+    """``void rlkernels_cuda::(anonymous namespace)::gae_kernel<...>(const float *, ...)`` -> ``gae_kernel``
+    (ncu spells the anonymous namespace ``<unnamed>``)."""
+    text = name.replace("(anonymous namespace)", "").replace("<unnamed>", "").removeprefix("void ")
     depth, out = 0, ""
     for ch in text:  # drop template arguments
         depth += ch == "<"
@@ -566,7 +567,9 @@ def short_kernel_name(name: str) -> str:
 def parse_ncu_csv(text: str) -> list[dict]:
     """Per kernel launch (in launch order), from ``ncu --csv --page details``: the short kernel name and the
     metrics of ``NCU_METRICS`` (duration in microseconds). Lines that are not CSV rows (the program's own
-    output, ncu's ==PROF== lines) are skipped."""
+    output, ncu's ==PROF== lines) are skipped. ncu's rows are ragged: a metric row stops after "Metric Value"
+    (plus a trailing comma) while the header and the rule rows go on with the rule columns, so a row is read
+    when it reaches the columns used, not when it matches the header's length."""
     rows = list(csv.reader([ln for ln in text.splitlines() if ln.startswith('"')]))
     if not rows:
         return []
@@ -577,7 +580,7 @@ def parse_ncu_csv(text: str) -> list[dict]:
         return []
     kernels: dict[str, dict] = {}
     for r in rows[1:]:
-        if len(r) != len(header) or r[col["ID"]] == "ID":
+        if len(r) <= max(col.values()) or r[col["ID"]] == "ID":
             continue
         k = kernels.setdefault(r[col["ID"]], {"kernel": short_kernel_name(r[col["Kernel Name"]])})
         key = NCU_METRICS.get(r[col["Metric Name"]])

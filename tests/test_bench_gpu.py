@@ -208,15 +208,24 @@ def test_junit_counts_per_file(tmp_path):
     assert all(r["passed"] == 0 for r in gpu.junit_counts(tmp_path / "missing.xml", files))
 
 
-NCU_CSV = """==PROF== Connected to process 123
+# the layout ncu 2025 writes (seen on the H100): the header and the rule rows carry the rule columns, a
+# metric row stops after "Metric Value" with a trailing comma; the anonymous namespace is spelt <unnamed>
+_NCU_HEAD = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+_GAE = '"0","123","python3","h","void rlkernels_cuda::<unnamed>::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)",'
+_GROUP = '"1","123","python3","h","_group_tile_kernel",'
+_LAUNCH = '"1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0",'
+NCU_CSV = f"""==PROF== Connected to process 123
 profiled gae csrc
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","74.51"
-"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","usecond","24.32"
-"0","123","python3","h","void rlkernels_cuda::(anonymous namespace)::gae_kernel<__nv_bfloat16, 8>(const T1 *, int)","1","7","(256, 1, 1)","(1024, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","40"
-"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","msecond","1,250.5"
-"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","12.5"
-"1","123","python3","h","_group_tile_kernel","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","n/a"
+{_NCU_HEAD}"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type","Rule Description","Estimated Speedup Type","Estimated Speedup"
+{_GAE}{_LAUNCH}"GPU Speed Of Light Throughput","DRAM Throughput","%","74.51",
+{_GAE}{_LAUNCH}"GPU Speed Of Light Throughput","Duration","usecond","24.32",
+{_GAE}{_LAUNCH}"GPU Speed Of Light Throughput","","","","SOLBottleneck","OPT","Memory is more heavily utilized","global","20.5"
+{_GAE}{_LAUNCH}"Launch Statistics","Registers Per Thread","register/thread","40",
+{_GROUP}{_LAUNCH}"GPU Speed Of Light Throughput","Duration","msecond","1,250.5",
+{_GROUP}{_LAUNCH}"GPU Speed Of Light Throughput","Compute (SM) Throughput","%","12.5",
+{_GROUP}{_LAUNCH}"Occupancy","Achieved Occupancy","%","n/a",
+{_GROUP}{_LAUNCH}"Occupancy","","","","AchievedOccupancy","OPT","The difference between ...","local","63.23"
+"2","123","python3","h","short_row","1"
 ==PROF== Disconnected from process 123
 """
 
@@ -224,7 +233,8 @@ profiled gae csrc
 def test_ncu_csv_parsed_per_kernel_launch():
     """The profile part's reading of ncu's --page details CSV: one entry per launch ID in order, short kernel
     names (no namespace, template arguments or parameters), durations in microseconds whatever ncu's unit,
-    thousands separators read, values that are not numbers skipped, other lines ignored."""
+    thousands separators read, values that are not numbers and rule rows skipped, rows too short to hold a
+    metric and other lines ignored."""
     got = gpu.parse_ncu_csv(NCU_CSV)
     assert got == [{"kernel": "gae_kernel", "dram_pct": 74.51, "us": 24.32, "registers": 40.0},
                    {"kernel": "_group_tile_kernel", "us": 1250500.0, "sm_pct": 12.5}]
