@@ -55,7 +55,7 @@ def test_readme_section_round_trips_from_the_newest_results(tmp_path):
     assert "| logprobs+entropy fwd+bwd | N=8192 V=128256 bfloat16 | rlkernels | 1.25 | 2.40 TB/s | 80.0% | 0.5 | 12.50x | 1.75x |" in body
     assert "not installed (pip install flash-attn)" in body
     assert "copy 3.00 TB/s (1 GiB), matmul 798 TFLOP/s (8192x8192 bfloat16)" in body
-    assert "| grpo | fused | 0.500 | 812.0 |" in body
+    assert "| grpo | fused | no | 0.500 | 812.0 |" in body
     assert "mean reward 0.125 in the first fifth, 0.375 in the last" in body
     # the section is the .md that bench/gpu.py writes beside the JSON
     assert gpu.render_markdown(_fake_record("2026-11-21", "NVIDIA H200")) in body
@@ -113,7 +113,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert timed and all(r["median_ms"] > 0 and r["peak_mib"] >= 0 and not r["error"] for r in timed)
     assert all(r["skipped"].startswith("skipped by --dry-run") for r in rows if r["provider"] == "torch.compile")
     steps = record["trainer"]["steps"]
-    assert [(s["algo"], s["losses"]) for s in steps] == [("grpo", "fused"), ("grpo", "eager"), ("ppo", "fused"), ("ppo", "eager")]
+    assert [(s["algo"], s["losses"], s["gradient_checkpointing"]) for s in steps] == [
+        ("grpo", "fused", False), ("grpo", "eager", False), ("grpo", "fused", True), ("grpo", "eager", True),
+        ("ppo", "fused", False), ("ppo", "eager", False)]
     assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
     assert record["trainer"]["run"]["steps"] == 3
     assert [c["case"] for c in record["profile"]["cases"]] == ["gae csrc", "policy_loss"]
@@ -174,7 +176,8 @@ def test_time_flags_must_be_positive(flags, capsys):
 
 
 def test_pytest_workers_default_and_override():
-    """8 xdist workers per test file on a GPU machine that has pytest-xdist, none in a dry run; the flag wins."""
+    """As many xdist workers as cores (at most 16) on a GPU machine that has pytest-xdist, none in a dry run or
+    without xdist; the flag wins."""
     import argparse
     import importlib.util
 
@@ -182,7 +185,7 @@ def test_pytest_workers_default_and_override():
     part = gpu.Part(argparse.Namespace(dry_run=True, budget_s=60.0, pytest_workers=None), cpu)
     assert gpu.pytest_workers(part) == 0
     part = gpu.Part(argparse.Namespace(dry_run=False, budget_s=60.0, pytest_workers=None), cpu)
-    assert gpu.pytest_workers(part) == (8 if importlib.util.find_spec("xdist") else 0)
+    assert gpu.pytest_workers(part) == (min(os.cpu_count() or 8, 16) if importlib.util.find_spec("xdist") else 0)
     part = gpu.Part(argparse.Namespace(dry_run=False, budget_s=60.0, pytest_workers=3), cpu)
     assert gpu.pytest_workers(part) == 3
     with pytest.raises(SystemExit):
