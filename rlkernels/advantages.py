@@ -955,8 +955,8 @@ _WHITEN_IMPLS = {
 # in bf16 (advantages off by ~0.05).
 @torch.library.custom_op("rlkernels::gae", mutates_args=())
 def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    # CUDA: the csrc kernel by default (measured on an H100, B=1024 T=4096 bf16: 24.3 us against Triton's 32.6;
-    # bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.md), Triton where the extension has no CUDA kernels
+    # CUDA: the csrc kernel by default (measured on an H100, B=1024 T=4096 bf16: 25.1 us against the fixed Triton
+    # kernel's 33.3; bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.md), Triton where the extension has no CUDA kernels
     backend = backends.resolve(rewards.device, _SUPPORTED, torch.promote_types(rewards.dtype, values.dtype),
                                cuda_default="csrc")
     with backends.float32_compute(rewards.device):

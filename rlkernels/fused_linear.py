@@ -541,13 +541,16 @@ def _tma_aot_configs() -> list[KernelConfig]:
 #   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
 #   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
 #   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
-# Measured on an H100 80GB HBM3 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.json, torch 2.11, triton 3.6;
-# forward alone, N=8192 H=4096 bf16, V=128256 / 151936): one cuBLAS GEMM 11.96 / 14.23 ms, split 31.87 / 36.86
-# (2.7x the GEMM: bench/model.py had predicted 1.16x), tma 14.72 / 17.86, tma 2cta 21.58 / 26.42, cublas
-# 13.86 / 17.78 (and 1 GiB more memory); tma flat does not compile with triton 3.6 (see _TMA_TILES). "tma" is the
-# fastest Triton forward by 2x, but the default stays "split" until tma's CUDA tests pass on a GPU: those tests
-# (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth on cuda) did not exist when the GPU ran, and
-# that session found a kernel (GAE's) right under the interpreter and wrong when compiled.
+# Measured on an H100 80GB HBM3 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26-lease1.json and the later run of
+# that day, NVIDIA_H100_80GB_HBM3-2026-11-26.json; torch 2.11, triton 3.6; forward alone, N=8192 H=4096 bf16,
+# V=128256 / 151936): one cuBLAS GEMM 12.6 / 14.9 ms, split 32.5 / 37.2 (2.6x the GEMM: bench/model.py had
+# predicted 1.16x), tma 15.5 / 18.4, tma 2cta 22.0 / 27.6, cublas 14.5 / 18.2 (and 1 GiB more memory); tma flat
+# does not compile with triton 3.6 (see _TMA_TILES). fwd+bwd: split 120.8 / 140.7 ms, tma 103.8 / 121.7. "tma"'s
+# CUDA tests passed in the second run (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth), but the
+# default stays "split": the backward (_dz_kernel) recomputes the logits with K blocks of _BWD_TILES_16.block_k = 32
+# and _TMA_TILES sums blocks of 64, and at T = 1e-3 that difference reached the gradients under the interpreter
+# (test_tma_forward_low_temperature_no_worse_than_eager with K blocks of 64: float16 d_weight 4.1e-4 against
+# eager's 2.7e-4; it passes with the backward's 32). Next: the backward's K blocking following the forward's.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _FWD_KERNEL_DEFAULT = "split"

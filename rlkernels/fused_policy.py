@@ -892,11 +892,13 @@ _logits_triton_pair = _logits_with(_sm._triton_forward, _sm._triton_backward_int
 #   statistics, the policy loss over [N], then a read-and-write pass for d_logits -- three passes over [N, V];
 # - "one-kernel": _logits_policy_kernel, a program per token that reads its row, forms the token's loss
 #   coefficients in registers and re-reads the row to write d_logits (two passes when the re-read hits L2).
-# Measured on an H100 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.md, N=8192 V=151936 bf16, fwd+bwd): the
-# one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately (the pair's
-# kernels) 2.56 ms: the re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes
-# at a program-per-row's lower bandwidth. The pair is the default since; the one kernel stays selectable for the
-# bench and for GPUs where it may pay (bench_fused_policy measures both).
+# Measured on an H100 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26-lease1.md, N=8192 V=151936 bf16, fwd+bwd): the
+# one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately 2.56 ms: the
+# re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes at a program-per-row's
+# lower bandwidth. The pair became the default then; measured as itself in the day's second run
+# (NVIDIA_H100_80GB_HBM3-2026-11-26.md) it took 5.04 ms, against 2.56 ms for the two ops and 4.65 ms for the one
+# kernel: the same kernels as the two ops, so the difference is not yet explained (bench/profile.py's
+# "logits_policy_loss" and "logits two-op" cases put both under Nsight Compute). The one kernel stays selectable.
 LOGITS_ROW_ENV = "RLKERNELS_LOGITS_POLICY"
 LOGITS_ROWS = ("pair", "one-kernel")
 

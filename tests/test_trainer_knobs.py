@@ -459,3 +459,43 @@ def test_model_directory_and_reward_callable_are_checked_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match="^reward: 'math:sqrt' must accept"):
         from_dict({"reward": "math:sqrt"})
     assert from_dict({"reward": "os.path:join"}).reward == "os.path:join"  # (*paths) binds three lists
+
+
+# ------------------------------------------------------------------ activation checkpointing
+
+
+@pytest.mark.parametrize("algo, losses", [("grpo", "fused"), ("ppo", "eager")])
+def test_gradient_checkpointing_recomputes_blocks_and_keeps_the_update(tmp_path, algo, losses):
+    """gradient_checkpointing: every decoder block of the policy (and of the PPO critic's backbone) runs its
+    forward (seen from its MLP) a second time in the backward -- twice as many forwards with grad on as
+    without -- and two steps end at the same parameters, bit for bit (dropout is off: the recomputation repeats
+    the forward exactly)."""
+    runs = {}
+    for ckpt in (False, True):
+        tr = Trainer(tiny(tmp_path / str(ckpt), algo=algo, losses=losses, steps=2, reward=DISTINCT,
+                          gradient_checkpointing=ckpt))
+        models = {"policy": tr.policy.model} | ({"critic": tr.critic.backbone} if tr.critic is not None else {})
+        with_grad = {name: 0 for name in models}
+        for name, model in models.items():
+            for layer in model.layers:
+                # counted inside each block: transformers checkpoints the block's forward (not its __call__), and
+                # the recomputation runs no module hooks, so its MLP's forward itself is wrapped
+                def counted(*args, _forward=layer.mlp.forward, _name=name, **kwargs):
+                    with_grad[_name] += torch.is_grad_enabled()
+                    return _forward(*args, **kwargs)
+
+                layer.mlp.forward = counted
+        tr.run()
+        runs[ckpt] = with_grad, _state(tr.policy), None if tr.critic is None else _state(tr.critic)
+    (plain, pol, crit), (ckpt, pol_c, crit_c) = runs[False], runs[True]
+    assert all(n > 0 for n in plain.values()), plain
+    assert ckpt == {name: 2 * n for name, n in plain.items()}
+    for got, want in ((pol_c, pol), (crit_c, crit)):
+        for key in want or {}:
+            assert torch.equal(got[key], want[key]), key
+
+
+def test_gradient_checkpointing_refused_for_a_model_without_it():
+    """A policy that is not a transformers model with checkpointing support is refused by the field's name."""
+    with pytest.raises(ConfigError, match="^gradient_checkpointing: the policy"):
+        knobs.enable_gradient_checkpointing(torch.nn.Linear(2, 2))

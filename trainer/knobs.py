@@ -1,5 +1,6 @@
 """Issue 15's trainer knobs as small functions: dropout off, reference updates, the KL in the rewards,
-score normalisation, the ratio-outside metric, KL early stop, the critic from the reward model.
+score normalisation, the ratio-outside metric, KL early stop, the critic from the reward model, activation
+checkpointing.
 
 Each is a pure function (or a small state object) the loop calls; see the fields of the same names in
 :class:`trainer.config.TrainConfig` for the options and README's trainer section for the conventions.
@@ -14,6 +15,27 @@ from torch import nn
 
 # config / module attribute names that hold a dropout probability in transformers models
 _DROPOUT_NAME = re.compile(r"(dropout|pdrop)(_prob|_rate|_p)?$|^dropout_\w+$|layerdrop$")
+
+
+def enable_gradient_checkpointing(policy: nn.Module, critic: nn.Module | None = None) -> None:
+    """Turn on transformers' activation checkpointing (``activation_checkpointing_enable``, formerly
+    ``gradient_checkpointing_enable``; non-reentrant ``torch.utils.checkpoint``: no input needs
+    ``requires_grad``) in ``policy`` and in ``critic``'s backbone. It acts in train mode only, so generation and
+    the eval-mode passes run as before. ConfigError naming ``gradient_checkpointing`` for a model that does not
+    support it."""
+    from .config import ConfigError
+
+    for name, model in (("policy", policy), ("critic", getattr(critic, "backbone", critic))):
+        if model is None:
+            continue
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"gradient_checkpointing: the {name} ({type(model).__name__}) does not support "
+                              f"transformers' gradient checkpointing")
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.22 (the old name warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -229,6 +229,8 @@ class Trainer:
         self.critic: Critic | None = load_critic(cfg, self.policy).to(self.device).train() if cfg.algo == "ppo" else None
         if self.critic is not None:
             knobs.disable_dropout(self.critic)
+        if cfg.gradient_checkpointing:
+            knobs.enable_gradient_checkpointing(self.policy, self.critic)
         self.kl_coef = cfg.kl_coef
         self.score_norm = knobs.ScoreNormalizer(cfg.reward_norm, cfg.reward_norm_shift, cfg.reward_clip)
 
