@@ -76,7 +76,7 @@ with autograd -> public function.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -455,6 +455,18 @@ def _tiles(dtype: torch.dtype, backward: bool = False, hopper: bool = True) -> _
     return _FWD_TILES_16 if hopper else _FWD_TILES_16_PRE_HOPPER
 
 
+def _bwd_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> _Tiles:
+    """The dz kernel's tiles for these inputs (``hidden`` [N, H], ``weight`` [V, H]): ``_BWD_TILES_16`` and its float32
+    sibling, with ``BLOCK_K`` that of the forward kernel that ran (:func:`_fwd_kernel_choice`, asked again: the same
+    inputs and switch), so the recomputed logits sum K in the forward's chunks and are its bits -- the Hopper
+    forward (``_TMA_TILES``) steps K by 64 where ``_fwd_kernel`` steps by 32. A low temperature magnifies any
+    difference between the forward's logits and the backward's (see the note above ``FWD_KERNEL_ENV``)."""
+    t = _tiles(hidden.dtype, backward=True)
+    if hidden.dtype != torch.float32 and _fwd_kernel_choice(hidden, weight) == "tma":
+        return replace(t, block_k=_TMA_TILES.block_k)
+    return t
+
+
 def _hopper(t: torch.Tensor) -> bool:
     """Whether ``t``'s device takes the Hopper tiles: sm_90 or later, or a CPU tensor (the interpreter)."""
     return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] >= 9
@@ -506,6 +518,22 @@ def aot_configs() -> list[KernelConfig]:
             dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
             configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
     configs.extend(_tma_aot_configs())
+    configs.extend(_dz_tma_aot_configs())
+    return configs
+
+
+def _dz_tma_aot_configs() -> list[KernelConfig]:
+    """``_dz_kernel`` with ``_TMA_TILES``' K blocks (:func:`_bwd_tiles`): the backward after the Hopper forward, 16-bit
+    inputs on sm_90 only."""
+    from rlkernels.testing.aot import KernelConfig
+
+    configs = []
+    for dtype in (torch.bfloat16, torch.float16):
+        tb = replace(_tiles(dtype, backward=True), block_k=_TMA_TILES.block_k)
+        for has_bias in (False, True):
+            consts = _kernel_flags(dtype, has_bias, False, tb)
+            sig = {**_dz_signature(TRITON_DTYPE_NAMES[dtype]), **dict.fromkeys(consts, "constexpr")}
+            configs.append(KernelConfig(_dz_kernel, sig, consts, tb.num_warps, tb.num_stages, archs=(90,)))
     return configs
 
 
@@ -547,10 +575,11 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # predicted 1.16x), tma 15.5 / 18.4, tma 2cta 22.0 / 27.6, cublas 14.5 / 18.2 (and 1 GiB more memory); tma flat
 # does not compile with triton 3.6 (see _TMA_TILES). fwd+bwd: split 120.8 / 140.7 ms, tma 103.8 / 121.7. "tma"'s
 # CUDA tests passed in the second run (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth), but the
-# default stays "split": the backward (_dz_kernel) recomputes the logits with K blocks of _BWD_TILES_16.block_k = 32
-# and _TMA_TILES sums blocks of 64, and at T = 1e-3 that difference reached the gradients under the interpreter
-# (test_tma_forward_low_temperature_no_worse_than_eager with K blocks of 64: float16 d_weight 4.1e-4 against
-# eager's 2.7e-4; it passes with the backward's 32). Next: the backward's K blocking following the forward's.
+# default stays "split" until the backward that follows it has run on a GPU: the backward (_dz_kernel) recomputed the
+# logits with K blocks of _BWD_TILES_16.block_k = 32 while _TMA_TILES sums blocks of 64, and at T = 1e-3 that
+# difference reached the gradients under the interpreter (test_tma_forward_low_temperature_no_worse_than_eager with
+# K blocks of 64: float16 d_weight 4.1e-4 against eager's 2.7e-4). Since then the backward takes the forward's K
+# blocks (_bwd_tiles); that test now runs with the two blocked differently by default and on CUDA too.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _FWD_KERNEL_DEFAULT = "split"
@@ -744,7 +773,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
     N, V = hidden.shape[0], weight.shape[0]
-    t = _tiles(hidden.dtype, backward=True)
+    t = _bwd_tiles(hidden, weight)
     dz_into = _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt, t)
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
