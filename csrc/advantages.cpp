@@ -83,8 +83,10 @@ std::tuple<at::Tensor, at::Tensor> gae_cpu(const at::Tensor& rewards, const at::
 
 // mode: 0 grpo, 1 dr_grpo, 2 rloo. Group g holds the positions perm[starts[g] .. starts[g+1])
 // (perm empty: positions starts[g] .. starts[g+1] themselves).
-at::Tensor group_advantages_cpu(const at::Tensor& scores, const at::Tensor& perm, const at::Tensor& starts, int64_t mode,
-                                double eps) {
+// group_size > 0: contiguous groups of that size (perm and starts empty); 0: group g is perm[starts[g]:starts[g+1]]
+// (the identity where perm is empty).
+at::Tensor group_advantages_cpu(const at::Tensor& scores, const at::Tensor& perm, const at::Tensor& starts,
+                                int64_t group_size, int64_t mode, double eps) {
   TORCH_CHECK(scores.dim() == 1 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
               "rlkernels_csrc::group_advantages: scores must be contiguous float32 [N]");
   TORCH_CHECK(starts.scalar_type() == at::kLong && starts.is_contiguous() && perm.scalar_type() == at::kLong &&
@@ -94,7 +96,10 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores, const at::Tensor& perm
   const int64_t N = scores.size(0);
   const bool has_perm = perm.numel() > 0;
   TORCH_CHECK(!has_perm || perm.numel() == N, "rlkernels_csrc::group_advantages: perm must be [N]");
-  const int64_t G = starts.numel() - 1;
+  TORCH_CHECK(group_size >= 0 && (group_size == 0 || (!has_perm && N % group_size == 0)),
+              "rlkernels_csrc::group_advantages: group_size must be 0 (groups from starts) or divide N without a perm");
+  TORCH_CHECK(group_size > 0 || starts.numel() >= 1, "rlkernels_csrc::group_advantages: starts must be [G + 1]");
+  const int64_t G = group_size > 0 ? N / group_size : starts.numel() - 1;
   at::Tensor out = at::empty_like(scores);
   const float* s = scores.data_ptr<float>();
   const int64_t* p = perm.data_ptr<int64_t>();
@@ -102,7 +107,8 @@ at::Tensor group_advantages_cpu(const at::Tensor& scores, const at::Tensor& perm
   float* o = out.data_ptr<float>();
   at::parallel_for(0, G, 64, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t lo = st[g], hi = st[g + 1], n = hi - lo;
+      const int64_t lo = group_size > 0 ? g * group_size : st[g];
+      const int64_t hi = group_size > 0 ? lo + group_size : st[g + 1], n = hi - lo;
       auto at_ = [&](int64_t i) { return has_perm ? p[i] : i; };
       if (n <= 0) continue;
       const float first = s[at_(lo)];
@@ -211,7 +217,7 @@ at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool s
 
 TORCH_LIBRARY(rlkernels_csrc, m) {
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)");
-  m.def("group_advantages(Tensor scores, Tensor perm, Tensor starts, int mode, float eps) -> Tensor");
+  m.def("group_advantages(Tensor scores, Tensor perm, Tensor starts, int group_size, int mode, float eps) -> Tensor");
   m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, float eps) -> Tensor");
 }
 

@@ -9,7 +9,9 @@
 // tokens from its incoming state; the outputs go out through shared memory so that a warp's
 // stores are contiguous. The state (A, V) = (advantage, value) of the next valid token carries
 // from tile to tile.
-// group_advantages: one warp per group, three passes over the (L1-resident) group.
+// group_advantages: contiguous groups of up to 32 scores: a warp holds 32 / W of them (W the power of two >= the
+// group size), one score per lane, the statistics by shuffles within each W-lane segment (one coalesced read, one
+// write); otherwise one warp per group, three passes over the (L1-resident) group.
 // masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, one block merges
 // them (and rescues an overflow, see whiten_merge_kernel), then every block of a third kernel
 // normalizes its share.
@@ -218,13 +220,22 @@ __device__ __forceinline__ double warp_sum(double x) {
 // for any group size, and scores up to float32's 3.4e38 neither overflow the sum nor the squared deviations.
 // (They were float32 with power-of-two scaling past 2^32: on an H100, groups of 6000 huge scores came out with
 // 18 float32 ulps of error, from the float32 sum of ~190 scores per lane.)
+// The scale of (s - mean) for n scores: grpo 1/(std + eps) with the unbiased std, dr_grpo 1, rloo n/(n-1)
+// (s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)).
+__device__ __forceinline__ double group_scale(int mode, double n, double ssq, float eps) {
+  if (mode == 0) return 1.0 / (sqrt(ssq / fmax(n - 1.0, 1.0)) + static_cast<double>(eps));
+  if (mode == 1) return 1.0;
+  return n / fmax(n - 1.0, 1.0);
+}
+
 __global__ void __launch_bounds__(kGroupWarps * 32)
     group_kernel(const float* __restrict__ s, float* __restrict__ out, const int64_t* __restrict__ perm,
-                 const int64_t* __restrict__ starts, int64_t G, int mode, float eps) {
+                 const int64_t* __restrict__ starts, int64_t G, int64_t group_size, int mode, float eps) {
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupWarps + (threadIdx.x >> 5);
   if (g >= G) return;
   const int lane = threadIdx.x & 31;
-  const int64_t lo = starts[g], hi = starts[g + 1];
+  const int64_t lo = starts != nullptr ? starts[g] : g * group_size;
+  const int64_t hi = starts != nullptr ? starts[g + 1] : lo + group_size;
   const double n = static_cast<double>(hi - lo);
   auto at = [&](int64_t i) { return perm != nullptr ? perm[i] : i; };
   const float first = s[at(lo)];
@@ -243,18 +254,42 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
     ssq += d * d;
   }
   ssq = warp_sum(ssq);
-  double scale;
-  if (mode == 0) {  // (s - mean) / (std + eps), unbiased std
-    scale = 1.0 / (sqrt(ssq / fmax(n - 1.0, 1.0)) + static_cast<double>(eps));
-  } else if (mode == 1) {  // s - mean
-    scale = 1.0;
-  } else {  // s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
-    scale = n / fmax(n - 1.0, 1.0);
-  }
+  const double scale = group_scale(mode, n, ssq, eps);
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const int64_t j = at(i);
     out[j] = zero ? 0.f : static_cast<float>((static_cast<double>(s[j]) - mean) * scale);
   }
+}
+
+constexpr int kSegmentThreads = 256;
+
+// Contiguous groups of group_size <= width <= 32 (width a power of two): segment k of a warp's lanes holds group
+// warp * (32 / width) + k, lane p of it the group's score p (lanes past group_size hold nothing). The same
+// statistics as group_kernel, in double, reduced over the segment's lanes only.
+__global__ void __launch_bounds__(kSegmentThreads)
+    group_segment_kernel(const float* __restrict__ s, float* __restrict__ out, int64_t G, int group_size, int width,
+                         int mode, float eps) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kSegmentThreads + threadIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int pos = lane & (width - 1);
+  const int64_t g = (thread >> 5) * (32 / width) + lane / width;
+  const bool valid = g < G && pos < group_size;
+  const int64_t i = g * group_size + pos;
+  const float x = valid ? s[i] : 0.f;
+  const float first = __shfl_sync(0xffffffffu, x, 0, width);  // the segment's lane 0: the group's first score
+  double sum = valid ? static_cast<double>(x) : 0.0;
+  int differ = valid && (x != first);  // NaN != NaN: a group with NaN is never constant
+  for (int d = width >> 1; d > 0; d >>= 1) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, d, width);
+    differ += __shfl_xor_sync(0xffffffffu, differ, d, width);
+  }
+  const double n = static_cast<double>(group_size);
+  const double mean = sum / n;
+  const double dev = valid ? static_cast<double>(x) - mean : 0.0;
+  double ssq = dev * dev;
+  for (int d = width >> 1; d > 0; d >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, d, width);
+  const bool zero = differ == 0 || group_size < 2;
+  if (valid) out[i] = zero ? 0.f : static_cast<float>(dev * group_scale(mode, n, ssq, eps));
 }
 
 // Moments of a share of the masked-in values, relative to a pivot k (a masked-in value of
@@ -415,11 +450,21 @@ int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask,
   }
 }
 
-int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G, int mode,
-                     float eps, cudaStream_t stream) {
+int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G,
+                     int64_t group_size, int mode, float eps, cudaStream_t stream) {
   if (G == 0) return 0;
+  if (starts == nullptr && perm == nullptr && group_size >= 1 && group_size <= 32) {
+    int width = 1;
+    while (width < group_size) width <<= 1;
+    const int64_t groups_per_block = (kSegmentThreads / 32) * (32 / width);
+    const int64_t blocks = (G + groups_per_block - 1) / groups_per_block;
+    group_segment_kernel<<<static_cast<unsigned>(blocks), kSegmentThreads, 0, stream>>>(
+        scores, out, G, static_cast<int>(group_size), width, mode, eps);
+    return static_cast<int>(cudaGetLastError());
+  }
   const int64_t blocks = (G + kGroupWarps - 1) / kGroupWarps;
-  group_kernel<<<static_cast<unsigned>(blocks), kGroupWarps * 32, 0, stream>>>(scores, out, perm, starts, G, mode, eps);
+  group_kernel<<<static_cast<unsigned>(blocks), kGroupWarps * 32, 0, stream>>>(scores, out, perm, starts, G,
+                                                                               group_size, mode, eps);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -13,9 +13,10 @@ constexpr int kMaxWhitenParts = 1024;
 int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
         int64_t T, float gamma, float lam, cudaStream_t stream);
 
-// group g holds perm[starts[g] .. starts[g+1]) (perm == nullptr: the positions themselves); mode 0 grpo, 1 dr_grpo, 2 rloo
-int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G, int mode,
-                     float eps, cudaStream_t stream);
+// group_size > 0: G contiguous groups of group_size (perm, starts == nullptr); else group g holds
+// perm[starts[g] .. starts[g+1]) (perm == nullptr: the positions themselves); mode 0 grpo, 1 dr_grpo, 2 rloo
+int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G,
+                     int64_t group_size, int mode, float eps, cudaStream_t stream);
 
 // number of partial moments masked_whiten uses for N elements (the size of `part` is 4 * that + 5:
 // count, pivot, mean - pivot, M2 of each share, then the merged statistics and the scale they are of)

@@ -45,19 +45,26 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards, const at:
   return {adv, ret};
 }
 
-at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& perm, const at::Tensor& starts, int64_t mode,
-                                 double eps) {
+at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& perm, const at::Tensor& starts,
+                                 int64_t group_size, int64_t mode, double eps) {
   TORCH_CHECK(scores.dim() == 1 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
               "rlkernels_csrc::group_advantages: scores must be contiguous float32 [N]");
   TORCH_CHECK(perm.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && perm.is_contiguous() &&
                   starts.is_contiguous(),
               "rlkernels_csrc::group_advantages: perm and starts must be contiguous int64");
   TORCH_CHECK(mode >= 0 && mode <= 2, "rlkernels_csrc::group_advantages: unknown mode ", mode);
+  const int64_t N = scores.size(0);
+  TORCH_CHECK(perm.numel() == 0 || perm.numel() == N, "rlkernels_csrc::group_advantages: perm must be [N]");
+  TORCH_CHECK(group_size >= 0 && (group_size == 0 || (perm.numel() == 0 && N % group_size == 0)),
+              "rlkernels_csrc::group_advantages: group_size must be 0 (groups from starts) or divide N without a perm");
+  TORCH_CHECK(group_size > 0 || starts.numel() >= 1, "rlkernels_csrc::group_advantages: starts must be [G + 1]");
   c10::cuda::CUDAGuard guard(scores.device());
   at::Tensor out = at::empty_like(scores);
+  const int64_t G = group_size > 0 ? N / group_size : starts.numel() - 1;
   check(rlkernels_cuda::group_advantages(scores.data_ptr<float>(), out.data_ptr<float>(),
-                                         perm.numel() > 0 ? perm.data_ptr<int64_t>() : nullptr, starts.data_ptr<int64_t>(),
-                                         starts.numel() - 1, static_cast<int>(mode), static_cast<float>(eps),
+                                         perm.numel() > 0 ? perm.data_ptr<int64_t>() : nullptr,
+                                         group_size > 0 ? nullptr : starts.data_ptr<int64_t>(), G, group_size,
+                                         static_cast<int>(mode), static_cast<float>(eps),
                                          c10::cuda::getCurrentCUDAStream()),
         "group_advantages");
   return out;

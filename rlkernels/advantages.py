@@ -916,8 +916,11 @@ def _gae_csrc(rewards, values, mask, gamma, lam):
 
 def _group_csrc(scores, group_size, index, mode, eps):
     s = scores.float().contiguous()  # [N]
-    perm, starts, _ = _group_layout(s, group_size, index)  # [N] or [0], [G + 1]
-    return _csrc_ops().group_advantages(s, perm, starts, GROUP_MODES.index(mode), float(eps))
+    if index is None:  # contiguous groups: the kernels take the size itself (no [G + 1] starts to build and read)
+        none = torch.empty(0, dtype=torch.int64, device=s.device)  # [0]
+        return _csrc_ops().group_advantages(s, none, none, group_size, GROUP_MODES.index(mode), float(eps))
+    perm, starts, _ = _group_layout(s, group_size, index)  # [N], [G + 1]
+    return _csrc_ops().group_advantages(s, perm, starts, 0, GROUP_MODES.index(mode), float(eps))
 
 
 def _whiten_csrc(x, mask, shift_mean, eps):

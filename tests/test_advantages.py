@@ -253,9 +253,11 @@ def check_group(backend, scores, group_size=None, index=None, mode="grpo", devic
 def test_group_contiguous(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(7)
     # 1-1100: Triton's tile kernel (many groups per program, padded columns, a partial last tile; one group of
-    # 1100 per program); 5000: one program per group, in a loop
-    for group_size in (1, 2, 5, 16, 64, 1100, 5000):
-        scores = torch.randn(group_size * 6, generator=gen) * 3 + 1
+    # 1100 per program); 5000: one program per group, in a loop. CUDA kernel: up to 32 a warp's lane segments of
+    # 1-32 lanes (3, 5, 31: segments with idle lanes), past 32 a warp per group; 3 x 1000 groups span many blocks
+    for group_size, groups in ((1, 6), (2, 6), (3, 1000), (5, 6), (16, 6), (31, 6), (32, 6), (33, 6), (64, 6),
+                               (1100, 6), (5000, 6)):
+        scores = torch.randn(group_size * groups, generator=gen) * 3 + 1
         scores[group_size : 2 * group_size] = 0.7  # a constant group
         out = check_group(backend, scores, group_size, mode=mode, device=device)
         assert torch.all(out[group_size : 2 * group_size] == 0)
