@@ -461,10 +461,14 @@ def _bwd_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> _Tiles:
     inputs and switch), so the recomputed logits sum K in the forward's chunks and are its bits -- the Hopper
     forward (``_TMA_TILES``) steps K by 64 where ``_fwd_kernel`` steps by 32. A low temperature magnifies any
     difference between the forward's logits and the backward's (see the note above ``FWD_KERNEL_ENV``)."""
-    t = _tiles(hidden.dtype, backward=True)
-    if hidden.dtype != torch.float32 and _fwd_kernel_choice(hidden, weight) == "tma":
-        return replace(t, block_k=_TMA_TILES.block_k)
-    return t
+    if _fwd_kernel_choice(hidden, weight) == "tma":  # 16-bit inputs only
+        return _bwd_tiles_after_tma(hidden.dtype)
+    return _tiles(hidden.dtype, backward=True)
+
+
+def _bwd_tiles_after_tma(dtype: torch.dtype) -> _Tiles:
+    """The dz kernel's tiles after the Hopper forward: ``_BWD_TILES_16`` with ``_TMA_TILES``' K blocks."""
+    return replace(_tiles(dtype, backward=True), block_k=_TMA_TILES.block_k)
 
 
 def _hopper(t: torch.Tensor) -> bool:
@@ -514,26 +518,14 @@ def aot_configs() -> list[KernelConfig]:
                 fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
                 configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages,
                                             archs=(arch,)))
-            dz_consts = _kernel_flags(dtype, has_bias, False, tb)
-            dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
-            configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
+            # the dz kernel after _fwd_kernel, and for 16-bit inputs on sm_90 after the Hopper forward (_bwd_tiles)
+            dz_tiles = [(tb, (80, 90))] + ([(_bwd_tiles_after_tma(dtype), (90,))] if dtype != torch.float32 else [])
+            for t_dz, archs in dz_tiles:
+                dz_consts = _kernel_flags(dtype, has_bias, False, t_dz)
+                dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
+                configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, t_dz.num_warps, t_dz.num_stages,
+                                            archs=archs))
     configs.extend(_tma_aot_configs())
-    configs.extend(_dz_tma_aot_configs())
-    return configs
-
-
-def _dz_tma_aot_configs() -> list[KernelConfig]:
-    """``_dz_kernel`` with ``_TMA_TILES``' K blocks (:func:`_bwd_tiles`): the backward after the Hopper forward, 16-bit
-    inputs on sm_90 only."""
-    from rlkernels.testing.aot import KernelConfig
-
-    configs = []
-    for dtype in (torch.bfloat16, torch.float16):
-        tb = replace(_tiles(dtype, backward=True), block_k=_TMA_TILES.block_k)
-        for has_bias in (False, True):
-            consts = _kernel_flags(dtype, has_bias, False, tb)
-            sig = {**_dz_signature(TRITON_DTYPE_NAMES[dtype]), **dict.fromkeys(consts, "constexpr")}
-            configs.append(KernelConfig(_dz_kernel, sig, consts, tb.num_warps, tb.num_stages, archs=(90,)))
     return configs
 
 

@@ -134,7 +134,7 @@ class TrainConfig:
     pack: bool = False
     """Run the model forwards packed (real tokens end to end in rows of the padded width, no padding computed; trainer/packing.py) when the model's attention keeps packed sequences apart (checked at start; padded otherwise, with a note). Same numbers as padded. Off by default: the default run's batches are ~98% real tokens, where packing only adds work (README, "The bundled trainer"); it pays where padding is a large share of the batch, and with flash-attention's varlen kernels on a GPU."""
     gradient_checkpointing: bool = False
-    """Recompute each transformer block's activations during the backward instead of keeping them from the forward (transformers' gradient_checkpointing_enable, non-reentrant), for the policy and the PPO critic: the update then holds the blocks' inputs and one block's activations at a time, not every block's, for about one more forward of compute per update. The numbers are the same (dropout is off in the trainer); rollouts and the no-grad passes are not affected."""
+    """Recompute each transformer block's activations during the backward instead of keeping them from the forward (transformers' activation_checkpointing_enable, formerly gradient_checkpointing_enable; non-reentrant), for the policy and the PPO critic: the update then holds the blocks' inputs and one block's activations at a time, not every block's, for about one more forward of compute per update. The numbers are the same (dropout is off in the trainer); rollouts and the no-grad passes are not affected."""
     device: str = "cpu"
     """Device: 'cpu', 'cuda' or 'cuda:N' (under torchrun each process uses cuda:LOCAL_RANK)."""
 
