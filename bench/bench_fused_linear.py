@@ -179,14 +179,15 @@ def _against_one_gemm(op, N, H, V, dtype, note, make_inputs, providers) -> Case:
 def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     """The Triton backward (vocabulary outer: N < V) whole and phase by phase, each against one cuBLAS GEMM of the
     same size (so each row's "of bound" and ratio read as "GEMMs' worth of time"): the dz kernel over every
-    vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), dh += dz @ W_j and
-    dz.T @ hidden with float32 results (the two GEMMs as the backward calls them, chunk by chunk), and the same two
-    with 16-bit results (what those GEMMs cost without the float32 output)."""
+    vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), dh += dz @ W_j with a float32
+    result and d_weight's slices dz.T @ hidden with 16-bit results (the two GEMMs as the backward calls them, chunk
+    by chunk), the same two with the other output dtype (what the output dtype costs), and the labelled rows of
+    d_weight re-formed in float32 (fl._label_rows_exact, N random labels)."""
     from rlkernels import fused_linear as fl
 
     opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
     t = fl._tiles(dtype, backward=True)
-    vc = fl._vocab_chunk(N, H, V, dtype, t)
+    vc = fl._vocab_chunk(N, V, dtype, t)
     chunks = [(v0, min(V, v0 + vc)) for v0 in range(0, V, vc)]
 
     def make_inputs():
@@ -225,9 +226,17 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         for v0, v1 in chunks:
             dz[:, : v1 - v0].T @ hidden  # [vc, H]
 
+    def label_rows(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        dw = torch.empty(vc, H, device=device, dtype=dtype)  # [vc, H] one slice of d_weight
+        for v0, v1 in chunks:
+            at = (labels >= v0) & (labels < v1)  # [N] the tokens labelled in this chunk
+            fl._label_rows_exact(dw[: v1 - v0], dz[:, : v1 - v0], hidden, labels[at] - v0,
+                                 g_logp[at, None] * hidden[at].float())  # [k, H] stand-in residual rows
+
     providers = {
         "backward (all phases)": whole, "dz kernel": dz_kernel, "dh GEMMs float32 out": dh_f32,
-        "dW GEMMs float32 out": dw_f32, "dh GEMMs 16-bit out": dh_16, "dW GEMMs 16-bit out": dw_16,
+        "dW GEMMs 16-bit out": dw_16, "label rows of dW": label_rows, "dh GEMMs 16-bit out": dh_16,
+        "dW GEMMs float32 out": dw_f32,
     }
     return _against_one_gemm("linear_logprobs bwd phases", N, H, V, dtype, f" ({len(chunks)} chunks of {vc})",
                              make_inputs, providers)

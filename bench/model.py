@@ -7,13 +7,22 @@ tensor cores or by HBM, whichever is slower, and the softmax epilogue of a fused
 the one accumulator (1 CTA per SM, no warp specialization), so it adds. The phases (issue 13):
 
 - forward: one GEMM ``2·N·H·V`` fused with the online log-sum-exp / entropy epilogue, for each forward kernel:
-  ``split`` (_fwd_kernel: wgmma m64n64 on 16 warps, grid walking token blocks fastest, hidden re-read from HBM for
-  every vocabulary tile once a wave's hidden rows exceed L2), ``tma`` (_fwd_kernel_tma: m64n128, persistent grouped
+  ``split`` (_fwd_kernel: wgmma m64n64 on 16 warps, its grid grouped like ``tma``'s: hidden read once, the weight
+  once per group of 16 token blocks), ``tma`` (_fwd_kernel_tma: m64n128, persistent grouped
   grid: hidden read once, the weight once per group of token blocks), ``cublas`` (the plain baseline: a cuBLAS GEMM
   writing float32 logits, then a memory-bound pass reading them back);
-- backward ``dz``: the logits recomputed (GEMM 2, _dz_kernel: m64n64) and ``dz`` written in bf16 ``[N, V]``;
-- backward ``dh`` and ``dW``: cuBLAS GEMMs reading ``dz``; ``dW`` accumulates in a float32 ``[V, H]`` buffer that
-  every token chunk reads and writes, cast to bf16 at the end.
+- backward ``dz``: the logits recomputed (GEMM 2, _dz_kernel: m64n64, its grid grouped the same way) and ``dz``
+  written in bf16 ``[N, V]``;
+- backward ``dh`` and ``dW``: cuBLAS GEMMs reading ``dz``, vocabulary outer at the contract's sizes (``dh`` in a
+  float32 ``[N, H]`` accumulator, each ``dW`` slice written once in bf16; see ``backward_s``).
+
+Against the H100 (2026-11-26, torch 2.11, triton 3.6; before the split and dz grids were grouped): the model then
+predicted (at the measured ceilings) split 14.4 / 17.1 ms and dz 15.7 ms at V = 128256, the H100 measured 32.5 /
+37.2 ms and 59.8 ms; tma 12.4 / 14.7 against 15.5 / 18.4. The model then already counted the ungrouped split's
+35 GB of hidden re-reads (11.6 ms at 3 TB/s) but took ``max(compute, HBM)``; the dz kernel's re-reads (~67 GB: a
+wave of 132 programs of 64 rows spans all 128 token blocks, 64 MiB, re-read per vocabulary tile) it did not count.
+Compute and those misses adding rather than overlapping comes closer (split ~26 ms, dz ~38 ms), so the grouped
+grids are predicted to save more than this model says; how much is for ``make gpu`` to measure.
 
 Assumptions (sources; each a constant below):
 - peak dense bf16 tensor rate 989 TFLOP/s on both (NVIDIA H100 SXM5 and H200 SXM datasheets: the same GH100 SM
@@ -88,7 +97,7 @@ EPILOGUE_SASS_SPLIT, EPILOGUE_SASS_TMA, EPILOGUE_SASS_DZ = 27.0, 31.0, 47.0
 WARP_ISSUE_PER_CLOCK = 4  # warp-instructions issued per clock per SM (4 schedulers)
 REFILL_CLOCKS = 2000  # a K pipeline drained at a tile's end and refilled (assumption)
 WGMMA_WAIT_CLOCKS = 64  # a wgmma group waited for every K step instead of kept in flight (assumption)
-DZ_BUDGET_BYTES = 1 << 30  # the backward's bf16 [chunk, V] workspace (rlkernels.fused_linear._DZ_BUDGET_BYTES)
+DZ_BUDGET_BYTES = 1 << 29  # the backward's bf16 dz workspace (rlkernels.fused_linear._DZ_BUDGET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -104,17 +113,20 @@ class Kernel:
     refill_per_tile: bool  # the K pipeline drains and refills at every tile
     wait_per_k_step: bool  # its wgmma is waited for at every K step (flattened loop)
     ctas_per_sm: int = 1  # resident CTAs per SM: with 2, one CTA's epilogue overlaps the other's main loop
-    group_n: int = 0  # persistent grid: token blocks per group (the weight is read once per group); 0: not grouped
+    group_n: int = 0  # token blocks its grid runs over fastest (the weight is read once per group); 0: not grouped
 
 
 KERNELS = {
-    "split": Kernel("_fwd_kernel", 128, 128, 32, 64, EPILOGUE_SASS_SPLIT, True, False),
+    "split": Kernel("_fwd_kernel", 128, 128, 32, 64, EPILOGUE_SASS_SPLIT, True, False, group_n=16),
     "tma": Kernel("_fwd_kernel_tma", 128, 128, 64, 128, EPILOGUE_SASS_TMA, True, False, group_n=16),
     "tma flat": Kernel("_fwd_kernel_tma FLATTEN=True", 128, 128, 64, 128, EPILOGUE_SASS_TMA, False, True, group_n=16),
     "tma 2cta": Kernel("_fwd_kernel_tma 64x128 w4", 64, 128, 64, 128, EPILOGUE_SASS_TMA, True, False, ctas_per_sm=2,
                        group_n=32),
-    "dz": Kernel("_dz_kernel", 64, 128, 32, 64, EPILOGUE_SASS_DZ, True, False),
+    "dz": Kernel("_dz_kernel", 64, 128, 32, 64, EPILOGUE_SASS_DZ, True, False, group_n=16),
 }
+
+
+FORWARDS = ("split", "tma", "tma flat", "tma 2cta", "cublas")
 
 
 def wgmma_efficiency(n: int, device: Device) -> float:
@@ -150,18 +162,23 @@ def _epilogue_and_overheads_s(N: int, H: int, V: int, k: Kernel, device: Device)
 
 
 def forward_hbm_bytes(kind: str, N: int, H: int, V: int, device: Device) -> float:
-    """HBM bytes the forward moves. ``split``: its grid walks token blocks fastest, so a wave of one program per SM
-    spans ``min(blocks, SMs)`` token blocks; when their hidden rows exceed L2 each vocabulary tile re-reads them
-    (programs of one token block in the same wave share a read). ``tma``: hidden once, the weight once per group of
-    16 token blocks. ``cublas``: hidden and weight once per GEMM, the float32 logits written and read back."""
-    hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
+    """HBM bytes the forward moves: :func:`tiled_hbm_bytes` of its kernel, or for ``cublas`` hidden and weight once
+    per GEMM, the float32 logits written and read back."""
     if kind == "cublas":
-        return hidden + weight + 2 * N * V * BYTES_F32
-    if kind.startswith("tma"):
-        k = KERNELS[kind]
+        return (N * H + V * H) * BYTES_BF16 + 2 * N * V * BYTES_F32
+    return tiled_hbm_bytes(KERNELS[kind], N, H, V, device)
+
+
+def tiled_hbm_bytes(k: Kernel, N: int, H: int, V: int, device: Device) -> float:
+    """HBM bytes a tiled GEMM kernel reads for its operands. Grid grouped (``group_n``: every Triton forward since
+    2026-11-26): hidden once, the weight once per group of token blocks. Ungrouped (``group_n = 0``; ``split`` as the
+    H100 measured it on 2026-11-26): the grid walks token blocks fastest, so a wave of one program per SM spans
+    ``min(blocks, SMs)`` token blocks; when their hidden rows exceed L2 each vocabulary tile re-reads them (programs
+    of one token block in the same wave share a read)."""
+    hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
+    if k.group_n:
         groups = math.ceil(N / (k.group_n * k.block_n))
         return hidden + groups * weight
-    k = KERNELS["split"]
     blocks = math.ceil(N / k.block_n)
     wave_blocks = min(blocks, device.sms)
     if wave_blocks * k.block_n * H * BYTES_BF16 <= device.l2_mb * 1e6:
@@ -185,31 +202,43 @@ def forward_s(kind: str, N: int, H: int, V: int, device: Device) -> float:
 
 
 def backward_s(N: int, H: int, V: int, device: Device) -> dict[str, float]:
-    """The backward's phases (seconds): ``dz`` (GEMM 2 + dz written), ``dh`` (dz @ W), ``dW`` (dz.T @ hidden into
-    the float32 [V, H] accumulator, read and written per token chunk, then cast)."""
+    """The backward's phases (seconds): ``dz`` (GEMM 2 + dz written), ``dh`` (dz @ W), ``dW`` (dz.T @ hidden), in
+    the loop order rlkernels.fused_linear._vocab_outer picks. Vocabulary outer (N < V, the contract's sizes): per
+    chunk of ``vc`` columns (dz ``[N, vc]`` within DZ_BUDGET_BYTES) the dz kernel reads hidden once (its grid runs
+    a group of token blocks fastest, so a group's hidden rows stay in L2) and the chunk's weight once per group,
+    ``dh += dz @ W_j`` reads and writes the float32 ``[N, H]`` accumulator, and ``d_weight[j]`` is written once in
+    bf16 by its GEMM. Tokens outer: per token chunk the whole weight, and ``dW`` accumulated in a float32
+    ``[V, H]`` buffer read and written per chunk, then cast."""
     k = KERNELS["dz"]
-    chunk = max(k.block_n, DZ_BUDGET_BYTES // (V * BYTES_BF16) // k.block_n * k.block_n)
-    chunks = math.ceil(N / chunk)
     hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
     dz_bytes = N * V * BYTES_BF16
-    dz_hbm = (chunks * weight + hidden + dz_bytes) / device.hbm_bps
-    dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), dz_hbm)
-    dz += _epilogue_and_overheads_s(N, H, V, k, device)
     gemm = one_gemm_s(N, H, V, device)
-    dh = max(gemm, (dz_bytes + chunks * weight + N * H * BYTES_F32) / device.hbm_bps)
-    acc = V * H * BYTES_F32
-    # the first chunk writes the accumulator, every later one reads and writes it, the cast reads it once more and
-    # writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
-    dw_bytes = dz_bytes + hidden + 2 * chunks * acc + weight
-    dw = max(gemm, dw_bytes / device.hbm_bps)
-    return {"dz": dz, "dh": dh, "dW": dw}
+    groups = math.ceil(N / (k.group_n * k.block_n))
+    if N < V:
+        vc = min(V, max(k.block_v, DZ_BUDGET_BYTES // (N * BYTES_BF16) // k.block_v * k.block_v))
+        chunks = math.ceil(V / vc)
+        dz_hbm = chunks * hidden + groups * weight + dz_bytes
+        dh_hbm = dz_bytes + weight + chunks * 2 * N * H * BYTES_F32
+        dw_hbm = dz_bytes + chunks * hidden + weight
+    else:
+        chunk = max(k.block_n, DZ_BUDGET_BYTES // (V * BYTES_BF16) // k.block_n * k.block_n)
+        chunks = math.ceil(N / chunk)
+        acc = V * H * BYTES_F32
+        dz_hbm = chunks * weight + hidden + dz_bytes
+        dh_hbm = dz_bytes + chunks * weight + N * H * BYTES_BF16
+        # the first chunk writes the accumulator, every later one reads and writes it, the cast reads it once more
+        # and writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
+        dw_hbm = dz_bytes + hidden + 2 * chunks * acc + weight
+    dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), dz_hbm / device.hbm_bps)
+    dz += _epilogue_and_overheads_s(N, H, V, k, device)
+    return {"dz": dz, "dh": max(gemm, dh_hbm / device.hbm_bps), "dW": max(gemm, dw_hbm / device.hbm_bps)}
 
 
 def predict(device: Device, N: int = N_TOKENS, H: int = HIDDEN, V: int = VOCABS[0]) -> dict:
     """Every phase's predicted time (ms) at one size, each forward kernel, and the ratios to four GEMMs."""
     gemm_ms = one_gemm_s(N, H, V, device) * 1e3
     bwd = {k: v * 1e3 for k, v in backward_s(N, H, V, device).items()}
-    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in ("split", "tma", "tma flat", "tma 2cta", "cublas")}
+    fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in FORWARDS}
     total = {kind: t + sum(bwd.values()) for kind, t in fwd.items()}
     return {
         "device": device.name, "N": N, "H": H, "V": V,

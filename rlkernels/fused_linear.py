@@ -30,12 +30,13 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   in one of two orders (:func:`_vocab_outer`), whichever keeps the float32 accumulator the smaller of ``[N, H]``
   and ``[V, H]``. With fewer tokens than vocabulary entries (RL batches against 128k-256k vocabularies) the
   vocabulary is the outer loop: per vocabulary chunk, ``dz`` of all the tokens, ``d_hidden += dz @ W[chunk]``
-  into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` formed in float32 and written
-  once in the weight's dtype, so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096). Otherwise
+  into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` written by the GEMM in the
+  weight's dtype (float32 accumulation inside it, rounded once; the few rows at labels re-formed in float32 with
+  their residuals), so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096), nor a float32 slice
+  of one. Otherwise
   the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @ hidden[chunk]``
   into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end; ``d_bias`` likewise.
-  The workspace (``dz`` and, vocabulary outer, the float32 ``d_weight`` slice) is sized to a fixed byte budget
-  (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
+  The workspace (``dz``) is sized to a fixed byte budget (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
   run. A single fused backward kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the
   logits once per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
@@ -152,6 +153,24 @@ def _online_update(z, cols, col_ok, label, m, s, u, zy):
 
 
 @jit
+def _grouped_item(item, n_blocks, n_cols, GROUP_N: tl.constexpr):
+    """Work item -> ``(token block, column)`` (a column: a vocabulary split of ``_fwd_kernel`` and
+    ``_fwd_kernel_tma``, a vocabulary tile of ``_dz_kernel``): items run over ``GROUP_N`` token blocks fastest, then
+    over the columns, then over groups of token blocks. The GPU starts programs in the order of their ids, so the
+    items in flight at once (a wave of about one per SM, or one per program of a persistent grid) cover few token
+    blocks -- their hidden rows stay in L2 (``GROUP_N`` x 0.5-1 MiB at H = 4096) -- times several columns, and the
+    programs of one column read the same weight tiles at about the same time: the weight is streamed from HBM once
+    per group, hidden about once. Walking token blocks fastest instead (a ``(token block, column)`` grid), one wave
+    spans every token block of an 8192-token batch (64 MiB of hidden rows, more than the 50 MB L2 of an H100), and
+    every vocabulary tile re-reads them from HBM."""
+    group = item // (GROUP_N * n_cols)
+    first = group * GROUP_N
+    size = tl.minimum(n_blocks - first, GROUP_N)  # the last group may hold fewer token blocks
+    within = item - group * (GROUP_N * n_cols)
+    return first + within % size, within // size
+
+
+@jit
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
     z_ptr,  # [N, V] float32: the logits / T, written with STORE_Z (rlkernels.fused_policy's kernel 1); else unused
@@ -159,10 +178,10 @@ def _fwd_kernel(
     N, V, H, stride_hn, stride_wv, temperature,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    STORE_Z: tl.constexpr,
+    STORE_Z: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    # a 1-D grid of (token block, vocabulary split) items, GROUP_N token blocks fastest (_grouped_item)
+    pid_n, split = _grouped_item(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, SPLIT_TILES * BLOCK_V), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < N
     label = tl.load(labels_ptr + rows, mask=row_ok, other=-1)  # [BLOCK_N] int64
@@ -191,17 +210,6 @@ def _fwd_kernel(
     tl.store(zy_ptr + out, zy, mask=row_ok)
 
 
-@jit
-def _tma_work_item(item, n_blocks, n_splits, GROUP_N: tl.constexpr):
-    """Work item -> ``(token block, vocabulary split)``: items run over ``GROUP_N`` token blocks fastest, then over
-    the splits, then over groups of token blocks, so the items in flight at once (one per program of a persistent
-    grid) cover few token blocks (their hidden rows stay in L2) times several splits, and programs on the same
-    split read the same weight tiles at about the same time (the weight is streamed once per group)."""
-    group = item // (GROUP_N * n_splits)
-    first = group * GROUP_N
-    size = tl.minimum(n_blocks - first, GROUP_N)  # the last group may hold fewer token blocks
-    within = item - group * (GROUP_N * n_splits)
-    return first + within % size, within // size
 
 
 @jit
@@ -217,7 +225,7 @@ def _fwd_kernel_tma(
     """The Hopper forward: ``_fwd_kernel``'s math and partials over a persistent grid (``P`` programs, about one
     per SM).
 
-    Program ``pid`` takes the work items ``pid, pid + P, ...`` (:func:`_tma_work_item`); an item is one token block x
+    Program ``pid`` takes the work items ``pid, pid + P, ...`` (:func:`_grouped_item`); an item is one token block x
     one split of ``SPLIT_TILES`` vocabulary tiles, walked tile by tile, each tile a K loop of TMA loads and wgmma.
     ``FLATTEN``: the compiler flattens the (tile, K step) loops into one pipelined loop, so the next tile's first
     TMA loads (``num_stages - 1`` steps ahead) are in flight during this tile's log-sum-exp epilogue; the price (sm_90
@@ -242,7 +250,7 @@ def _fwd_kernel_tma(
     for step in tl.range(0, my_items * SPLIT_TILES, flatten=FLATTEN):
         j = step // SPLIT_TILES  # this program's j-th item
         t = step - j * SPLIT_TILES  # vocabulary tile within the split
-        blk_n, split = _tma_work_item(pid + j * P, n_blocks, n_splits, GROUP_N)
+        blk_n, split = _grouped_item(pid + j * P, n_blocks, n_splits, GROUP_N)
         row0 = blk_n * BLOCK_N
         col0 = (split * SPLIT_TILES + t) * BLOCK_V
         acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
@@ -282,10 +290,10 @@ def _dz_kernel(
     N, V, H, stride_hn, stride_wv, temperature, ignore_index,
     col0,  # the vocabulary id of w_ptr's first row: a label y is column y - col0 of this chunk
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # a 1-D grid of (token block, vocabulary tile) items, GROUP_N token blocks fastest (_grouped_item)
+    pid_n, pid_v = _grouped_item(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
     row_ok = rows < N
@@ -375,6 +383,9 @@ class _Tiles:
     split_tiles: int
     num_warps: int
     num_stages: int
+    # token blocks the grid runs over fastest (_grouped_item): 16 keeps a wave's hidden rows (8-16 MiB at H = 4096)
+    # in L2 while the weight streams once per group (N / (16·BLOCK_N) times: 4-8 x at N = 8192)
+    group_n: int = 16
 
 
 # Tile shapes, per kernel and input dtype: the largest that compile with no register spills
@@ -406,7 +417,6 @@ _BWD_TILES_32 = _Tiles(block_n=64, block_v=128, block_k=_FWD_TILES_32.block_k, s
 
 @dataclass(frozen=True)
 class _PersistentTiles(_Tiles):
-    group_n: int = 16  # token blocks an item group runs over fastest (_tma_work_item)
     flatten: bool = False  # True: one flattened (tile, K) loop, the loads overlapping the epilogue (_fwd_kernel_tma)
     ctas_per_sm: int = 1  # persistent programs per SM (the grid is SMs x this), as many as fit
 
@@ -439,7 +449,12 @@ _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=
 _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_tiles=16, num_warps=4, num_stages=4,
                                    group_n=32, flatten=False, ctas_per_sm=2)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
-_DZ_BUDGET_BYTES = 1 << 30  # the backward's [chunk, V] workspace stays under this
+# The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
+# float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
+# of 32768 columns, d_hidden 128 MiB, the label rows' buffers), inside the contract's N·H·4 bytes + 1 GiB. (It was
+# 1 GiB, with a float32 [vc, H] slice of d_weight beside dz: the H100 run of 2026-11-26 measured 2285 / 2452 MiB of
+# peak at V = 128256 / 151936, ~1.2 GiB beyond the gradients.)
+_DZ_BUDGET_BYTES = 1 << 29
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
 _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
 _TORCH_PARTIAL_ELEMS = 1 << 22  # the torch forward's per-(vocabulary chunk, row) partials of a group of rows
@@ -482,9 +497,10 @@ def _dot_f32(hidden: torch.Tensor) -> bool:
 
 
 def _kernel_flags(dtype: torch.dtype, has_bias: bool, dot_f32: bool, t: _Tiles) -> dict:
-    """The constexprs both kernels share: the backward's logits are the forward's only with the same ones."""
+    """The constexprs ``_fwd_kernel`` and ``_dz_kernel`` share: the backward's logits are the forward's only with
+    the same ones (``GROUP_N`` orders the grid and changes no value)."""
     return {"HAS_BIAS": has_bias, "IEEE": dtype == torch.float32, "DOT_F32": dot_f32,
-            "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k}
+            "BLOCK_N": t.block_n, "BLOCK_V": t.block_v, "BLOCK_K": t.block_k, "GROUP_N": t.group_n}
 
 
 _SIZES = {"N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "temperature": "fp32"}
@@ -572,6 +588,8 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # difference reached the gradients under the interpreter (test_tma_forward_low_temperature_no_worse_than_eager with
 # K blocks of 64: float16 d_weight 4.1e-4 against eager's 2.7e-4). Since then the backward takes the forward's K
 # blocks (_bwd_tiles); that test now runs with the two blocked differently by default and on CUDA too.
+# Since those runs the split forward's (and the dz kernel's) grid is grouped like tma's (_grouped_item): the split
+# numbers above are from its ungrouped grid, which re-read hidden from HBM for every vocabulary tile; measure again.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _FWD_KERNEL_DEFAULT = "split"
@@ -647,7 +665,7 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     if N > 0 and tma:
         _launch_fwd_tma(hidden, weight, labels, bias, part, opt)
     elif N > 0:
-        grid = (cdiv(N, t.block_n), S)
+        grid = (cdiv(N, t.block_n) * S,)  # (token block, split) items, grouped in the kernel
         _fwd_kernel.launch(
             grid, hidden, weight, bias if bias is not None else weight, labels, part,  # part: z_ptr, unused
             part[0], part[1], part[2], part[3],
@@ -744,7 +762,7 @@ def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, op
         # resid [r1 - r0] float32 <- the label residual, at the rows whose label is one of these columns
         if r1 == r0:
             return
-        grid = (cdiv(r1 - r0, t.block_n), cdiv(v1 - v0, t.block_v))
+        grid = (cdiv(r1 - r0, t.block_n) * cdiv(v1 - v0, t.block_v),)  # (token block, vocabulary tile) items
         _dz_kernel.launch(
             grid, hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1],
             row_max[r0:r1], log_s[r0:r1], entropy[r0:r1], g_logp[r0:r1], g_ent[r0:r1], dz, resid,
@@ -774,26 +792,26 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
 
 
-def _vocab_chunk(N: int, H: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
-    """The vocabulary-outer backward's chunk width: its ``[N, vc]`` dz (and, for 16-bit inputs, the float32
-    ``[vc, H]`` slice of d_weight) within ``_DZ_BUDGET_BYTES``, ending on the dz kernel's tiles."""
-    low = dtype != torch.float32
-    col_bytes = max(1, N * torch.empty((), dtype=dtype).element_size() + (H * 4 if low else 0))
+def _vocab_chunk(N: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
+    """The vocabulary-outer backward's chunk width: its ``[N, vc]`` dz within ``_DZ_BUDGET_BYTES``, ending on the dz
+    kernel's tiles."""
+    col_bytes = max(1, N * torch.empty((), dtype=dtype).element_size())
     return min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))
 
 
 def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
     (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
-    formed in float32 (one ``[vc, H]`` slice) and written once in the weight's dtype. No weight-sized float32 buffer:
-    beyond the outputs, ``[N, H]`` float32 and one chunk (``dz`` and the float32 slice) sized to
+    written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), the rows of
+    labelled columns then re-formed with their label residuals (:func:`_label_rows_exact`). No weight-sized float32
+    buffer and no float32 slice of one: beyond the outputs, ``[N, H]`` float32 and the ``dz`` chunk, sized to
     ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     low = hidden.dtype != torch.float32  # 16-bit dz: the label entries' rounding is carried in float32
-    vc = _vocab_chunk(N, H, V, hidden.dtype, t)
+    vc = _vocab_chunk(N, V, hidden.dtype, t)
     S = cdiv(V, vc)
     dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
     resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
@@ -807,17 +825,15 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
         dz_into(dz, resid, 0, N, v0, v1)
         w_j = weight[v0:v1]  # [vc, H]
+        # d_weight's slice straight from the GEMM: float32 accumulation inside it, rounded once to its dtype
+        torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
-            dw_j = _mm_f32(dz.T, hidden)  # [vc, H] float32
             k0, k1 = starts[j], starts[j + 1]
             t_j, c_j = tok[k0:k1], cols[k0:k1]  # [k] the tokens labelled in this chunk, their columns
-            _add_at_labels(dw_j, c_j, resid[t_j, None] * hidden[t_j].float())
-            d_weight[v0:v1] = dw_j  # rounded once
-            del dw_j
+            _label_rows_exact(d_weight[v0:v1], dz, hidden, c_j, resid[t_j, None] * hidden[t_j].float())
         else:
             dh.addmm_(dz, w_j)
-            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if d_bias32 is not None:
             d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
             if low:
@@ -882,35 +898,77 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
     return d_hidden, d_weight, d_bias32
 
 
-def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
-    """``acc[labels[i]] += rows[i]`` for every token ``i``, deterministically (``index_add_`` on a GPU adds with
-    atomics, in an order that changes from run to run): the tokens sorted by label (stable), each label's run summed
-    in token order (``segment_reduce``), then one write per distinct label. ``acc`` [V, ...] float32, ``labels`` [n]
-    int64, ``rows`` [n, ...] float32."""
-    if labels.numel() == 0:
-        return
+def _sum_by_label(labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(uniq [u], sums [u, ...])``: the distinct labels, ascending, and per label the sum of ``rows[i]`` over the
+    tokens ``i`` carrying it, deterministically (``index_add_`` on a GPU adds with atomics, in an order that changes
+    from run to run): the tokens sorted by label (stable), each label's run summed in token order
+    (``segment_reduce``). ``labels`` [n] int64 (n > 0), ``rows`` [n, ...] float32."""
     y, order = torch.sort(labels, stable=True)  # [n]
     uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] each
-    acc[uniq] += torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)  # [u, ...]; labels distinct
+    return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)  # [u], [u, ...]
+
+
+def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
+    """``acc[labels[i]] += rows[i]`` for every token ``i``, deterministically (:func:`_sum_by_label`), one write per
+    distinct label. ``acc`` [V, ...] float32, ``labels`` [n] int64, ``rows`` [n, ...] float32."""
+    if labels.numel() == 0:
+        return
+    uniq, sums = _sum_by_label(labels, rows)  # [u], [u, ...]
+    acc[uniq] += sums  # labels distinct: no index written twice
+
+
+# Label rows of a 16-bit d_weight slice re-formed at a time by _label_rows_exact: [this, N] of dz gathered and a
+# [this, H] float32 result (16 MiB each at N = H = 4096), whatever the number of labels in the chunk
+_LABEL_ROWS = 1024
+
+
+def _label_rows_exact(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, cols: torch.Tensor,
+                      resid_rows: torch.Tensor) -> None:
+    """Adds the label residuals to a 16-bit ``d_weight`` slice ``dw`` [vc, H] that the GEMM wrote as ``dz.T @
+    hidden`` rounded once (``dz`` [N, vc] 16-bit, ``hidden`` [N, H]): a row some token's label points at (``cols``
+    [k], columns of the slice; ``resid_rows`` [k, H] float32, each token's label residual times its hidden row) is
+    formed again in float32 -- its column of ``dz`` times ``hidden``, plus its residuals summed in token order -- and
+    rounded once, so no row is rounded twice. At most ``min(N, vc)`` rows, ``_LABEL_ROWS`` at a time: ~2·N·H FLOPs
+    per distinct label (under 1 % of the backward at the contract's sizes), no slice-sized float32 buffer."""
+    if cols.numel() == 0:
+        return
+    uniq, extra = _sum_by_label(cols, resid_rows)  # [u], [u, H]
+    for a in range(0, uniq.numel(), _LABEL_ROWS):
+        u = uniq[a:a + _LABEL_ROWS]  # [r]
+        rows = _mm_f32(dz[:, u].T, hidden)  # [r, H] float32: the GEMM's sums, unrounded
+        rows += extra[a:a + _LABEL_ROWS]
+        dw[u] = rows.to(dw.dtype)  # rounded once
 
 
 # torch builds with cuBLAS's "16-bit inputs, float32 output" matmul (aten::mm.dtype, torch >= 2.8)
 _HAS_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
+# Elements of the two operand pieces widened to float32 at a time where the GEMM cannot take 16-bit inputs with a
+# float32 result (the CPU, under the interpreter; torch < 2.8): 1 MiB, so the fallback holds no float32 copy of a
+# whole operand (a [vc, H] slice of the weight, say) that the GPU path does not hold either
+_WIDEN_ELEMS = 1 << 18
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of 16-bit inputs as a float32 result (float32 accumulation, no 16-bit rounding)."""
+    """``a @ b`` of 16-bit inputs (``a`` [M, K], ``b`` [K, N]) as a float32 ``[M, N]`` result (float32 accumulation,
+    no 16-bit rounding)."""
     if a.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)  # tensor cores, float32 result
-    return torch.mm(a.float(), b.float())  # exact upcast: same result, slower (CPU, older torch)
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)  # [M, N]
+    _addmm_f32(out, a, b)
+    return out
 
 
 def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` float32 and ``a``, ``b`` 16-bit, accumulating in float32."""
+    """``acc += a @ b`` with ``acc`` float32 [M, N] and ``a`` [M, K], ``b`` [K, N] 16-bit, accumulating in float32.
+    Without a float32-output GEMM: K in blocks, each block of ``a`` and ``b`` widened exactly (``_WIDEN_ELEMS``)."""
     if acc.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         return
-    acc += _mm_f32(a, b)
+    kb = max(1, _WIDEN_ELEMS // max(1, a.shape[0] + b.shape[1]))  # [M, kb] and [kb, N] pieces
+    for k0 in range(0, a.shape[1], kb):
+        acc.addmm_(a[:, k0:k0 + kb].float(), b[k0:k0 + kb].float())
 
 
 # ---- chunked PyTorch

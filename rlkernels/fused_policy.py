@@ -596,11 +596,25 @@ def _dz_from_tile_kernel(
 _DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
 # float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16) on 32-token blocks: 64-token blocks
-# with K = 16 spill on sm_90 (Triton 3.9: 8-32 B, aligned or not); 32 x 64 x 16 in 2 stages holds 80-134 registers
-# and spills nothing on sm_80/sm_90, aligned or not, with Triton 3.6 and 3.9
+# with K = 16 spill on sm_90 (Triton 3.9: 8-32 B, aligned or not); 32 x 64 x 16 on 8 warps. 3 stages: with 2 it held
+# 80-134 registers with no spill until the grid was grouped (_fl._grouped_item: the split is a computed value held
+# through the loop, no longer re-read from a special register), when sm_90's unaligned build with a bias was held
+# to 128 registers for 2 CTAs per SM and spilled 8 B (Triton 3.9); with 3 stages ptxas builds it for 1 CTA per SM
 _STATS_TILES = {torch.float32: _fl._Tiles(block_n=32, block_v=64, block_k=16, split_tiles=64, num_warps=8,
-                                          num_stages=2),
+                                          num_stages=3),
                 torch.bfloat16: _STATS_TILES_16, torch.float16: _STATS_TILES_16}
+# Before Hopper, 16-bit: 64 x 64 x 32 on 8 warps (213-221 registers unaligned, 126-127 aligned, no spill; Triton 3.6
+# and 3.9). 64 x 128 sat at 255 registers there, and once the grid was grouped Triton 3.6's unaligned build with a
+# bias spilled 8 B (64 x 128 on 16 warps: 40-64 B).
+_STATS_TILES_16_PRE_HOPPER = _fl._Tiles(block_n=64, block_v=64, block_k=32, split_tiles=128, num_warps=8,
+                                        num_stages=3)
+
+
+def _stats_tiles(dtype: torch.dtype, hopper: bool = True) -> _fl._Tiles:
+    """Kernel 1's tiles for this input dtype; ``hopper=False``: a GPU before sm_90 (the interpreter takes Hopper's)."""
+    if dtype != torch.float32 and not hopper:
+        return _STATS_TILES_16_PRE_HOPPER
+    return _STATS_TILES[dtype]
 # the Triton row's [chunk, V] workspaces (the float32 tile, and a 16-bit dz beside it) stay under this
 _TRITON_CHUNK_BYTES = 1 << 30
 
@@ -619,11 +633,14 @@ def aot_configs() -> list:
 
     configs = []
     for dtype, ty in TRITON_DTYPE_NAMES.items():
-        t = _STATS_TILES[dtype]
         for has_bias in (False, True):
-            consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles, "STORE_Z": True}
-            configs.append(KernelConfig(_fl._fwd_kernel, {**_fl._fwd_signature(ty), **dict.fromkeys(consts, "constexpr")},
-                                        consts, t.num_warps, t.num_stages))
+            for arch in (80, 90):
+                t = _stats_tiles(dtype, hopper=arch >= 90)
+                consts = {**_fl._kernel_flags(dtype, has_bias, False, t), "SPLIT_TILES": t.split_tiles,
+                          "STORE_Z": True}
+                configs.append(KernelConfig(_fl._fwd_kernel,
+                                            {**_fl._fwd_signature(ty), **dict.fromkeys(consts, "constexpr")},
+                                            consts, t.num_warps, t.num_stages, archs=(arch,)))
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                     consts, _DZ2_WARPS, 1))
@@ -661,7 +678,7 @@ class _TritonTile:
         self.h, self.w, self.b = hidden, weight, None if bias is None else bias.contiguous()
         V = weight.shape[0]
         self.V = V
-        self.t = _STATS_TILES[hidden.dtype]
+        self.t = _stats_tiles(hidden.dtype, hopper=_fl._hopper(hidden))
         self.S = cdiv(V, self.t.split_tiles * self.t.block_v)
         dev = hidden.device
         self.low = hidden.dtype != torch.float32
@@ -677,7 +694,7 @@ class _TritonTile:
         part = self.part[:, :, :n]  # [4, S, n]
         h_c = self.h[t0:t1]  # [n, H]
         _fl._fwd_kernel.launch(
-            (cdiv(n, t.block_n), self.S), h_c, self.w, self.b if self.b is not None else self.w, labels,
+            (cdiv(n, t.block_n) * self.S,), h_c, self.w, self.b if self.b is not None else self.w, labels,
             self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
             opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, STORE_Z=True, num_warps=t.num_warps,
             num_stages=t.num_stages)

@@ -31,8 +31,14 @@ def test_predictions_are_self_consistent(p):
         # every input read at least once
         assert p["forward_gb"][kind] * 1e9 >= (p["N"] + p["V"]) * p["H"] * 2
     assert p["backward_ms"]["dh"] >= one and p["backward_ms"]["dW"] >= one
-    # the persistent grouped grid reads hidden once instead of once per vocabulary tile
-    assert p["forward_gb"]["tma"] < p["forward_gb"]["split"] / 4
+    # grouped grids read hidden once and the weight once per group of token blocks, not hidden per vocabulary tile
+    ungrouped = model.Kernel("split, token blocks fastest", 128, 128, 32, 64, 27.0, True, False)
+    reread = model.tiled_hbm_bytes(ungrouped, p["N"], p["H"], p["V"], device)
+    for kind in ("split", "tma"):
+        k = model.KERNELS[kind]
+        groups = math.ceil(p["N"] / (k.group_n * k.block_n))
+        assert p["forward_gb"][kind] * 1e9 == pytest.approx((p["N"] + groups * p["V"]) * p["H"] * 2)
+        assert p["forward_gb"][kind] < reread / 4
 
 
 def test_wider_wgmma_is_no_slower_and_capped_at_cublas():
@@ -64,7 +70,7 @@ def test_kernel_facts_are_the_launchers():
     for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma), ("tma 2cta", fl._TMA_TILES_2CTA)):
         k = model.KERNELS[key]
         assert (k.block_n, k.block_v, k.block_k) == (tiles.block_n, tiles.block_v, tiles.block_k), key
-        assert k.group_n == getattr(tiles, "group_n", 0), key
+        assert k.group_n == tiles.group_n, key
     assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
     assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
