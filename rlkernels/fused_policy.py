@@ -50,7 +50,15 @@ the weight) and reduces it while it is in cache; pass 2 re-centres each block on
   than four GEMMs; see ``_MIN_CHUNK_TOKENS``). So the three-GEMM saving on the CPU is for ``N <= H`` (or larger
   ``N`` with float32 weights and a large ``N·H``), with no more memory than the two-op path.
 
-The Triton row (CUDA) always runs chunks, ``d_weight`` summed in float32 ``[V, H]``.
+The Triton row (CUDA) runs chunks of tokens sized to ``_TRITON_CHUNK_BYTES`` (a float32 tile and a 16-bit dz of
+``[chunk, V]``). When the tokens take one chunk (N·V·6 bytes within it for 16-bit inputs: ~1770 tokens at V =
+151936, ~3640 at V = 49152), GEMM 3 writes ``d_weight`` once in the weight's dtype (float32 accumulation inside the
+GEMM; the rows at labels formed again in float32 with their residuals, ``fused_linear._label_rows_exact``). With
+more chunks ``d_weight`` is summed over them in a float32 ``[V, H]`` buffer -- for 16-bit weights a buffer beside
+the gradient, which DESIGN's numerics rule out (at N = 8192, H = 4096, V = 151936: 2.4 GB, the H100's measured
+3753 MiB of peak). Kept because the ways out each cost what the op is for: the two-op path's four GEMMs; or
+``d_weight`` summed in 16 bits, one rounding per chunk (its error grows with the chunks, past eager's at 4-5); or
+every token's dz held, ``N·V`` 16-bit values (as large at that shape). Open in issue 12.
 
 ``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
 a 16-bit dtype), except a one-chunk 16-bit ``d_weight``, rounded in the forward (an upstream gradient other than 1
@@ -376,8 +384,8 @@ def _torch_layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOp
       small chunks made three GEMMs slower than four).
     - ``"chunks"``: chunks of tokens, each with a tile of its own, ``d_weight`` (float32) accumulated over them.
 
-    The register_fake row and the Triton row follow the same rule for ``d_weight``'s dtype (the weight's for
-    ``"one-chunk"``, float32 otherwise)."""
+    The register_fake row follows it for ``d_weight``'s dtype (the weight's for ``"one-chunk"``, float32
+    otherwise; :func:`_d_weight_dtype`, which has the Triton row's rule too)."""
     N, H = hidden.shape[0] * hidden.shape[1], hidden.shape[2]  # hidden [B, T, H]
     if hidden.device.type != "cpu" or not opt.grad_weight or N == 0:
         return "chunks"
@@ -725,10 +733,26 @@ def _triton_chunks(B: int, T: int, V: int, ratio: str, dtype: torch.dtype) -> li
     return _chunks(B, T, V, ratio, budget=_TRITON_CHUNK_BYTES // per_token * 4 * V)
 
 
+def _d_weight_dtype(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> torch.dtype:
+    """The dtype of the op's stored ``d_weight`` (``hidden`` [B, T, H], ``weight`` [V, H]): the weight's where it is
+    written once -- the torch row's ``"one-chunk"`` layout (:func:`_torch_layout`), and the Triton row with 16-bit
+    inputs whose tokens take one chunk (:func:`_triton_chunks`: GEMM 3 writes it in the weight's dtype, float32
+    accumulation inside, then the labelled rows are formed again in float32 with their residuals) -- else the
+    compute dtype (float32 summed over the chunks, rounded once in the backward). The rows and the fake follow it."""
+    cdt = reference.compute_dtype(hidden)
+    if _backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "triton":
+        B, T = hidden.shape[:2]
+        one = len(_triton_chunks(B, T, weight.shape[0], opt.ratio, hidden.dtype)) <= 1
+        return weight.dtype if one and hidden.dtype != torch.float32 else cdt
+    return weight.dtype if _torch_layout(hidden, weight, opt) == "one-chunk" else cdt
+
+
 def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     """Kernels 1 and 2 (above) per chunk of tokens, cuBLAS for GEMMs 2 and 3; the same outputs as
-    :func:`_linear_torch`. ``d_weight`` accumulates over the chunks in a float32 ``[V, H]`` buffer (the chunks run
-    over tokens, each needing its whole vocabulary row before any dz exists)."""
+    :func:`_linear_torch`. With 16-bit inputs whose tokens take one chunk, GEMM 3 writes ``d_weight`` once in the
+    weight's dtype (:func:`_d_weight_dtype`); otherwise ``d_weight`` accumulates over the chunks in a float32
+    ``[V, H]`` buffer (the chunks run over tokens, each needing its whole vocabulary row before any dz exists) --
+    beside the 16-bit gradient it is rounded to, a buffer DESIGN's numerics rule out: see the module docstring."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
@@ -738,7 +762,9 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     labels = labels.contiguous()
     low = hidden.dtype != torch.float32
     d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if opt.grad_input else None  # [N, H]
-    d_weight = torch.zeros(V, H, dtype=torch.float32, device=dev) if opt.grad_weight else None  # [V, H]
+    dw_dtype = _d_weight_dtype(hidden, weight, opt)
+    direct = low and dw_dtype == weight.dtype  # one chunk: d_weight written once by GEMM 3
+    d_weight = torch.zeros(V, H, dtype=dw_dtype, device=dev) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
     chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
     tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
@@ -760,7 +786,11 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
                     dh = _fl._mm_f32(dz, weight)  # [n, H] float32
                     dh += resid[:, None] * weight[safe].float()
                     d_hidden[t0:t1] = dh
-                if d_weight is not None:
+                if d_weight is not None and direct:  # the only chunk: every token's dz, rounded once
+                    torch.mm(dz.T, h_c, out=d_weight)
+                    ok = resid != 0  # [n] the tokens whose label entry lost bits (0: ignored, or exact)
+                    _fl._label_rows_exact(d_weight, dz, h_c, safe[ok], resid[ok, None] * h_c[ok].float())
+                elif d_weight is not None:
                     _fl._addmm_f32(d_weight, dz.T, h_c)
                     _fl._add_at_labels(d_weight, safe, resid[:, None] * h_c.float())
             if d_bias is not None:
@@ -773,8 +803,6 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
                                            ref_logp, opt, chunks)
     empty = lambda: hidden.new_empty(0)  # noqa: E731
-    if d_weight is not None and _torch_layout(hidden, weight, opt) == "one-chunk":  # the interpreter on a CPU: the
-        d_weight = d_weight.to(weight.dtype)  # dtype the torch row (and the op's fake) gives there
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
             empty() if d_weight is None else d_weight,
@@ -988,8 +1016,8 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
     return (hidden.new_empty((), **f32), hidden.new_empty((len(losses.POLICY_METRICS),), **f32),
             hidden.new_empty((B, T), **f32), hidden.new_empty((B, T), **f32),
             hidden.new_empty((B, T, H), dtype=cdt) if opt.grad_input else hidden.new_empty(0),
-            weight.new_empty(weight.shape, dtype=weight.dtype if _torch_layout(hidden, weight, opt) == "one-chunk" else cdt)
-            if opt.grad_weight else hidden.new_empty(0),
+            weight.new_empty(weight.shape, dtype=_d_weight_dtype(hidden, weight, opt)) if opt.grad_weight
+            else hidden.new_empty(0),
             hidden.new_empty(bias.shape, dtype=cdt) if opt.grad_bias and bias is not None else hidden.new_empty(0))
 
 

@@ -617,6 +617,49 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
     _check_fused_against_truth(x, options, upstream, dtype, "triton")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("upstream", [1.0, 1.7])
+def test_triton_row_one_chunk_writes_d_weight_once_in_its_dtype(dtype, upstream, monkeypatch):
+    """The Triton row (interpreter), 16-bit inputs whose tokens take one chunk: GEMM 3 writes d_weight in the
+    weight's dtype (the labelled rows formed again in float32 with their residuals), so no float32 [V, H] buffer is
+    ever allocated (N > H/2 here: the torch row would not take its one-chunk layout), the gradients match the
+    float64 truth (no worse than eager) with the upstream gradient 1 and not, and the op's fake gives d_weight the
+    same dtype (torch.compile plans with it)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
+    B, T, H, V = 2, 20, 64, 3000  # H / 2 < N = 40 < H: the float32 [N, V] tile is smaller than [V, H]
+    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype)) == 1
+    x = _inputs(B, T, H, V, seed=21)
+    _check_fused_against_truth(x, dict(kl_coef=0.05, entropy_coef=0.01), upstream, dtype, "triton")
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+    args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
+
+    def fused():
+        loss, _ = rlkernels.linear_policy_loss(h, w, *args, ref_logp=x["ref_logp"], entropy_coef=0.01)
+        return torch.autograd.grad(loss, (h, w))
+
+    from rlkernels.testing.memory import measure_cpu
+
+    fused()  # warm
+    report = measure_cpu(fused)
+    assert report.largest_bytes < 4 * V * H, report  # no float32 [V, H] buffer
+    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
+                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
+                                 temperature=1.0, ignore_index=-100, return_entropy=False,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+                                                    agg="token-mean", norm_length=None),
+                                 grads=(True, True, False))
+    op_args = (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+    torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
+    assert fused_policy._linear_op(*op_args)[5].dtype == dtype
+    # two chunks: summed in float32 (the documented exception), and the fake says so too
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 25 * V * (4 + dtype.itemsize))
+    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype)) == 2
+    torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
+    assert fused_policy._linear_op(*op_args)[5].dtype == torch.float32
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 def test_aot_compiles_every_config_without_spills(arch):
     """Every Triton kernel, every dtype (and bias on/off for linear's kernel 1; logits_policy_loss's kernel at both
