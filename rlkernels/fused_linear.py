@@ -33,12 +33,12 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` written by the GEMM in the
   weight's dtype (float32 accumulation inside it, rounded once; the few rows at labels re-formed in float32 with
   their residuals), so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096), nor a float32 slice
-  of one. Otherwise
-  the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @ hidden[chunk]``
-  into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end; ``d_bias`` likewise.
-  The workspace (``dz``) is sized to a fixed byte budget (``_DZ_BUDGET_BYTES``), never ``N × V``. No atomics in either order: the gradients are the same bits run to
-  run. A single fused backward kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the
-  logits once per ``H`` tile; the chunked split keeps both GEMMs at cuBLAS speed.
+  of one. Otherwise the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @
+  hidden[chunk]`` into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end;
+  ``d_bias`` likewise. The workspace (``dz``) is sized to a fixed byte budget (``_DZ_BUDGET_BYTES``), never
+  ``N × V``. No atomics in either order: the gradients are the same bits run to run. A single fused backward
+  kernel would need atomics on ``d_weight`` (nondeterministic) or recompute the logits once per ``H`` tile; the
+  chunked split keeps both GEMMs at cuBLAS speed.
 - ``torch`` backend (CPU, or forced): the same algorithm in chunked PyTorch, over
   tokens and, when one row block of the vocabulary would still be large, over
   vocabulary chunks with the same online log-sum-exp; all math in float32
@@ -825,7 +825,9 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
         dz_into(dz, resid, 0, N, v0, v1)
         w_j = weight[v0:v1]  # [vc, H]
-        # d_weight's slice straight from the GEMM: float32 accumulation inside it, rounded once to its dtype
+        # d_weight's slice straight from the GEMM: float32 accumulation inside it (cuBLAS's compute type for 16-bit
+        # GEMMs; torch's allow_*_reduced_precision_reduction flags concern split-K partial sums only, which these
+        # shapes -- vc x H outputs of thousands squared -- do not take), rounded once to its dtype
         torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
