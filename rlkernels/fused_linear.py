@@ -826,8 +826,8 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         dz_into(dz, resid, 0, N, v0, v1)
         w_j = weight[v0:v1]  # [vc, H]
         # d_weight's slice straight from the GEMM: float32 accumulation inside it (cuBLAS's compute type for 16-bit
-        # GEMMs; torch's allow_*_reduced_precision_reduction flags concern split-K partial sums only, which these
-        # shapes -- vc x H outputs of thousands squared -- do not take), rounded once to its dtype
+        # GEMMs; torch's allow_*_reduced_precision_reduction flags allow 16-bit partial sums only in split-K, a
+        # scheme for small outputs over a long K -- these outputs are vc x H), rounded once to its dtype
         torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
