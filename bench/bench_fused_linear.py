@@ -179,7 +179,9 @@ def _against_one_gemm(op, N, H, V, dtype, note, make_inputs, providers) -> Case:
 def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     """The Triton backward (vocabulary outer: N < V) whole and phase by phase, each against one cuBLAS GEMM of the
     same size (so each row's "of bound" and ratio read as "GEMMs' worth of time"): the dz kernel over every
-    vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), dh += dz @ W_j with a float32
+    vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), and on sm_90 the Hopper dz
+    kernel (``_dz_kernel_tma``, which follows the ``tma`` forward; here with K blocks of 64 after a split forward's
+    statistics: the time is the same), dh += dz @ W_j with a float32
     result and d_weight's slices dz.T @ hidden with 16-bit results (the two GEMMs as the backward calls them, chunk
     by chunk), the same two with the other output dtype (what the output dtype costs), and the labelled rows of
     d_weight re-formed in float32 (fl._label_rows_exact, N random labels)."""
@@ -204,6 +206,12 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
 
     def dz_kernel(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
         dz_into = fl._dz_launcher(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, opt, t)
+        resid = torch.zeros(N, device=device)  # [N]
+        for v0, v1 in chunks:
+            dz_into(dz[:, : v1 - v0], resid, 0, N, v0, v1)
+
+    def dz_kernel_tma(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        dz_into = fl._dz_launcher(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, opt, fl._TMA_DZ_TILES)
         resid = torch.zeros(N, device=device)  # [N]
         for v0, v1 in chunks:
             dz_into(dz[:, : v1 - v0], resid, 0, N, v0, v1)
@@ -233,8 +241,11 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
             fl._label_rows_exact(dw[: v1 - v0], dz[:, : v1 - v0], hidden, labels[at] - v0,
                                  g_logp[at, None] * hidden[at].float())  # [k, H] stand-in residual rows
 
+    hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {
-        "backward (all phases)": whole, "dz kernel": dz_kernel, "dh GEMMs float32 out": dh_f32,
+        "backward (all phases)": whole, "dz kernel": dz_kernel,
+        **({"dz kernel tma": dz_kernel_tma} if hopper and dtype != torch.float32 and H * 2 % 16 == 0 else {}),
+        "dh GEMMs float32 out": dh_f32,
         "dW GEMMs 16-bit out": dw_16, "label rows of dW": label_rows, "dh GEMMs 16-bit out": dh_16,
         "dW GEMMs float32 out": dw_f32,
     }

@@ -308,6 +308,52 @@ def _dz_kernel(
 
 
 @jit
+def _dz_kernel_tma(
+    h_desc, w_desc,  # TMA descriptors: hidden [n, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
+    b_ptr, labels_ptr,  # [V], [n] (a chunk of tokens; a chunk of the vocabulary, as _dz_kernel's)
+    m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each, as _dz_kernel's
+    dz_ptr,  # [n, V] input dtype, contiguous
+    resid_ptr,  # [n] float32
+    N, V, H, temperature, ignore_index,
+    col0,  # the vocabulary id of the weight chunk's first row
+    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """The Hopper dz kernel (after ``_fwd_kernel_tma``): ``_dz_kernel``'s work over a persistent grid, each logits
+    tile a K loop of TMA loads and wgmma with N = BLOCK_V (``_fwd_kernel_tma``'s main loop, K in its blocks, so the
+    logits are the forward's bits), then ``_dz_store``. Program ``pid`` takes the items ``pid, pid + P, ...`` of
+    the (token block, vocabulary tile) items, grouped (:func:`_grouped_item`). Rows past ``N``, columns past ``V``
+    and K past ``H`` read zero-filled boxes and are masked in the store."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    n_cols = tl.cdiv(V, BLOCK_V)
+    my_items = tl.cdiv(n_blocks * n_cols - pid, P)
+    for j in range(0, my_items):
+        blk_n, blk_v = _grouped_item(pid + j * P, n_blocks, n_cols, GROUP_N)
+        row0 = blk_n * BLOCK_N
+        v_first = blk_v * BLOCK_V
+        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
+        for k0 in range(0, H, BLOCK_K):
+            a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
+            w = w_desc.load([v_first, k0])  # [BLOCK_V, BLOCK_K]
+            if DOT_F32:  # interpreter only: see _logits_tile
+                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+                acc = acc + block_sum(prod, 2)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        cols = v_first + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        row_ok = rows < N
+        col_ok = cols < V
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+        _dz_store(acc / temperature, rows, cols, row_ok, col_ok, label - col0, label != ignore_index, m_ptr,
+                  logs_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr, resid_ptr, V, temperature, v_first, BLOCK_V)
+
+
+@jit
 def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr, resid_ptr,
               V, temperature, v_first, BLOCK_V: tl.constexpr):
     """dL/dz of a ``[BLOCK_N, BLOCK_V]`` tile of logits / T ``z`` (columns ``cols`` of the rows ``rows``), stored in
@@ -326,22 +372,26 @@ def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr,
     # would carry an absolute error of ulp(max) (6e-5 at logits ~1000) into every log p
     logp = (z - m[:, None]) - log_s[:, None]  # [BLOCK_N, BLOCK_V]
     p = tl.exp(logp)
-    # p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf = NaN
-    ent_term = g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
     is_y = cols[None, :] == y[:, None]  # [BLOCK_N, BLOCK_V]
-    # 1 - p_y without cancellation where p_y ~ 1, formed per row from the label's log p (the one entry of the row
-    # this tile may hold): expm1's polynomial over the whole tile cost ~12 more PTX instructions per element
-    one_minus_p_y = -expm1(block_sum(tl.where(is_y, logp, 0.0), 1))  # [BLOCK_N]
-    dz = tl.where(is_y, (g_lp * one_minus_p_y)[:, None], -g_lp[:, None] * p) - ent_term
-    dz = tl.where(valid[:, None], dz / temperature, 0.0)
+    # The label's entry, per row, from its log p (the one entry of the row this tile may hold; rows whose label is
+    # elsewhere compute a value nobody uses): g (1 - p_y) - g_H p_y (log p_y + H), 1 - p_y without cancellation
+    # where p_y ~ 1 (expm1's polynomial over the whole tile cost ~12 more PTX instructions per element). Formed on
+    # [BLOCK_N] rows, so its 16-bit rounding loss below needs no tile-sized temporaries (registers: the Hopper dz
+    # kernel's 64x128 tiles on one warpgroup fit only so).
+    logp_y = block_sum(tl.where(is_y, logp, 0.0), 1)  # [BLOCK_N]
+    p_y = tl.exp(logp_y)
+    dz_y = (g_lp * -expm1(logp_y) - g_h * p_y * (tl.where(logp_y == float("-inf"), 0.0, logp_y) + ent)) / temperature
+    dz_y = tl.where(valid, dz_y, 0.0)  # [BLOCK_N]
+    # every other entry: -g p - g_H p (log p + H); p (log p + H) is 0 where p = 0 (a -inf logit), never 0 * -inf
+    dz = -g_lp[:, None] * p - g_h[:, None] * p * (tl.where(logp == float("-inf"), 0.0, logp) + ent[:, None])
+    dz = tl.where(is_y, dz_y[:, None], tl.where(valid[:, None], dz / temperature, 0.0))
     offs = rows[:, None].to(tl.int64) * V + cols[None, :]
-    dz_low = dz.to(dz_ptr.dtype.element_ty)
-    tl.store(dz_ptr + offs, dz_low, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
     # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
-    lost = tl.where(is_y, dz - dz_low.to(tl.float32), 0.0)
+    lost = dz_y - dz_y.to(dz_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
     has_y = (y >= v_first) & (y < v_first + BLOCK_V) & valid & row_ok
-    tl.store(resid_ptr + rows, block_sum(lost, 1), mask=has_y)
+    tl.store(resid_ptr + rows, lost, mask=has_y)
 
 
 # ---------------------------------------------------------------- launchers
@@ -448,6 +498,14 @@ _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=
 # row measures it against _TMA_TILES; not selected by the launcher until measured.
 _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_tiles=16, num_warps=4, num_stages=4,
                                    group_n=32, flatten=False, ctas_per_sm=2)
+# The Hopper dz kernel (_dz_kernel_tma, after the Hopper forward, 16-bit inputs): 64x128 tiles on 4 warps (one
+# warpgroup: wgmma m64n128k16, against _dz_kernel's m64n64 from 8 warps), K steps of the forward's 64, 4 stages,
+# two CTAs per SM so one's dz epilogue overlaps the other's main loop; a persistent grid, items grouped as the
+# forward's. sm_90 SASS: 167-230 registers with triton 3.9, 201-255 with 3.6, no spill, 98 KB shared, UTMALDG,
+# HGMMA 64x128x16 (tests/test_fused_linear.py asserts it). 128x128 on 8 warps also fits (194-249 / 250-255
+# registers, 1 CTA per SM). Not measured: bench_fused_linear's "dz kernel tma" row measures it against _dz_kernel.
+_TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.block_k, split_tiles=1, num_warps=4,
+                                 num_stages=4, group_n=16, flatten=False, ctas_per_sm=2)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 # The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
 # float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
@@ -471,19 +529,16 @@ def _tiles(dtype: torch.dtype, backward: bool = False, hopper: bool = True) -> _
 
 
 def _bwd_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> _Tiles:
-    """The dz kernel's tiles for these inputs (``hidden`` [N, H], ``weight`` [V, H]): ``_BWD_TILES_16`` and its float32
-    sibling, with ``BLOCK_K`` that of the forward kernel that ran (:func:`_fwd_kernel_choice`, asked again: the same
-    inputs and switch), so the recomputed logits sum K in the forward's chunks and are its bits -- the Hopper
-    forward (``_TMA_TILES``) steps K by 64 where ``_fwd_kernel`` steps by 32. A low temperature magnifies any
-    difference between the forward's logits and the backward's (see the note above ``FWD_KERNEL_ENV``)."""
-    if _fwd_kernel_choice(hidden, weight) == "tma":  # 16-bit inputs only
-        return _bwd_tiles_after_tma(hidden.dtype)
+    """The dz kernel and its tiles for these inputs (``hidden`` [N, H], ``weight`` [V, H]), after the forward kernel
+    that ran (:func:`_fwd_kernel_choice`, asked again: the same inputs and switch): after ``_fwd_kernel``,
+    ``_dz_kernel`` with ``_BWD_TILES_16`` (or its float32 sibling); after the Hopper forward, ``_dz_kernel_tma``
+    with ``_TMA_DZ_TILES`` (a ``_PersistentTiles``). Either way ``BLOCK_K`` is the forward's, so the recomputed
+    logits sum K in the forward's chunks and are its bits -- the Hopper forward (``_TMA_TILES``) steps K by 64
+    where ``_fwd_kernel`` steps by 32. A low temperature magnifies any difference between the forward's logits and
+    the backward's (see the note above ``FWD_KERNEL_ENV``)."""
+    if _fwd_kernel_choice(hidden, weight) == "tma":  # 16-bit inputs, aligned rows, sm_90 (or the interpreter)
+        return replace(_TMA_DZ_TILES, block_k=_TMA_TILES.block_k)
     return _tiles(hidden.dtype, backward=True)
-
-
-def _bwd_tiles_after_tma(dtype: torch.dtype) -> _Tiles:
-    """The dz kernel's tiles after the Hopper forward: ``_BWD_TILES_16`` with ``_TMA_TILES``' K blocks."""
-    return replace(_tiles(dtype, backward=True), block_k=_TMA_TILES.block_k)
 
 
 def _hopper(t: torch.Tensor) -> bool:
@@ -534,20 +589,17 @@ def aot_configs() -> list[KernelConfig]:
                 fwd_sig = {**_fwd_signature(ty), **dict.fromkeys(fwd_consts, "constexpr")}
                 configs.append(KernelConfig(_fwd_kernel, fwd_sig, fwd_consts, t.num_warps, t.num_stages,
                                             archs=(arch,)))
-            # the dz kernel after _fwd_kernel, and for 16-bit inputs on sm_90 after the Hopper forward (_bwd_tiles)
-            dz_tiles = [(tb, (80, 90))] + ([(_bwd_tiles_after_tma(dtype), (90,))] if dtype != torch.float32 else [])
-            for t_dz, archs in dz_tiles:
-                dz_consts = _kernel_flags(dtype, has_bias, False, t_dz)
-                dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
-                configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, t_dz.num_warps, t_dz.num_stages,
-                                            archs=archs))
+            # the dz kernel after _fwd_kernel (after the Hopper forward: _dz_kernel_tma, _tma_aot_configs)
+            dz_consts = _kernel_flags(dtype, has_bias, False, tb)
+            dz_sig = {**_dz_signature(ty), **dict.fromkeys(dz_consts, "constexpr")}
+            configs.append(KernelConfig(_dz_kernel, dz_sig, dz_consts, tb.num_warps, tb.num_stages))
     configs.extend(_tma_aot_configs())
     return configs
 
 
 def _tma_aot_configs() -> list[KernelConfig]:
-    """``_fwd_kernel_tma``'s configurations (16-bit inputs, bias or not), for sm_90 only: the launcher never picks it
-    elsewhere (:func:`_tma_ok`)."""
+    """The Hopper kernels' configurations, ``_fwd_kernel_tma`` and ``_dz_kernel_tma`` (16-bit inputs, bias or not),
+    for sm_90 only: the launcher never picks them elsewhere (:func:`_tma_ok`)."""
     from rlkernels.testing.aot import KernelConfig
 
     t = _TMA_TILES
@@ -562,6 +614,15 @@ def _tma_aot_configs() -> list[KernelConfig]:
                    "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32",
                    "N": "i32", "V": "i32", "H": "i32", "temperature": "fp32", **dict.fromkeys(consts, "constexpr")}
             configs.append(KernelConfig(_fwd_kernel_tma, sig, consts, t.num_warps, t.num_stages, archs=(90,)))
+            td = _TMA_DZ_TILES
+            dz_consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": td.block_n, "BLOCK_V": td.block_v,
+                         "BLOCK_K": td.block_k, "GROUP_N": td.group_n}
+            dz_sig = {"h_desc": f"tensordesc<{ty}[{td.block_n}, {td.block_k}]>",
+                      "w_desc": f"tensordesc<{ty}[{td.block_v}, {td.block_k}]>",
+                      **{k: v for k, v in _dz_signature(ty).items() if k not in ("h_ptr", "w_ptr", "stride_hn",
+                                                                                  "stride_wv")},
+                      **dict.fromkeys(dz_consts, "constexpr")}
+            configs.append(KernelConfig(_dz_kernel_tma, dz_sig, dz_consts, td.num_warps, td.num_stages, archs=(90,)))
     return configs
 
 
@@ -747,8 +808,9 @@ def _vocab_outer(N: int, V: int) -> bool:
 
 
 def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, opt: LinearLogprobsOptions, t: _Tiles):
-    """``dz_into(dz, resid, r0, r1, v0, v1)``: ``_dz_kernel`` over the tokens ``r0..r1`` against the vocabulary
-    ``v0..v1`` (the backward's first phase; bench_fused_linear times it alone). ``hidden`` [N, H] and ``weight``
+    """``dz_into(dz, resid, r0, r1, v0, v1)``: ``_dz_kernel`` (``_dz_kernel_tma`` when ``t`` is a
+    ``_PersistentTiles``: :func:`_bwd_tiles`) over the tokens ``r0..r1`` against the vocabulary ``v0..v1`` (the
+    backward's first phase; bench_fused_linear times it alone). ``hidden`` [N, H] and ``weight``
     [V, H] at unit stride along H, ``labels`` [N] contiguous, ``bias`` [V] contiguous or None, ``stats`` [2, N],
     ``entropy``, ``g_logp``, ``g_ent`` [N]."""
     flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)
@@ -762,15 +824,42 @@ def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, op
         # resid [r1 - r0] float32 <- the label residual, at the rows whose label is one of these columns
         if r1 == r0:
             return
-        grid = (cdiv(r1 - r0, t.block_n) * cdiv(v1 - v0, t.block_v),)  # (token block, vocabulary tile) items
+        items = cdiv(r1 - r0, t.block_n) * cdiv(v1 - v0, t.block_v)  # (token block, vocabulary tile) items
+        if isinstance(t, _PersistentTiles):  # after the Hopper forward (_bwd_tiles)
+            _launch_dz_tma(hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1], row_max[r0:r1], log_s[r0:r1],
+                           entropy[r0:r1], g_logp[r0:r1], g_ent[r0:r1], dz, resid, v0, items, bias is not None,
+                           opt, t)
+            return
         _dz_kernel.launch(
-            grid, hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1],
+            (items,), hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1],
             row_max[r0:r1], log_s[r0:r1], entropy[r0:r1], g_logp[r0:r1], g_ent[r0:r1], dz, resid,
             r1 - r0, v1 - v0, hidden.shape[1], hidden.stride(0), weight.stride(0), opt.temperature, opt.ignore_index,
             v0, **flags, num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     return dz_into
+
+
+def _launch_dz_tma(h, w, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, col0: int, items: int,
+                   has_bias: bool, opt: LinearLogprobsOptions, t: _PersistentTiles) -> None:
+    """``_dz_kernel_tma`` over one chunk: ``h`` [n, H] and ``w`` [vc, H] (16-byte aligned rows: the Hopper forward
+    ran on them), ``b`` [vc] (or an unread stand-in), ``labels`` and the per-row inputs [n], ``dz`` [n, vc] and
+    ``resid`` [n] written; a persistent grid of ``ctas_per_sm`` programs per SM (the interpreter: a few), at most one
+    per item."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if h.device.type == "cpu":
+        programs = _INTERPRETER_PROGRAMS
+    else:
+        programs = torch.cuda.get_device_properties(h.device).multi_processor_count * t.ctas_per_sm
+    h_desc = TensorDescriptor.from_tensor(h, [t.block_n, t.block_k])  # [BLOCK_N, BLOCK_K] boxes
+    w_desc = TensorDescriptor.from_tensor(w, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
+    _dz_kernel_tma.launch(
+        (min(items, programs),), h_desc, w_desc, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid,
+        h.shape[0], w.shape[0], h.shape[1], opt.temperature, opt.ignore_index, col0,
+        HAS_BIAS=has_bias, DOT_F32=_dot_f32(h), BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,
+        GROUP_N=t.group_n, num_warps=t.num_warps, num_stages=t.num_stages,
+    )
 
 
 def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):

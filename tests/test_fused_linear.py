@@ -497,18 +497,20 @@ def test_triton_backward_uses_the_forward_k_blocking():
         for hopper in (True, False):
             assert mod._tiles(dtype, hopper=hopper).block_k == mod._tiles(dtype, backward=True).block_k, dtype
     configs = mod.aot_configs()
-    for forward in (mod._fwd_kernel, mod._fwd_kernel_tma):
+    for forward, backward in ((mod._fwd_kernel, mod._dz_kernel), (mod._fwd_kernel_tma, mod._dz_kernel_tma)):
         fwd = [c for c in configs if c.kernel is forward]
         assert fwd
         for f in fwd:
-            # a backward compiled for the same input dtype (b_ptr's type: every signature has it), bias and
-            # architecture, with the same K blocking (the Hopper forward's backward has K blocks of its own)
-            same = [d for d in configs if d.kernel is mod._dz_kernel and d.signature["b_ptr"] == f.signature["b_ptr"]
+            # the backward that follows it, compiled for the same input dtype (b_ptr's type: every signature has
+            # it), bias and architecture, with the same K blocking (the Hopper forward's: its own dz kernel)
+            same = [d for d in configs if d.kernel is backward and d.signature["b_ptr"] == f.signature["b_ptr"]
                     and d.constexprs["HAS_BIAS"] == f.constexprs["HAS_BIAS"] and set(f.archs) <= set(d.archs)
                     and d.constexprs["BLOCK_K"] == f.constexprs["BLOCK_K"]]
             assert len(same) == 1, (forward.__name__, f.constexprs)
-            for key in ("IEEE", "DOT_F32"):
-                assert f.constexprs.get(key, same[0].constexprs[key]) == same[0].constexprs[key], key
+            for key in ("IEEE", "DOT_F32"):  # the dot's precision flags, where the kernels take them
+                assert f.constexprs.get(key) == same[0].constexprs.get(key), key
+    # and the launcher pairs them so (_bwd_tiles: the Hopper dz kernel takes the Hopper forward's K blocks)
+    assert mod._TMA_DZ_TILES.block_k == mod._TMA_TILES.block_k
 
 
 _NARROW_LABELS = {
@@ -1011,8 +1013,8 @@ def test_aot_compiles_every_config(arch):
     from rlkernels.testing.aot import compile_config
 
     configs = [c for c in aot_configs() if arch in c.archs]
-    # 2 kernels x 3 dtypes x bias on/off, and on sm_90 the Hopper forward and the dz kernel with its K blocks, each
-    # x 2 16-bit dtypes x bias on/off
+    # 2 kernels x 3 dtypes x bias on/off, and on sm_90 the Hopper forward and the Hopper dz kernel, each x 2 16-bit
+    # dtypes x bias on/off
     assert len(configs) == (20 if arch == 90 else 12)
     spilled = []
     for config in configs:
@@ -1184,6 +1186,80 @@ def test_tma_forward_low_temperature_no_worse_than_eager(device, dtype, monkeypa
                vs_eager=("d_hidden", "d_weight", "d_bias"))
 
 
+# _dz_kernel_tma's tiles shrunk for the interpreter: several token blocks and vocabulary tiles (the last ones
+# partial), K steps (the last one past H), several items per persistent program, a partial item group
+_SMALL_TMA_DZ_TILES = fl_module._PersistentTiles(block_n=16, block_v=32, block_k=16, split_tiles=1, num_warps=4,
+                                                 num_stages=4, group_n=2, ctas_per_sm=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("col0", [0, 100])
+def test_tma_dz_kernel_is_the_dz_kernel_bit_for_bit(dtype, col0, monkeypatch):
+    """``_dz_kernel_tma`` (the backward's dz after the Hopper forward) under the interpreter writes the same dz and
+    label residuals, bit for bit, as ``_dz_kernel`` with the same K blocks: the same logits (K summed in the same
+    blocks) through the one ``_dz_store``. A chunk of the vocabulary starting at ``col0`` (labels inside it and
+    outside it), bias, ignored tokens, ``N``, ``V`` and ``H`` not multiples of the tiles."""
+    N, H, V = 45, 40, 150
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, col0 + V, bias=True, seed=17)
+    h, w, bb = (x.to(dtype) for x in (hidden, weight, b))
+    opt = fl_module.LinearLogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=-100)
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "split")
+    logp, ent, stats = fl_module._forward_triton(h, w, labels, bb, opt)  # [N], [N], [2, N]
+    t_tma = _SMALL_TMA_DZ_TILES
+    t_ptr = fl_module._Tiles(block_n=16, block_v=32, block_k=t_tma.block_k, split_tiles=1, num_warps=4,
+                             num_stages=2, group_n=2)
+    out = {}
+    for name, t in (("tma", t_tma), ("pointer", t_ptr)):
+        dz_into = fl_module._dz_launcher(g_logp.float(), g_ent.float(), h, w, labels, bb, stats, ent, opt, t)
+        dz = torch.full((N, V), float("nan"), dtype=dtype)  # [N, V] every entry must be written
+        resid = torch.zeros(N)  # [N]
+        dz_into(dz, resid, 0, N, col0, col0 + V)
+        out[name] = dz, resid
+    assert not torch.isnan(out["tma"][0]).any()
+    assert torch.equal(out["tma"][0], out["pointer"][0]) and torch.equal(out["tma"][1], out["pointer"][1])
+    in_chunk = (labels >= col0) & (labels < col0 + V)  # [N] the rows whose label entry is in this chunk
+    assert torch.all(out["tma"][1][~in_chunk] == 0) and torch.any(out["tma"][1][in_chunk] != 0)
+
+
+def test_tma_dz_kernel_follows_the_hopper_forward(monkeypatch):
+    """After the Hopper forward the backward runs ``_dz_kernel_tma`` (its tiles, the forward's K blocks); after
+    ``_fwd_kernel``, ``_dz_kernel``; the gradients of the first match the float64 truth (also
+    test_forward_kernels_match_float64_truth and the low-temperature test, which take this path)."""
+    monkeypatch.setattr(fl_module, "_TMA_TILES", _SMALL_TMA_TILES)
+    monkeypatch.setattr(fl_module, "_TMA_DZ_TILES", _SMALL_TMA_DZ_TILES)
+    calls = {"tma": 0, "pointer": 0}
+    original_tma, original_ptr = fl_module._launch_dz_tma, fl_module._dz_kernel.launch
+
+    def tma(*args, **kwargs):
+        calls["tma"] += 1
+        return original_tma(*args, **kwargs)
+
+    def ptr(*args, **kwargs):
+        calls["pointer"] += 1
+        return original_ptr(*args, **kwargs)
+
+    monkeypatch.setattr(fl_module, "_launch_dz_tma", tma)
+    monkeypatch.setattr(fl_module._dz_kernel, "launch", ptr)
+    h = torch.zeros(4, 64, dtype=torch.bfloat16)  # [N, H]
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)  # [V, H]
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
+    t = fl_module._bwd_tiles(h, w)
+    assert isinstance(t, fl_module._PersistentTiles) and t.block_k == _SMALL_TMA_TILES.block_k
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "split")
+    assert fl_module._bwd_tiles(h, w) == fl_module._tiles(torch.bfloat16, backward=True)
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(37, 48, 300, bias=True, seed=3)
+    truth = _run(reference.linear_logprobs, *(x.clone().requires_grad_() for x in (hidden, weight, b)), labels,
+                 g_logp, g_ent, 0.8)
+    eager = _run(reference.linear_logprobs, *(_leaf(x, torch.bfloat16) for x in (hidden, weight, b)), labels, g_logp,
+                 g_ent, 0.8)
+    with forced_backend("triton"):
+        out = _run(linear_logprobs, *(_leaf(x, torch.bfloat16) for x in (hidden, weight, b)), labels, g_logp, g_ent,
+                   0.8)
+    assert calls == {"tma": 1, "pointer": 0}, calls
+    _check_all(out, truth, eager, torch.bfloat16)
+
+
 def test_forward_kernel_choice(monkeypatch):
     """The default is the kernel measured so far ("split"); "tma" needs 16-bit inputs with 16-byte aligned rows,
     "cublas" 16-bit inputs; anything else is refused by name."""
@@ -1240,6 +1316,25 @@ def test_tma_forward_sass_has_tma_and_wide_wgmma():
             assert report.tma_loads > 0, str(report)
             assert report.wgmma_shapes and min(int(s.split("x")[1]) for s in report.wgmma_shapes) >= 128, str(report)
             assert report.num_stages == config.num_stages, str(report)
+
+
+def test_tma_dz_kernel_sass_has_tma_and_wide_wgmma():
+    """The Hopper dz kernel's sm_90 SASS (bf16 and fp16, bias or not, both specializations): TMA tensor loads, wgmma
+    with N >= 128 and nothing narrower, no spill, and the two CTAs per SM its tiles are chosen for (one CTA's dz
+    epilogue runs while the other's wgmma does). Triton 3.6 spilled 48-184 B here until the label entry's rounding
+    loss was formed per row (_dz_store)."""
+    pytest.importorskip("triton")
+    from rlkernels.testing.aot import compile_config
+
+    configs = [c for c in aot_configs() if c.kernel is fl_module._dz_kernel_tma]
+    assert len(configs) == 4 and all(c.archs == (90,) for c in configs)
+    for config in configs:
+        for aligned in (False, True):
+            report = compile_config(config, 90, aligned=aligned)
+            assert report.spill_bytes == 0, str(report)
+            assert report.tma_loads > 0, str(report)
+            assert report.wgmma_shapes and min(int(x.split("x")[1]) for x in report.wgmma_shapes) >= 128, str(report)
+            assert report.ctas_per_sm >= fl_module._TMA_DZ_TILES.ctas_per_sm, str(report)
 
 
 def test_the_sass_reader_reads_wgmma_shapes():
