@@ -213,6 +213,29 @@ def _fwd_kernel(
 
 
 @jit
+def _logits_tile_tma(h_desc, w_desc, b_ptr, row0, col0, V, H, HAS_BIAS: tl.constexpr,
+                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The Hopper kernels' logits tile ``hidden[row0:] @ weight[col0:].T + bias[col0:]`` (not yet divided by T),
+    float32 [BLOCK_N, BLOCK_V]: a K loop of TMA loads (zero-filled past the tensors' ends) and wgmma. The forward and
+    the backward both call it with the same ``BLOCK_K``, so a logit comes out the same bits in both. (The callers
+    form their row and column indices after it: live through the K loop, they cost Triton 3.6's sm_90 build of the
+    dz kernel 200 B of spills.)"""
+    acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+    for k0 in range(0, H, BLOCK_K):
+        a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
+        w = w_desc.load([col0, k0])  # [BLOCK_V, BLOCK_K]
+        if DOT_F32:  # interpreter only: see _logits_tile
+            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
+            acc = acc + block_sum(prod, 2)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        acc = acc + tl.load(b_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@jit
 def _fwd_kernel_tma(
     h_desc, w_desc,  # TMA descriptors: hidden [N, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
     b_ptr, labels_ptr,  # [V], [N] int64
@@ -253,20 +276,11 @@ def _fwd_kernel_tma(
         blk_n, split = _grouped_item(pid + j * P, n_blocks, n_splits, GROUP_N)
         row0 = blk_n * BLOCK_N
         col0 = (split * SPLIT_TILES + t) * BLOCK_V
-        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
-        for k0 in range(0, H, BLOCK_K):
-            a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
-            w = w_desc.load([col0, k0])  # [BLOCK_V, BLOCK_K]
-            if DOT_F32:  # interpreter only: see _logits_tile
-                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
-                acc = acc + block_sum(prod, 2)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+        acc = _logits_tile_tma(h_desc, w_desc, b_ptr, row0, col0, V, H, HAS_BIAS, DOT_F32, BLOCK_N, BLOCK_V,
+                               BLOCK_K)  # [BLOCK_N, BLOCK_V]
         rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         col_ok = cols < V
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
         m, s, u, zy = _online_update(acc / temperature, cols, col_ok, label, m, s, u, zy)
         if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
@@ -333,21 +347,12 @@ def _dz_kernel_tma(
         blk_n, blk_v = _grouped_item(pid + j * P, n_blocks, n_cols, GROUP_N)
         row0 = blk_n * BLOCK_N
         v_first = blk_v * BLOCK_V
-        acc = tl.full((BLOCK_N, BLOCK_V), 0.0, dtype=tl.float32)  # [BLOCK_N, BLOCK_V] logits tile, unscaled
-        for k0 in range(0, H, BLOCK_K):
-            a = h_desc.load([row0, k0])  # [BLOCK_N, BLOCK_K]
-            w = w_desc.load([v_first, k0])  # [BLOCK_V, BLOCK_K]
-            if DOT_F32:  # interpreter only: see _logits_tile
-                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_N, BLOCK_V, BLOCK_K]
-                acc = acc + block_sum(prod, 2)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+        acc = _logits_tile_tma(h_desc, w_desc, b_ptr, row0, v_first, V, H, HAS_BIAS, DOT_F32, BLOCK_N, BLOCK_V,
+                               BLOCK_K)  # [BLOCK_N, BLOCK_V]
         rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         cols = v_first + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         row_ok = rows < N
         col_ok = cols < V
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
         _dz_store(acc / temperature, rows, cols, row_ok, col_ok, label - col0, label != ignore_index, m_ptr,
                   logs_ptr, ent_ptr, glogp_ptr, gent_ptr, dz_ptr, resid_ptr, V, temperature, v_first, BLOCK_V)
@@ -684,23 +689,31 @@ def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     return hidden.device.type == "cpu" or torch.cuda.get_device_capability(hidden.device)[0] == 9
 
 
-def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptions) -> None:
-    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
-    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
-    rows), ``labels`` [N] int64, ``bias`` [V] or None."""
+def _persistent_launch(hidden: torch.Tensor, weight: torch.Tensor, items: int, t: _PersistentTiles):
+    """``(grid, h_desc, w_desc)`` for a Hopper kernel of ``items`` work items: a persistent grid of ``ctas_per_sm``
+    programs per SM (a few under the interpreter), at most one per item, and the TMA descriptors of ``hidden``
+    [N, H] in ``[BLOCK_N, BLOCK_K]`` boxes and ``weight`` [V, H] in ``[BLOCK_V, BLOCK_K]`` boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    t = _TMA_TILES
-    N, V = hidden.shape[0], weight.shape[0]
-    items = cdiv(N, t.block_n) * cdiv(V, t.split_tiles * t.block_v)
     if hidden.device.type == "cpu":
         programs = _INTERPRETER_PROGRAMS
     else:
         programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count * t.ctas_per_sm
-    h_desc = TensorDescriptor.from_tensor(hidden, [t.block_n, t.block_k])  # [BLOCK_N, BLOCK_K] boxes
-    w_desc = TensorDescriptor.from_tensor(weight, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
+    h_desc = TensorDescriptor.from_tensor(hidden, [t.block_n, t.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [t.block_v, t.block_k])
+    return (min(items, programs),), h_desc, w_desc
+
+
+def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptions) -> None:
+    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
+    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
+    rows), ``labels`` [N] int64, ``bias`` [V] or None."""
+    t = _TMA_TILES
+    N, V = hidden.shape[0], weight.shape[0]
+    items = cdiv(N, t.block_n) * cdiv(V, t.split_tiles * t.block_v)
+    grid, h_desc, w_desc = _persistent_launch(hidden, weight, items, t)
     _fwd_kernel_tma.launch(
-        (min(items, programs),), h_desc, w_desc, bias if bias is not None else weight, labels,
+        grid, h_desc, w_desc, bias if bias is not None else weight, labels,
         part[0], part[1], part[2], part[3], N, V, hidden.shape[1], opt.temperature,
         HAS_BIAS=bias is not None, DOT_F32=_dot_f32(hidden), BLOCK_N=t.block_n, BLOCK_V=t.block_v,
         BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, num_warps=t.num_warps,
@@ -846,16 +859,9 @@ def _launch_dz_tma(h, w, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, 
     ran on them), ``b`` [vc] (or an unread stand-in), ``labels`` and the per-row inputs [n], ``dz`` [n, vc] and
     ``resid`` [n] written; a persistent grid of ``ctas_per_sm`` programs per SM (the interpreter: a few), at most one
     per item."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if h.device.type == "cpu":
-        programs = _INTERPRETER_PROGRAMS
-    else:
-        programs = torch.cuda.get_device_properties(h.device).multi_processor_count * t.ctas_per_sm
-    h_desc = TensorDescriptor.from_tensor(h, [t.block_n, t.block_k])  # [BLOCK_N, BLOCK_K] boxes
-    w_desc = TensorDescriptor.from_tensor(w, [t.block_v, t.block_k])  # [BLOCK_V, BLOCK_K] boxes
+    grid, h_desc, w_desc = _persistent_launch(h, w, items, t)
     _dz_kernel_tma.launch(
-        (min(items, programs),), h_desc, w_desc, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid,
+        grid, h_desc, w_desc, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid,
         h.shape[0], w.shape[0], h.shape[1], opt.temperature, opt.ignore_index, col0,
         HAS_BIAS=has_bias, DOT_F32=_dot_f32(h), BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k,
         GROUP_N=t.group_n, num_warps=t.num_warps, num_stages=t.num_stages,

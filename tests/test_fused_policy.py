@@ -617,6 +617,19 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
     _check_fused_against_truth(x, options, upstream, dtype, "triton")
 
 
+def _default_op_args(x, h, w) -> tuple:
+    """The custom op's arguments for ``x`` (:func:`_inputs`) with hidden ``h`` and weight ``w`` (both requiring
+    grad), no bias or ref_logp, and the public defaults (token ratio, no KL, no entropy bonus)."""
+    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
+                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
+                                 temperature=1.0, ignore_index=-100, return_entropy=False,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+                                                    agg="token-mean", norm_length=None),
+                                 grads=(True, True, False))
+    return (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("upstream", [1.0, 1.7])
 def test_triton_row_one_chunk_writes_d_weight_once_in_its_dtype(dtype, upstream, monkeypatch):
@@ -643,14 +656,7 @@ def test_triton_row_one_chunk_writes_d_weight_once_in_its_dtype(dtype, upstream,
     fused()  # warm
     report = measure_cpu(fused)
     assert report.largest_bytes < 4 * V * H, report  # no float32 [V, H] buffer
-    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
-                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
-                                 temperature=1.0, ignore_index=-100, return_entropy=False,
-                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
-                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-                                                    agg="token-mean", norm_length=None),
-                                 grads=(True, True, False))
-    op_args = (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+    op_args = _default_op_args(x, h, w)
     torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
     assert fused_policy._linear_op(*op_args)[5].dtype == dtype
     # two chunks: summed in float32 (the documented exception), and the fake says so too
@@ -845,14 +851,7 @@ def test_fake_matches_the_torch_row(dtype, H):
     float32 otherwise): torch.compile plans its graph from it."""
     x = _inputs(2, 4, H, 64, seed=7)
     h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
-    opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,
-                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
-                                 temperature=1.0, ignore_index=-100, return_entropy=False,
-                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
-                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-                                                    agg="token-mean", norm_length=None),
-                                 grads=(True, True, False))
-    args = (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+    args = _default_op_args(x, h, w)
     torch.library.opcheck(fused_policy._linear_op, args, test_utils=("test_schema", "test_faketensor"))
     d_weight = fused_policy._linear_op(*args)[5]
     assert d_weight.dtype == (dtype if H == 16 else torch.float32)
