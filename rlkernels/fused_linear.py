@@ -506,7 +506,7 @@ _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_ti
 # The Hopper dz kernel (_dz_kernel_tma, after the Hopper forward, 16-bit inputs): 64x128 tiles on 4 warps (one
 # warpgroup: wgmma m64n128k16, against _dz_kernel's m64n64 from 8 warps), K steps of the forward's 64, 4 stages,
 # two CTAs per SM so one's dz epilogue overlaps the other's main loop; a persistent grid, items grouped as the
-# forward's. sm_90 SASS: 167-230 registers with triton 3.9, 201-255 with 3.6, no spill, 98 KB shared, UTMALDG,
+# forward's. sm_90 SASS: 167-230 registers with triton 3.9, 203-255 with 3.6, no spill, 98 KB shared, UTMALDG,
 # HGMMA 64x128x16 (tests/test_fused_linear.py asserts it). 128x128 on 8 warps also fits (194-249 / 250-255
 # registers, 1 CTA per SM). Not measured: bench_fused_linear's "dz kernel tma" row measures it against _dz_kernel.
 _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.block_k, split_tiles=1, num_warps=4,
