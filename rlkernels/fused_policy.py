@@ -57,7 +57,8 @@ GEMM; the rows at labels formed again in float32 with their residuals, ``fused_l
 more chunks ``d_weight`` is summed over them in a float32 ``[V, H]`` buffer -- for 16-bit weights a buffer beside
 the gradient, which DESIGN's numerics rule out (at N = 8192, H = 4096, V = 151936: 2.4 GB, the H100's measured
 3753 MiB of peak). Kept because the ways out each cost what the op is for: the two-op path's four GEMMs; or
-``d_weight`` summed in 16 bits, one rounding per chunk (its error grows with the chunks, past eager's at 4-5); or
+``d_weight`` summed in 16 bits, one rounding per chunk (its error grows with the chunks: estimated, not measured,
+past 1.5x eager's from 4 chunks); or
 every token's dz held, ``N·V`` 16-bit values (as large at that shape). Open in issue 12.
 
 ``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
@@ -764,9 +765,11 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if opt.grad_input else None  # [N, H]
     dw_dtype = _d_weight_dtype(hidden, weight, opt)
     direct = low and dw_dtype == weight.dtype  # one chunk: d_weight written once by GEMM 3
-    d_weight = torch.zeros(V, H, dtype=dw_dtype, device=dev) if opt.grad_weight else None  # [V, H]
-    d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
     chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
+    # direct with tokens: GEMM 3 of the one chunk writes every entry (out=), no fill first
+    alloc = torch.empty if direct and chunks else torch.zeros
+    d_weight = alloc(V, H, dtype=dw_dtype, device=dev) if opt.grad_weight else None  # [V, H]
+    d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
     tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
     y_all = labels.reshape(N)  # [N]
 
