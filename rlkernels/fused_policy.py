@@ -864,9 +864,14 @@ def _logits_policy_kernel(
     if HAS_REF:
         ref = tl.where(keep, tl.load(ref_ptr + row), 0.0)
     e = tl.where(keep, ent, 0.0)
-    x, g, g_e, log_ratio, r, clipped, kl = losses._token_policy_terms(
-        lp, old, adv, m, ref, e, tl.cast(1.0 - clip_low, tl.float32), tl.cast(1.0 + clip_high, tl.float32),
-        dual_clip, kl_coef, entropy_coef, HAS_REF, KL_EST, HAS_ENT)
+    x, g_pg, g_kl, _dpg, log_ratio, r, clipped, kl = losses._token_policy_terms(
+        lp, old, adv, m, ref, 0.0, tl.cast(1.0 - clip_low, tl.float32), tl.cast(1.0 + clip_high, tl.float32),
+        dual_clip, kl_coef, HAS_REF, KL_EST, False)
+    if HAS_ENT:
+        x -= entropy_coef * e
+    g = g_pg  # dx/dlogp
+    if HAS_REF:
+        g += g_kl
     w = tl.load(w_ptr + row // T)
     losses._store_partials(part_ptr + row * losses.NSLOTS, m, w * (x * m), clipped * m, -log_ratio * m, r * m,
                             kl * m, e * m, 0.0)
@@ -877,7 +882,7 @@ def _logits_policy_kernel(
         c_lp = tl.where(valid, w * g, 0.0)
         c_ent = 0.0
         if ENT_GRAD:
-            c_ent = tl.where(valid, w * g_e, 0.0)
+            c_ent = tl.where(valid, w * (-entropy_coef * m), 0.0)  # dx/dentropy
         label32 = tl.where(valid & in_range, label, -1).to(tl.int32)
         _sm._row_dlogits(row_ptr, dlogits_ptr + row * V, valid & ((c_lp != 0) | (c_ent != 0)), label32, V, x_max,
                          s, log_s, ent, logp_raw, c_lp, c_ent, inv_temp, dlogits_ptr, BLOCK_V, INTERPRETED, True)

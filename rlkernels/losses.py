@@ -175,28 +175,32 @@ def _ratio_grad(dpg, r):
 
 
 @jit
-def _token_policy_terms(lp, old, adv, m, ref, ent, ratio_min, ratio_max, dual_clip, kl_coef, entropy_coef,
-                        HAS_REF: tl.constexpr, KL_EST: tl.constexpr, HAS_ENT: tl.constexpr):
-    """``ratio="token"``: one token's (or a block's) policy terms from inputs already 0 where ``m == 0``
-    (:func:`_masked_load`): ``(x, g_logp, g_ent, log_ratio, r, clipped, kl)`` with ``x`` the loss term,
-    ``g_logp = m·dx/dlogp`` and ``g_ent = m·dx/dentropy`` (before the agg weight), the ratio ``r = exp(logp - old)``,
-    the clipped flag and the KL estimate (0 without ``HAS_REF``). The math of :func:`_policy_token_pass`'s token
-    mode; :mod:`rlkernels.fused_policy`'s one-kernel logits loss calls it per row."""
+def _token_policy_terms(lp, old, adv, m, ref, r_seq, ratio_min, ratio_max, dual_clip, kl_coef,
+                        HAS_REF: tl.constexpr, KL_EST: tl.constexpr, SEQ_RATIO: tl.constexpr):
+    """One token's (or a block's) surrogate and KL terms, the per-token math every policy kernel shares
+    (:func:`_policy_token_pass`, and :mod:`rlkernels.fused_policy`'s one-kernel logits loss per row), from inputs
+    already 0 where ``m == 0`` (:func:`_masked_load`). Returns ``(x, g_pg, g_kl, dpg, log_ratio, r, clipped, kl)``:
+    the loss term ``x = pg + kl_coef·kl`` (the caller subtracts ``entropy_coef·entropy``, whose gradient is
+    ``-entropy_coef·m``: loaded after this, the entropy holds no registers through it); ``g_pg = m·dpg/dlogp`` and
+    ``g_kl = m·kl_coef·dkl/dlogp`` (before the agg weight; their sum is the token's ``dx/dlogp``); ``dpg = dpg/dr``;
+    the log-ratio, the ratio, the clipped flag and the KL estimate. ``ratio="token"``: ``r = exp(logp - old)``.
+    ``SEQ_RATIO`` (GSPO): ``r = r_seq``, the sequence's ratio (0 at masked-out tokens), whose gradient reaches a
+    token only through the sequence sum (``dpg``; ``g_pg`` is then unused), and no KL (its pass 3 forms it)."""
     log_ratio = lp - old
-    r = tl.exp(log_ratio)
+    if SEQ_RATIO:
+        r = r_seq
+    else:
+        r = tl.exp(log_ratio)
     pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
     x = pg
-    g = _ratio_grad(dpg, r) * m
+    g_pg = _ratio_grad(dpg, r) * m
     kl = tl.full(lp.shape, 0.0, tl.float32)
-    if HAS_REF:
+    g_kl = tl.full(lp.shape, 0.0, tl.float32)
+    if HAS_REF and not SEQ_RATIO:
         kl, dkl = _kl_and_grad(lp - ref, KL_EST)
         x += kl_coef * kl
-        g += kl_coef * dkl * m
-    g_ent = tl.full(lp.shape, 0.0, tl.float32)
-    if HAS_ENT:
-        x -= entropy_coef * ent
-        g_ent = -entropy_coef * m
-    return x, g, g_ent, log_ratio, r, clipped, kl
+        g_kl = kl_coef * dkl * m
+    return x, g_pg, g_kl, dpg, log_ratio, r, clipped, kl
 
 
 @jit
@@ -239,19 +243,16 @@ def _policy_token_pass(
         m = tl.load(mask_row + t, mask=inb, other=0).to(tl.float32)  # [BLOCK]
         keep = m != 0
         lp = _masked_load(logp_row, t, inb, keep)  # [BLOCK]
-        log_ratio = lp - _masked_load(old_row, t, inb, keep)  # [BLOCK]
+        old = _masked_load(old_row, t, inb, keep)  # [BLOCK]
         adv = tl.where(keep, tl.load(adv_row + t * stride_adv_t, mask=inb, other=0.0).to(tl.float32), 0.0)
-        if SEQ_RATIO:  # the row's ratio at its tokens, 0 elsewhere (s_b may be inf: no 0·inf at masked-out ones)
-            r = tl.where(keep, s_row, 0.0)
-        else:
-            r = tl.exp(log_ratio)
-        pg, dpg, clipped = _surrogate(r, adv, ratio_min, ratio_max, dual_clip)
-        x = pg
-        g = _ratio_grad(dpg, r)  # d pg / d logp (token ratio)
+        ref = 0.0
         if HAS_REF and not SEQ_RATIO:  # GSPO sums its KL in pass 3, which forms it for the gradient anyway
-            kl, dkl = _kl_and_grad(lp - _masked_load(ref_row, t, inb, keep), KL_EST)
-            x += kl_coef * kl
-            g_kl = kl_coef * dkl * m
+            ref = _masked_load(ref_row, t, inb, keep)  # [BLOCK]
+        # SEQ_RATIO: the row's ratio at its tokens, 0 elsewhere (s_b may be inf: no 0·inf at masked-out ones)
+        x, g_pg, g_kl, dpg, log_ratio, r, clipped, kl = _token_policy_terms(
+            lp, old, adv, m, ref, tl.where(keep, s_row, 0.0), ratio_min, ratio_max, dual_clip, kl_coef, HAS_REF,
+            KL_EST, SEQ_RATIO)
+        if HAS_REF and not SEQ_RATIO:
             acc_kl += kl * m
             tl.store(g_ref_row + t, -g_kl, mask=inb)
         if HAS_ENT:
@@ -262,11 +263,10 @@ def _policy_token_pass(
                 tl.store(g_ent_row + t, -entropy_coef * m, mask=inb)
         if SEQ_RATIO:
             acc_ds += dpg * m
+        elif HAS_REF:
+            tl.store(g_logp_row + t, g_pg + g_kl, mask=inb)
         else:
-            g = g * m
-            if HAS_REF:
-                g += g_kl
-            tl.store(g_logp_row + t, g, mask=inb)
+            tl.store(g_logp_row + t, g_pg, mask=inb)
         acc_mask += m
         acc_loss += x * m
         acc_clip += clipped * m
