@@ -442,18 +442,24 @@ def model_at_ceilings(ceilings: dict) -> list[dict]:
 
 
 def _model_lines(record: dict) -> list[str]:
-    """Predicted next to measured, per contract size: one GEMM, each forward kernel, fwd+bwd (the default kernel)."""
+    """Predicted next to measured, per contract size: one GEMM, each forward kernel, each dz kernel, fwd+bwd with
+    the default forward and with the Hopper one (each followed by its dz kernel)."""
     preds, rows = record.get("model") or [], (record.get("bench") or {}).get("rows", [])
     if not preds:
         return []
-    measured = {(r["op"], r["shape"], r["provider"]): r.get("median_ms") for r in rows}
+    # the backward-phase case's shape names its chunks after the size ("... bfloat16 (4 chunks of 16384)")
+    measured = {(r["op"], r["shape"].split(" (")[0], r["provider"]): r.get("median_ms") for r in rows}
     lines = ["", f"linear_logprobs: bench/model.py's prediction ({preds[0]['device']}) next to the measurement:", "",
              "| shape | phase | predicted ms | measured ms |", "| --- | --- | ---: | ---: |"]
     for p in preds:
         shape = f"N={p['N']} H={p['H']} V={p['V']} bfloat16"
         pairs = [("one GEMM", p["one_gemm_ms"], ("linear_logprobs fwd", "one GEMM (cuBLAS)"))]
         pairs += [(f"forward {k}", v, ("linear_logprobs fwd", f"rlkernels fwd {k}")) for k, v in p["forward_ms"].items()]
+        dz = p.get("backward_by_dz_ms") or {"dz": p["backward_ms"]}  # records before 2026-11-26 had one dz kernel
+        pairs += [(f"backward {k}", v["dz"], ("linear_logprobs bwd phases", k.replace("dz", "dz kernel")))
+                  for k, v in dz.items()]  # "dz" -> row "dz kernel", "dz tma" -> "dz kernel tma"
         pairs.append(("fwd+bwd (forward: split)", p["fwd_bwd_ms"]["split"], ("linear_logprobs fwd+bwd", "rlkernels")))
+        pairs.append(("fwd+bwd (forward: tma)", p["fwd_bwd_ms"]["tma"], ("linear_logprobs fwd+bwd", "rlkernels fwd tma")))
         for phase, predicted, (op, provider) in pairs:
             lines.append(f"| {shape} | {phase} | {predicted:.2f} | {_num(measured.get((op, shape, provider)), '.2f')} |")
     return lines

@@ -11,8 +11,10 @@ the one accumulator (1 CTA per SM, no warp specialization), so it adds. The phas
   once per group of 16 token blocks), ``tma`` (_fwd_kernel_tma: m64n128, persistent grouped
   grid: hidden read once, the weight once per group of token blocks), ``cublas`` (the plain baseline: a cuBLAS GEMM
   writing float32 logits, then a memory-bound pass reading them back);
-- backward ``dz``: the logits recomputed (GEMM 2, _dz_kernel: m64n64, its grid grouped the same way) and ``dz``
-  written in bf16 ``[N, V]``;
+- backward ``dz``: the logits recomputed (GEMM 2) and ``dz`` written in bf16 ``[N, V]``, by the dz kernel that
+  follows the forward (rlkernels.fused_linear._bwd_tiles): ``dz`` (_dz_kernel: m64n64, its grid grouped the same
+  way) after ``split`` and ``cublas``, ``dz tma`` (_dz_kernel_tma: TMA, m64n128 on one warpgroup, two CTAs per SM,
+  persistent grouped grid) after the Hopper forwards;
 - backward ``dh`` and ``dW``: cuBLAS GEMMs reading ``dz``, vocabulary outer at the contract's sizes (``dh`` in a
   float32 ``[N, H]`` accumulator, each ``dW`` slice written once in bf16; see ``backward_s``).
 
@@ -34,18 +36,23 @@ Assumptions (sources; each a constant below):
 - a Triton kernel whose wgmma reads both operands from shared memory reaches, with N = 64, 0.67 of peak (issue 13's
   reading of the forward's sm_90 SASS); its rate scales with the FLOPs per shared-memory operand byte of one
   ``m64nNk16``, ``64·N / (64 + N)`` (32 at N = 64, 42.7 at N = 128), capped at cuBLAS's 0.81;
-- an epilogue costs its SASS instructions per logit, read off the aligned bf16 sm_90 SASS (triton 3.9, this
-  repository's AOT compile; the GPU machines run triton 3.6): the kernel's loop over tiles minus its K loop, per
-  logit one thread handles: 27 for _fwd_kernel (920 - 60 instructions, 32 logits per thread), 31 for
-  _fwd_kernel_tma (the default FLATTEN=False: 2084 - 88, 64 per thread), 47 for _dz_kernel (the whole kernel, 1584, minus its
-  K loop, 63; 32 per thread); issued at 4 warp-instructions per clock per SM, at the clock where 132 SMs of 4096
-  dense bf16 FLOP per clock give the peak (1.83 GHz);
+- an epilogue costs its SASS instructions per logit, read off the aligned bf16 sm_90 SASS without bias (triton
+  3.9, this repository's AOT compile, ``rlkernels.testing.aot.epilogue_instructions``: the kernel's loop over
+  tiles, or the whole kernel, minus its K loop; the GPU machines run triton 3.6) divided by the logits one thread
+  handles per tile: 26.8 for _fwd_kernel (858 instructions, 32 logits per thread), 31.2 for _fwd_kernel_tma (the
+  default FLATTEN=False: 1996, 64 per thread), 46.5 for _dz_kernel (1489, 32 per thread), 44.8 for _dz_kernel_tma
+  (2867, 64 per thread); tests/test_bench_model.py recompiles them and holds these figures to within 2 %; issued
+  at 4 warp-instructions per clock per SM, at the clock where 132 SMs of 4096 dense bf16 FLOP per clock give the
+  peak (1.83 GHz);
 - a tile's K-loop overhead: a kernel that drains its K pipeline at every tile (``split``, ``dz``, ``tma``)
   pays a refill, assumed 2000 clocks (~1.1 µs: TMA / cp.async latency times the stages); the flattened ``tma flat``
   keeps the next tile's loads in flight during the epilogue, but its sm_90 SASS waits for each wgmma group
-  (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at every K step, assumed 64 clocks per step; ``tma 2cta`` (64x128 tiles on
-  4 warps, two CTAs per SM) is assumed to hide its epilogue and refill entirely behind the other CTA's wgmma. All
-  three are guesses until ``make gpu`` measures.
+  (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) at every K step, assumed 64 clocks per step. Guesses until ``make gpu``
+  measures;
+- two CTAs per SM (``tma 2cta``, ``dz tma``: 64x128 tiles on 4 warps) could hide one CTA's epilogue behind the
+  other's wgmma; this model assumed so until the H100 measured ``tma 2cta`` at 22.0 / 27.6 ms, slower than the
+  one-CTA ``tma`` (15.5 / 18.4) and twice the 10.8 / 12.8 ms it predicted (one GEMM's time). No overlap is assumed
+  now: epilogue and refill add, as for one CTA per SM.
 """
 from __future__ import annotations
 
@@ -93,7 +100,7 @@ VOCABS = (128256, 151936)
 
 TRITON_EFF_N64 = 0.67  # a Triton wgmma m64n64 (both operands from shared memory) kernel's fraction of peak (issue 13)
 # SASS instructions per logit of each kernel's epilogue (aligned bf16 sm_90 SASS, triton 3.9; see the docstring)
-EPILOGUE_SASS_SPLIT, EPILOGUE_SASS_TMA, EPILOGUE_SASS_DZ = 27.0, 31.0, 47.0
+EPILOGUE_SASS_SPLIT, EPILOGUE_SASS_TMA, EPILOGUE_SASS_DZ, EPILOGUE_SASS_DZ_TMA = 26.8, 31.2, 46.5, 44.8
 WARP_ISSUE_PER_CLOCK = 4  # warp-instructions issued per clock per SM (4 schedulers)
 REFILL_CLOCKS = 2000  # a K pipeline drained at a tile's end and refilled (assumption)
 WGMMA_WAIT_CLOCKS = 64  # a wgmma group waited for every K step instead of kept in flight (assumption)
@@ -123,10 +130,15 @@ KERNELS = {
     "tma 2cta": Kernel("_fwd_kernel_tma 64x128 w4", 64, 128, 64, 128, EPILOGUE_SASS_TMA, True, False, ctas_per_sm=2,
                        group_n=32),
     "dz": Kernel("_dz_kernel", 64, 128, 32, 64, EPILOGUE_SASS_DZ, True, False, group_n=16),
+    "dz tma": Kernel("_dz_kernel_tma", 64, 128, 64, 128, EPILOGUE_SASS_DZ_TMA, True, False, ctas_per_sm=2, group_n=16),
 }
 
 
 FORWARDS = ("split", "tma", "tma flat", "tma 2cta", "cublas")
+DZ_KERNELS = ("dz", "dz tma")
+# the dz kernel each forward is followed by (rlkernels.fused_linear._bwd_tiles: the Hopper dz kernel after the Hopper
+# forward, whose K blocks of 64 it repeats; the pointer dz kernel after the others)
+DZ_AFTER = {"split": "dz", "tma": "dz tma", "tma flat": "dz tma", "tma 2cta": "dz tma", "cublas": "dz"}
 
 
 def wgmma_efficiency(n: int, device: Device) -> float:
@@ -188,6 +200,13 @@ def tiled_hbm_bytes(k: Kernel, N: int, H: int, V: int, device: Device) -> float:
     return hidden * vocab_tiles / splits_per_wave + weight * math.ceil(blocks / wave_blocks)
 
 
+def _fused_s(k: Kernel, main: float, N: int, H: int, V: int, device: Device) -> float:
+    """A fused kernel's time from its main loop's (``max(compute, HBM)``, seconds) and its per-tile overheads,
+    added -- also with two CTAs per SM, where one's epilogue could run under the other's wgmma: the H100 did not
+    show it (see the docstring's ``tma 2cta``)."""
+    return main + _epilogue_and_overheads_s(N, H, V, k, device)
+
+
 def forward_s(kind: str, N: int, H: int, V: int, device: Device) -> float:
     """The forward's predicted time (seconds) with the forward kernel ``kind``."""
     hbm = forward_hbm_bytes(kind, N, H, V, device) / device.hbm_bps
@@ -196,20 +215,18 @@ def forward_s(kind: str, N: int, H: int, V: int, device: Device) -> float:
         return gemm + N * V * BYTES_F32 / device.hbm_bps
     k = KERNELS[kind]
     main = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), hbm)
-    overheads = _epilogue_and_overheads_s(N, H, V, k, device)
-    # two CTAs per SM: one's epilogue and refill run while the other's wgmma does (assumed fully overlapped)
-    return max(main, overheads) if k.ctas_per_sm > 1 else main + overheads
+    return _fused_s(k, main, N, H, V, device)
 
 
-def backward_s(N: int, H: int, V: int, device: Device) -> dict[str, float]:
+def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") -> dict[str, float]:
     """The backward's phases (seconds): ``dz`` (GEMM 2 + dz written), ``dh`` (dz @ W), ``dW`` (dz.T @ hidden), in
     the loop order rlkernels.fused_linear._vocab_outer picks. Vocabulary outer (N < V, the contract's sizes): per
     chunk of ``vc`` columns (dz ``[N, vc]`` within DZ_BUDGET_BYTES) the dz kernel reads hidden once (its grid runs
     a group of token blocks fastest, so a group's hidden rows stay in L2) and the chunk's weight once per group,
     ``dh += dz @ W_j`` reads and writes the float32 ``[N, H]`` accumulator, and ``d_weight[j]`` is written once in
     bf16 by its GEMM. Tokens outer: per token chunk the whole weight, and ``dW`` accumulated in a float32
-    ``[V, H]`` buffer read and written per chunk, then cast."""
-    k = KERNELS["dz"]
+    ``[V, H]`` buffer read and written per chunk, then cast. ``dz_kernel``: one of ``DZ_KERNELS``."""
+    k = KERNELS[dz_kernel]
     hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
     dz_bytes = N * V * BYTES_BF16
     gemm = one_gemm_s(N, H, V, device)
@@ -230,21 +247,24 @@ def backward_s(N: int, H: int, V: int, device: Device) -> dict[str, float]:
         # and writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
         dw_hbm = dz_bytes + hidden + 2 * chunks * acc + weight
     dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), dz_hbm / device.hbm_bps)
-    dz += _epilogue_and_overheads_s(N, H, V, k, device)
+    dz = _fused_s(k, dz, N, H, V, device)
     return {"dz": dz, "dh": max(gemm, dh_hbm / device.hbm_bps), "dW": max(gemm, dw_hbm / device.hbm_bps)}
 
 
 def predict(device: Device, N: int = N_TOKENS, H: int = HIDDEN, V: int = VOCABS[0]) -> dict:
-    """Every phase's predicted time (ms) at one size, each forward kernel, and the ratios to four GEMMs."""
+    """Every phase's predicted time (ms) at one size, each forward kernel, and the ratios to four GEMMs.
+    ``backward_ms``: the backward's phases after the default forward (``split``: the pointer dz kernel);
+    ``backward_by_dz_ms``: the same for each dz kernel; ``fwd_bwd_ms[kind]``: the forward ``kind`` and the backward
+    with the dz kernel that follows it (``DZ_AFTER``)."""
     gemm_ms = one_gemm_s(N, H, V, device) * 1e3
-    bwd = {k: v * 1e3 for k, v in backward_s(N, H, V, device).items()}
+    by_dz = {dz: {k: v * 1e3 for k, v in backward_s(N, H, V, device, dz).items()} for dz in DZ_KERNELS}
     fwd = {kind: forward_s(kind, N, H, V, device) * 1e3 for kind in FORWARDS}
-    total = {kind: t + sum(bwd.values()) for kind, t in fwd.items()}
+    total = {kind: t + sum(by_dz[DZ_AFTER[kind]].values()) for kind, t in fwd.items()}
     return {
         "device": device.name, "N": N, "H": H, "V": V,
         "one_gemm_ms": gemm_ms, "four_gemms_ms": 4 * gemm_ms,
         "forward_ms": fwd, "forward_gb": {k: forward_hbm_bytes(k, N, H, V, device) / 1e9 for k in fwd},
-        "backward_ms": bwd, "fwd_bwd_ms": total,
+        "backward_ms": by_dz[DZ_AFTER["split"]], "backward_by_dz_ms": by_dz, "fwd_bwd_ms": total,
         "fwd_bwd_vs_four_gemms": {k: t / (4 * gemm_ms) for k, t in total.items()},
         "fwd_vs_one_gemm": {k: t / gemm_ms for k, t in fwd.items()},
     }
@@ -265,9 +285,10 @@ def device_from_ceilings(name: str, matmul_tflops: float, copy_gbps: float, like
 
 
 def format_prediction(p: dict) -> str:
+    dz_tma = p["backward_by_dz_ms"]["dz tma"]["dz"]
     lines = [f"{p['device']}  N={p['N']} H={p['H']} V={p['V']} bf16: one GEMM {p['one_gemm_ms']:.2f} ms, "
-             f"four {p['four_gemms_ms']:.2f} ms; backward dz {p['backward_ms']['dz']:.2f} + dh "
-             f"{p['backward_ms']['dh']:.2f} + dW {p['backward_ms']['dW']:.2f} ms"]
+             f"four {p['four_gemms_ms']:.2f} ms; backward dz {p['backward_ms']['dz']:.2f} (after the Hopper forward "
+             f"{dz_tma:.2f}) + dh {p['backward_ms']['dh']:.2f} + dW {p['backward_ms']['dW']:.2f} ms"]
     for kind, t in p["forward_ms"].items():
         lines.append(f"  forward {kind:<11} {t:6.2f} ms ({p['fwd_vs_one_gemm'][kind]:.2f}x one GEMM, "
                      f"{p['forward_gb'][kind]:5.1f} GB HBM)   fwd+bwd {p['fwd_bwd_ms'][kind]:6.2f} ms "

@@ -1,5 +1,6 @@
 """bench/model.py: the roofline model of linear_logprobs runs, its numbers are self-consistent, and its kernel facts
 are the launcher's."""
+import dataclasses
 import math
 
 import pytest
@@ -24,13 +25,16 @@ def test_predictions_are_self_consistent(p):
     assert p["one_gemm_ms"] == pytest.approx(one) and p["four_gemms_ms"] == pytest.approx(4 * one)
     # one GEMM: 2 N H V FLOPs at cuBLAS's measured fraction of the peak
     assert one == pytest.approx(2 * p["N"] * p["H"] * p["V"] / (device.peak_tflops * 1e12 * device.gemm_efficiency) * 1e3)
+    assert p["backward_ms"] == p["backward_by_dz_ms"]["dz"]  # the default forward (split) is followed by it
     for kind, fwd in p["forward_ms"].items():
-        assert p["fwd_bwd_ms"][kind] == pytest.approx(fwd + sum(p["backward_ms"].values()))
+        bwd = p["backward_by_dz_ms"]["dz tma" if kind.startswith("tma") else "dz"]  # rlkernels.fused_linear._bwd_tiles
+        assert p["fwd_bwd_ms"][kind] == pytest.approx(fwd + sum(bwd.values()))
         assert p["fwd_bwd_vs_four_gemms"][kind] == pytest.approx(p["fwd_bwd_ms"][kind] / p["four_gemms_ms"])
         assert fwd >= one  # nothing beats one GEMM at cuBLAS's rate
         # every input read at least once
         assert p["forward_gb"][kind] * 1e9 >= (p["N"] + p["V"]) * p["H"] * 2
-    assert p["backward_ms"]["dh"] >= one and p["backward_ms"]["dW"] >= one
+    for bwd in p["backward_by_dz_ms"].values():
+        assert bwd["dz"] >= one and bwd["dh"] >= one and bwd["dW"] >= one
     # grouped grids read hidden once and the weight once per group of token blocks, not hidden per vocabulary tile
     ungrouped = model.Kernel("split, token blocks fastest", 128, 128, 32, 64, 27.0, True, False)
     reread = model.tiled_hbm_bytes(ungrouped, p["N"], p["H"], p["V"], device)
@@ -67,12 +71,16 @@ def test_kernel_facts_are_the_launchers():
     from rlkernels import fused_linear as fl
 
     t, tb, tma = fl._tiles(torch.bfloat16), fl._tiles(torch.bfloat16, backward=True), fl._TMA_TILES
-    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma), ("tma 2cta", fl._TMA_TILES_2CTA)):
+    # the Hopper dz kernel runs with the Hopper forward's K blocks (fl._bwd_tiles)
+    dz_tma = dataclasses.replace(fl._TMA_DZ_TILES, block_k=tma.block_k)
+    for key, tiles in (("split", t), ("dz", tb), ("tma", tma), ("tma flat", tma), ("tma 2cta", fl._TMA_TILES_2CTA),
+                       ("dz tma", dz_tma)):
         k = model.KERNELS[key]
         assert (k.block_n, k.block_v, k.block_k) == (tiles.block_n, tiles.block_v, tiles.block_k), key
         assert k.group_n == tiles.group_n, key
     assert model.KERNELS["tma"].wait_per_k_step == tma.flatten
     assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
+    assert model.KERNELS["dz tma"].ctas_per_sm == fl._TMA_DZ_TILES.ctas_per_sm
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
 
 
@@ -84,10 +92,36 @@ def test_gpu_record_puts_the_prediction_next_to_the_measurement():
     assert [p["V"] for p in preds] == list(model.VOCABS) and "H200" in preds[0]["device"]
     shape = f"N={model.N_TOKENS} H={model.HIDDEN} V={model.VOCABS[0]} bfloat16"
     rows = [{"op": "linear_logprobs fwd", "shape": shape, "provider": "rlkernels fwd tma", "median_ms": 12.345},
-            {"op": "linear_logprobs fwd+bwd", "shape": shape, "provider": "rlkernels", "median_ms": 54.321}]
+            {"op": "linear_logprobs fwd+bwd", "shape": shape, "provider": "rlkernels", "median_ms": 54.321},
+            {"op": "linear_logprobs bwd phases", "shape": shape + " (4 chunks of 32768)", "provider": "dz kernel tma",
+             "median_ms": 11.111}]
     lines = gpu._model_lines({"model": preds, "bench": {"rows": rows}})
+    dz_tma = next(line for line in lines if line.startswith(f"| {shape} | backward dz tma |"))
+    assert dz_tma.endswith(f"| {preds[0]['backward_by_dz_ms']['dz tma']['dz']:.2f} | 11.11 |")
+    assert next(line for line in lines if line.startswith(f"| {shape} | backward dz |")).endswith("|  |")
     tma = next(line for line in lines if line.startswith(f"| {shape} | forward tma |"))
     assert tma.endswith(f"| {preds[0]['forward_ms']['tma']:.2f} | 12.35 |")
-    both = next(line for line in lines if line.startswith(f"| {shape} | fwd+bwd"))
+    both = next(line for line in lines if line.startswith(f"| {shape} | fwd+bwd (forward: split)"))
     assert both.endswith("| 54.32 |")
     assert gpu._model_lines({}) == []
+
+
+def test_epilogue_figures_are_the_kernels_sass():
+    """The model's epilogue costs (SASS instructions per logit) are what the kernels compile to now: each within
+    2 % of ``epilogue_instructions`` of its aligned bf16 sm_90 build without bias (the launcher's configuration),
+    divided by the logits one thread handles per tile -- a kernel change that moves its epilogue must be carried
+    into the model."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from rlkernels import fused_linear as fl
+    from rlkernels.testing.aot import compile_config
+
+    kernels = {"split": fl._fwd_kernel, "tma": fl._fwd_kernel_tma, "dz": fl._dz_kernel, "dz tma": fl._dz_kernel_tma}
+    for key, kernel in kernels.items():
+        config = next(c for c in fl.aot_configs() if c.kernel is kernel and 90 in c.archs and "bf16" in str(c.signature)
+                      and not c.constexprs.get("HAS_BIAS") and not c.constexprs.get("FLATTEN")
+                      and not c.constexprs.get("STORE_Z") and c.constexprs.get("BLOCK_N") == model.KERNELS[key].block_n)
+        report = compile_config(config, 90, aligned=True)
+        per_thread = config.constexprs["BLOCK_N"] * config.constexprs["BLOCK_V"] / (32 * config.num_warps)
+        assert report.epilogue_instructions > 0, key
+        measured = report.epilogue_instructions / per_thread
+        assert model.KERNELS[key].epilogue_sass == pytest.approx(measured, rel=0.02), (key, measured)

@@ -74,6 +74,7 @@ class CompileReport:
     num_stages: int = 0  # the software-pipelining depth the configuration asked for (Triton's num_stages)
     wgmma_shapes: tuple = ()  # distinct HGMMA shapes in the SASS, "MxNxK" (sm_90 wgmma; empty: none)
     tma_loads: int = 0  # UTMALDG (TMA tensor loads) in the SASS
+    epilogue_instructions: int = 0  # SASS of one tile's work outside its K loop (epilogue_instructions(); 0: none)
 
     @property
     def wgmma_n(self) -> int:
@@ -137,7 +138,7 @@ def main_loop_instructions(sass: str) -> int:
     """Instructions inside the outermost loops (backward branches' ranges, a branch to itself excluded),
     summed; the whole kernel up to its last ``EXIT`` when it has no loop."""
     rows = sass_instructions(sass)
-    loops = sorted({(t, a) for a, _, t in rows if t is not None and t < a}, key=lambda r: (r[0], -r[1]))
+    loops = sorted(_loops(rows), key=lambda r: (r[0], -r[1]))
     outer: list[tuple[int, int]] = []
     for lo, hi in loops:
         if not outer or lo > outer[-1][1]:
@@ -146,6 +147,33 @@ def main_loop_instructions(sass: str) -> int:
         return sum(sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in outer)
     exits = [a for a, text, _ in rows if re.search(r"\bEXIT\b", text)]
     return sum(1 for a, _, _ in rows if a <= max(exits, default=-1))
+
+
+def _loops(rows) -> list[tuple[int, int]]:
+    """The address ranges ``(first, last)`` of the loops (backward branches, a branch to itself excluded)."""
+    return sorted({(t, a) for a, _, t in rows if t is not None and t < a})
+
+
+def epilogue_instructions(sass: str) -> int:
+    """SASS instructions of one tile's work outside its K loop: the innermost loop holding the tensor-core
+    instructions (HGMMA or HMMA: the K loop) subtracted from the loop around it (a kernel's loop over its tiles)
+    or, without one, from the whole kernel up to its last ``EXIT``. What a fused GEMM kernel issues per tile
+    besides its main loop -- the epilogue (softmax statistics, dz), the K pipeline's prologue and the tile's
+    addressing. 0 when no loop holds a tensor-core instruction."""
+    rows = sass_instructions(sass)
+    mma = [a for a, text, _ in rows if re.match(r"(?:@!?U?P\w+\s+)?(?:HGMMA|HMMA)\b", text)]
+    loops = _loops(rows)
+    k_loops = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in mma)]
+    if not k_loops:
+        return 0
+    k_lo, k_hi = min(k_loops, key=lambda r: r[1] - r[0])
+    around = [(lo, hi) for lo, hi in loops if lo <= k_lo and k_hi <= hi and (lo, hi) != (k_lo, k_hi)]
+    if around:
+        lo, hi = min(around, key=lambda r: r[1] - r[0])
+    else:
+        lo, hi = 0, max((a for a, text, _ in rows if re.search(r"\bEXIT\b", text)), default=-1)
+    count = lambda a0, a1: sum(1 for a, _, _ in rows if a0 <= a <= a1)  # noqa: E731
+    return count(lo, hi) - count(k_lo, k_hi)
 
 
 _HGMMA = re.compile(r"\bHGMMA\.(\d+x\d+x\d+)")
@@ -245,5 +273,6 @@ def _compile(config: KernelConfig, arch: int, aligned: bool) -> CompileReport:
         num_stages=config.num_stages,
         wgmma_shapes=wgmma_shapes(sass),
         tma_loads=len(re.findall(r"\bUTMALDG\b", sass)),
+        epilogue_instructions=epilogue_instructions(sass),
     )
     return report
