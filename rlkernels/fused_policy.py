@@ -182,6 +182,9 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
         raise ValueError("logits must have at least one entry per token (V >= 1)")
     _checks.same_device((head_input, head_name), (weight, "weight"), (labels, "labels"), (bias, "bias"),
                         (old_logp, "old_logp"))
+    for t, name in ((mask, "mask"), (ref_logp, "ref_logp")):  # named against the op's own input (no logp is given)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) != (B, T):
+            raise ValueError(f"{name} must have shape {head_name}.shape[:2] = {(B, T)}, got {tuple(t.shape)}")
     # the policy options and the per-token tensors are checked by policy_loss's own validation; a [B, T] stand-in
     # takes the place of the log-probs this op computes, of old_logp when it is None (on-policy: old = the op's
     # own log-probs) and, when the entropy bonus is on, of the entropy
