@@ -10,7 +10,9 @@ the parameters, gradients and optimizer state), its whole-run peak, and its medi
 
 On a machine with fewer GPUs than processes (the one-GPU machines ``make gpu`` gets) the processes share the
 GPUs, ``LOCAL_RANK`` modulo the device count: NCCL refuses two processes on one GPU, gloo's collectives stage CUDA
-tensors through host memory and accept it. Each process still has its own CUDA context and caching allocator, so
+tensors through host memory (whether torch 2.11's gloo takes FSDP2's CUDA all-gather and reduce-scatter has not
+been tried on a GPU yet; bench/gpu.py records a failure with its output). Each process still has its own CUDA
+context and caching allocator, so
 its memory figures are its own -- what the rank of a real P-GPU job would hold -- while the step time (host-staged
 collectives, two processes taking turns on one GPU) says nothing about a real multi-GPU node.
 """
@@ -43,13 +45,20 @@ def main(argv: list[str]) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        resident: list[int] = []
-        summary = gpu._train({**values, "shard": "fsdp"}, device, measure_steps=True,
-                             before_update=lambda: resident.append(torch.cuda.memory_allocated(device) if on_gpu else 0))
+        # before each measured update (whose measurement resets the peak statistics): what is live, and the peak
+        # since the last reset (sampling and scoring included)
+        seen: list[tuple[int, int]] = []
+
+        def before_update():
+            if on_gpu:
+                seen.append((torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)))
+
+        summary = gpu._train({**values, "shard": "fsdp"}, device, measure_steps=True, before_update=before_update)
+        peaks = [p for _, p in seen] + ([torch.cuda.max_memory_allocated(device)] if on_gpu else [])
         result = {"rank": rank, "world": world, "device": str(device), "step_s": summary["step_s"],
                   "update_peak_mib": summary["update_peak_mib"],
-                  "resident_mib": resident[-1] / 2**20 if on_gpu and resident else None,
-                  "max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None}
+                  "resident_mib": seen[-1][0] / 2**20 if seen else None,
+                  "max_allocated_mib": max(peaks) / 2**20 if peaks else None}
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank-{rank}.json").write_text(json.dumps(result))
     finally:
