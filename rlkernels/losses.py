@@ -1159,7 +1159,8 @@ def policy_loss(
         entropy_coef: weight of the entropy bonus, finite (needs ``entropy`` when nonzero).
         agg: ``"token-mean"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum"`` or
             ``"seq-mean-token-sum-norm"``.
-        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), > 0 with a finite float32 reciprocal.
+        norm_length: divisor per sequence for ``"seq-mean-token-sum-norm"`` (default ``T``), > 0 with a finite float32
+            reciprocal; the other ``agg`` modes do not use it.
         cu_seqlens: ``[S + 1]`` int32/int64 sequence boundaries of *packed* inputs (``rlkernels.packing``):
             then ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``entropy`` (and per-token ``advantages``) are
             ``[1, total]`` with sequence ``s`` at ``[cu_seqlens[s], cu_seqlens[s+1])``, and ``advantages`` may
