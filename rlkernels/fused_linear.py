@@ -1559,3 +1559,14 @@ def linear_logprobs(
         logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
     logp = logp.reshape(lead)  # [...]
     return (logp, entropy.reshape(lead)) if opt.return_entropy else logp
+
+
+def __getattr__(name: str):
+    """``rlkernels.fused_linear.linear_policy_loss`` / ``logits_policy_loss``: the fused policy losses, which the
+    design contract places in this module, live in :mod:`rlkernels.fused_policy` (they build on this module's
+    kernels, so they import it; here they are reached lazily, without an import cycle)."""
+    if name in ("linear_policy_loss", "logits_policy_loss"):
+        from rlkernels import fused_policy
+
+        return getattr(fused_policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

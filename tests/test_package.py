@@ -102,6 +102,20 @@ def test_public_functions_survive_importing_their_modules():
         assert callable(getattr(rlkernels, name)) and not isinstance(getattr(rlkernels, name), type(rlkernels)), name
 
 
+def test_fused_policy_losses_are_reached_where_the_contract_places_them():
+    """DESIGN's layout puts the fused policy loss in fused_linear.py; it lives in fused_policy.py and is reached
+    from both (the same functions), while a misspelt name still raises AttributeError."""
+    import rlkernels
+    from rlkernels import fused_linear, fused_policy
+
+    assert fused_linear.linear_policy_loss is fused_policy.linear_policy_loss is rlkernels.linear_policy_loss
+    assert fused_linear.logits_policy_loss is fused_policy.logits_policy_loss is rlkernels.logits_policy_loss
+    from rlkernels.fused_linear import linear_policy_loss  # noqa: F401  (from-import goes through __getattr__)
+
+    with pytest.raises(AttributeError, match="linear_policy_los"):
+        fused_linear.linear_policy_los
+
+
 def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
     """`make test` ends with one summary line; the per-configuration table is in the file it names."""
     import types
