@@ -41,11 +41,13 @@ def _sass_columns(r) -> str:
 
 
 def _mma_columns(r) -> str:
-    """The pipelining depth, the wgmma shapes (HGMMA in the sm_90 SASS; '-' without) and the TMA loads."""
+    """The pipelining depth, the wgmma shapes (HGMMA in the sm_90 SASS; '-' without), the TMA loads and, for a
+    kernel with a tensor-core K loop, the SASS of a tile's work outside it (``epi``: its epilogue, bench/model.py)."""
     stages = getattr(r, "num_stages", 0)
     shapes = "/".join(getattr(r, "wgmma_shapes", ())) or "-"
     tma = getattr(r, "tma_loads", 0)
-    return f"s{stages}  wgmma {shapes:<10}  {f'{tma} UTMALDG' if tma else '':<10}  "
+    epi = getattr(r, "epilogue_instructions", 0)
+    return f"s{stages}  wgmma {shapes:<10}  {f'{tma} UTMALDG' if tma else '':<10}  {f'epi {epi}' if epi else '':<9}  "
 
 
 def _aot_table(reports) -> str:
