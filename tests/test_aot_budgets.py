@@ -95,3 +95,31 @@ def test_the_sass_reader_finds_the_loop_and_counts_it():
     assert ctas_per_sm(90, 128, 8, 0) == 2
     assert ctas_per_sm(90, 129, 8, 0) == 1  # 136 per thread once rounded to 8
     assert ctas_per_sm(90, 32, 4, 100 * 1024) == 2  # shared memory: 228 KiB / (100 + 1) KiB
+
+
+def test_the_epilogue_reader_subtracts_the_k_loop_from_the_tile_loop():
+    """A hand-written listing of a persistent GEMM kernel: a tile loop (.L_x_1, 8 instructions) around a K loop
+    (.L_x_2, 3 instructions, one HGMMA): the tile's work outside the K loop is 5; without the tile loop, the
+    whole kernel up to EXIT minus the K loop; without a tensor-core instruction, 0."""
+    from rlkernels.testing.aot import epilogue_instructions
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   UTMALDG.2D [UR8], [UR4] ;
+.L_x_2:
+        /*0020*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24 ;
+        /*0030*/                   UIADD3 UR5, UR5, 0x40, URZ ;
+        /*0040*/              @P0 BRA `(.L_x_2) ;
+        /*0050*/                   FMNMX R2, R24, R25, !PT ;
+        /*0060*/                   MUFU.EX2 R3, R2 ;
+        /*0070*/                   STG.E [R4.64], R3 ;
+        /*0080*/              @P1 BRA `(.L_x_1) ;
+        /*0090*/                   EXIT ;
+.L_x_3:
+        /*00a0*/                   BRA `(.L_x_3);
+"""
+    assert epilogue_instructions(sass) == 5  # 8 in the tile loop - 3 in the K loop
+    flat = sass.replace("@P1 BRA `(.L_x_1) ;", "NOP ;")
+    assert epilogue_instructions(flat) == 10 - 3  # the kernel up to EXIT (10) - the K loop
+    assert epilogue_instructions(sass.replace("HGMMA.64x128x16.F32.BF16", "FFMA")) == 0
