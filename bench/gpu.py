@@ -565,8 +565,7 @@ SHARDED_PROCESSES = 2
 def sharded_run(values: dict, p: Part) -> dict:
     """``values`` with ``shard = fsdp`` in ``SHARDED_PROCESSES`` processes under torchrun (bench/sharded_step.py:
     on a one-GPU machine they share it through gloo), each process's memory and step time; the policy head is the
-    two-op path there (the trainer refuses ``policy_head = fused`` with ``shard = fsdp``)."""
-    values = {k: v for k, v in values.items() if k != "policy_head"}
+    two-op path there (the trainer's default under ``shard = fsdp``)."""
     out = ROOT / "build" / "gpu-sharded"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={SHARDED_PROCESSES}",

@@ -12,9 +12,9 @@ On a machine with fewer GPUs than processes (the one-GPU machines ``make gpu`` g
 GPUs, ``LOCAL_RANK`` modulo the device count: NCCL refuses two processes on one GPU, gloo's collectives stage CUDA
 tensors through host memory (whether torch 2.11's gloo takes FSDP2's CUDA all-gather and reduce-scatter has not
 been tried on a GPU yet; bench/gpu.py records a failure with its output). Each process still has its own CUDA
-context and caching allocator, so
-its memory figures are its own -- what the rank of a real P-GPU job would hold -- while the step time (host-staged
-collectives, two processes taking turns on one GPU) says nothing about a real multi-GPU node.
+context and caching allocator, so its memory figures are its own -- what the rank of a real P-GPU job would
+hold -- while the step time (host-staged collectives, two processes taking turns on one GPU) says nothing about
+a real multi-GPU node.
 """
 from __future__ import annotations
 

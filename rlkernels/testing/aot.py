@@ -145,8 +145,12 @@ def main_loop_instructions(sass: str) -> int:
             outer.append((lo, hi))
     if outer:
         return sum(sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in outer)
-    exits = [a for a, text, _ in rows if re.search(r"\bEXIT\b", text)]
-    return sum(1 for a, _, _ in rows if a <= max(exits, default=-1))
+    return sum(1 for a, _, _ in rows if a <= _last_exit(rows))
+
+
+def _last_exit(rows) -> int:
+    """The address of the kernel's last ``EXIT`` (-1 without one): what follows is padding and traps."""
+    return max((a for a, text, _ in rows if re.search(r"\bEXIT\b", text)), default=-1)
 
 
 def _loops(rows) -> list[tuple[int, int]]:
@@ -171,7 +175,7 @@ def epilogue_instructions(sass: str) -> int:
     if around:
         lo, hi = min(around, key=lambda r: r[1] - r[0])
     else:
-        lo, hi = 0, max((a for a, text, _ in rows if re.search(r"\bEXIT\b", text)), default=-1)
+        lo, hi = 0, _last_exit(rows)
     count = lambda a0, a1: sum(1 for a, _, _ in rows if a0 <= a <= a1)  # noqa: E731
     return count(lo, hi) - count(k_lo, k_hi)
 
