@@ -84,7 +84,8 @@ import torch
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, option_values, refuse_double_backward, unit_stride,
+    TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, option_values, options_from, refuse_double_backward,
+    unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 
@@ -406,8 +407,8 @@ def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr,
 class LinearLogprobsOptions:
     """The validated non-tensor arguments of one :func:`linear_logprobs` call, under the public keyword names and
     meanings, down to the kernels (which receive ``temperature`` and ``ignore_index`` as they are). Both custom ops
-    take them as ``*option_values(opt)`` and rebuild ``LinearLogprobsOptions(*args)``; defaults live only in
-    the public signature."""
+    take them as ``*option_values(opt)`` (typed lists) and rebuild them with ``options_from``; defaults live only
+    in the public signature."""
 
     temperature: float  # > 0: divides the logits
     return_entropy: bool  # False: the entropy output is zeros (the torch backend skips its work) with no gradient
@@ -1396,7 +1397,7 @@ def _linear_logprobs_op(hidden, weight, labels, bias, *options):
     the same layout and values (to float32 rounding) for every backend; at rows labelled ``ignore_index`` all three
     are exact zeros (:func:`_kept_rows`: no backend sees those rows). Without ``return_entropy`` the entropy is
     zeros (the caller never exposes it, so it gets no gradient)."""
-    opt = LinearLogprobsOptions(*options)
+    opt = options_from(LinearLogprobsOptions, options)
     # on the CPU a label out of [0, V) raises here, inside the op, so also when compiled (a data-dependent
     # check cannot be traced: the op runs opaque)
     labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [N] int64
@@ -1426,7 +1427,7 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
     """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
     ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsOptions)``. Returns
     ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
-    opt = LinearLogprobsOptions(*options)
+    opt = options_from(LinearLogprobsOptions, options)
     if not opt.return_entropy:
         g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
     impl = _backend.implementation(_BWD_IMPLS, hidden)
@@ -1455,7 +1456,7 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, *options = inputs
     logp, entropy, stats = output  # [N], [N], [2, N]
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, logp)
-    ctx.options = LinearLogprobsOptions(*options)
+    ctx.options = options_from(LinearLogprobsOptions, options)
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(stats)
 

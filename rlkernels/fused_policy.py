@@ -97,8 +97,8 @@ from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, lse_merge, mask_u8, no_grads, op_schema, option_dict, option_values, refuse_double_backward,
-    unit_stride,
+    TRITON_DTYPE_NAMES, field_values, lse_merge, mask_u8, no_grads, op_schema, option_dict, option_values,
+    options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 
@@ -194,7 +194,7 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
                                    ref_logp=ref_logp, entropy=entropy_stand_in, **policy_kwargs)
     return FusedPolicyOptions(_checks.temperature(temperature), _checks.index(ignore_index, "ignore_index"),
                               _checks.flag(return_entropy, "return_entropy"),
-                              *option_values(popt), *grads)
+                              *field_values(popt), *grads)
 
 
 # ---------------------------------------------------------------- chunked computation (torch)
@@ -1010,7 +1010,7 @@ def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.
 def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0],
     d_bias [V] or [0]): the gradients of the loss itself (upstream 1)."""
-    opt = FusedPolicyOptions(*options)
+    opt = options_from(FusedPolicyOptions, options)
     labels = _checks.labels(labels, weight.shape[0], opt.ignore_index)  # [B, T] int64 (CPU: range checked)
     hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]
     with _backend.float32_compute(hidden.device):
@@ -1020,7 +1020,7 @@ def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bia
 
 @_linear_op.register_fake
 def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *options):
-    opt = FusedPolicyOptions(*options)
+    opt = options_from(FusedPolicyOptions, options)
     B, T, H = hidden.shape
     f32 = dict(dtype=torch.float32)
     cdt = reference.compute_dtype(hidden)
@@ -1036,7 +1036,7 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
                          schema=op_schema(_LOGITS_TENSORS, FusedPolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])."""
-    opt = FusedPolicyOptions(*options)
+    opt = options_from(FusedPolicyOptions, options)
     labels = _checks.labels(labels, logits.shape[-1], opt.ignore_index)  # [B, T] int64
     with _backend.float32_compute(logits.device):
         loss, metrics, logp, entropy, d_logits = _backend.implementation(_LOGITS_IMPLS, logits)(
@@ -1051,7 +1051,7 @@ def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
 
 @_logits_op.register_fake
 def _(logits, labels, old_logp, advantages, mask, ref_logp, *options):
-    opt = FusedPolicyOptions(*options)
+    opt = options_from(FusedPolicyOptions, options)
     B, T, _V = logits.shape
     f32 = dict(dtype=torch.float32)
     return (logits.new_empty((), **f32), logits.new_empty((len(losses.POLICY_METRICS),), **f32),

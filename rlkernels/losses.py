@@ -41,7 +41,7 @@ from rlkernels import packing as _packing
 from rlkernels import reference as _ref
 from rlkernels._device import block_sum
 from rlkernels._host import (
-    mask_u8, no_grads, op_schema, option_dict, option_values, refuse_double_backward, unit_stride,
+    mask_u8, no_grads, op_schema, option_dict, option_values, options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
@@ -964,12 +964,12 @@ def _(d_loss, w, g0, g1, g2, dt0, dt1, dt2):
                          schema=op_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
 def _kl_op(logp, ref_logp, *options):
     """-> (kl [...] fp32, dkl/dlogp [...] fp32, or [0] without need_grad)."""
-    return _backend.implementation(_KL_IMPLS, logp)(logp, ref_logp, KLOptions(*options))
+    return _backend.implementation(_KL_IMPLS, logp)(logp, ref_logp, options_from(KLOptions, options))
 
 
 @_kl_op.register_fake
 def _(logp, ref_logp, *options):
-    need_grad = KLOptions(*options).need_grad
+    need_grad = options_from(KLOptions, options).need_grad
     return logp.new_empty(logp.shape, dtype=torch.float32), logp.new_empty(logp.shape if need_grad else (0,), dtype=torch.float32)
 
 
@@ -995,7 +995,7 @@ _POLICY_TENSORS = "Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask,
                          schema=op_schema(_POLICY_TENSORS, PolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _policy_op(logp, old_logp, advantages, mask, ref_logp, entropy, *options):
     """-> (loss [], metrics [5], g_logp [B, T], g_ref [B, T] or [0], g_ent [B, T] or [0], w [B])."""
-    opt = PolicyOptions(*options)
+    opt = options_from(PolicyOptions, options)
     name = _backend.resolve(logp.device, tuple(_POLICY_IMPLS), logp.dtype)
     partials, g_logp, g_ref, g_ent = _POLICY_IMPLS[name](logp, old_logp, advantages, mask, ref_logp, entropy, opt)
     w, loss, metrics = _REDUCE_IMPLS[name](partials, opt.agg, logp.shape[1], opt.norm_length, _POLICY_METRIC_SLOTS)
@@ -1045,7 +1045,7 @@ _policy_op.register_autograd(_policy_backward, setup_context=_policy_setup)
                                         "(Tensor, Tensor, Tensor, Tensor)"))
 def _value_op(values, old_values, returns, mask, *options):
     """-> (loss [], metrics [2] (clipfrac, values_mean), g_values [B, T], w [B])."""
-    opt = ValueOptions(*options)
+    opt = options_from(ValueOptions, options)
     name = _backend.resolve(values.device, tuple(_VALUE_IMPLS), values.dtype)
     partials, g_v = _VALUE_IMPLS[name](values, old_values, returns, mask, opt)
     w, loss, metrics = _REDUCE_IMPLS[name](partials, opt.agg, values.shape[1], None, _VALUE_METRIC_SLOTS)

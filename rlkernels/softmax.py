@@ -57,7 +57,9 @@ import torch
 
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
-from rlkernels._host import TRITON_DTYPE_NAMES, no_grads, op_schema, option_values, refuse_double_backward
+from rlkernels._host import (
+    TRITON_DTYPE_NAMES, no_grads, op_schema, option_values, options_from, refuse_double_backward,
+)
 from rlkernels._triton import HAS_TRITON, jit, tl
 
 # ---------------------------------------------------------------- Triton kernels
@@ -315,8 +317,8 @@ def _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl
 class LogprobsOptions:
     """The non-tensor options of one :func:`logprobs` call, validated: its keyword arguments under their own names
     and meanings, down to the kernels (which receive ``1 / temperature`` and ``ignore_index``). They cross each
-    custom op as ``*option_values(opt)`` and come back as ``LogprobsOptions(*args)``; the defaults live in
-    the public signature only."""
+    custom op as ``*option_values(opt)`` (typed lists) and come back through ``options_from``; the defaults live
+    in the public signature only."""
 
     temperature: float  # > 0, divides the logits
     return_entropy: bool  # False: the entropy output is zeros and its gradient is ignored
@@ -684,7 +686,7 @@ def _logprobs_fwd_op(logits, labels, *options):
     (to float32 rounding) for every backend; the backward needs only ``stats`` and ``entropy``. Without
     ``return_entropy`` the entropy is zeros and the backward ignores an entropy gradient. On the CPU a label
     out of ``[0, V)`` raises here (inside the op, so also when compiled)."""
-    opt = LogprobsOptions(*options)
+    opt = options_from(LogprobsOptions, options)
     _checks.labels(labels, logits.shape[-1], opt.ignore_index)
     return _backend.implementation(_FWD_IMPLS, logits)(logits, labels, opt)
 
@@ -707,7 +709,7 @@ def _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *options
     """``logits`` [..., V], ``labels`` [...] int64, ``stats`` [..., 2] and ``entropy`` [...] from the forward,
     upstream ``g_logp`` [...] and ``g_entropy`` [...] (None: no entropy gradient), then
     ``*option_values(LogprobsOptions)``. Returns ``dlogits`` [..., V] (contiguous, the dtype of ``logits``)."""
-    opt = LogprobsOptions(*options)
+    opt = options_from(LogprobsOptions, options)
     if not opt.return_entropy:
         g_entropy = None  # the entropy output was zeros, not a function of the logits
     return _backend.implementation(_BWD_IMPLS, logits)(logits, labels, stats, entropy, g_logp, g_entropy, opt)
@@ -722,7 +724,7 @@ def _setup_context(ctx, inputs, output):
     logits, labels, *options = inputs
     _logp, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, entropy)
-    ctx.options = LogprobsOptions(*options)
+    ctx.options = options_from(LogprobsOptions, options)
 
 
 def _backward(ctx, g_logp, g_entropy, _g_stats):

@@ -11,7 +11,7 @@ import torch
 from rlkernels import fused_linear as fl_module
 from rlkernels import reference
 from rlkernels._backend import TRITON_DTYPES
-from rlkernels._host import lse_merge
+from rlkernels._host import lse_merge, option_values, options_from
 from rlkernels.testing.memory import measure_cpu
 from rlkernels.fused_linear import aot_configs, linear_logprobs
 from tests.helpers import REL_TOL, assert_close_to_truth, backends, devices, forced_backend, noncontiguous
@@ -729,15 +729,19 @@ def _schema_options(op) -> list[str]:
 
 def test_options_keep_the_public_names_down_to_the_kernels():
     """LinearLogprobsOptions holds linear_logprobs's non-tensor keyword arguments under their own names, in order;
-    _validate takes them keyword-only and both ops take exactly them (as *astuple(opt), no backend string);
+    _validate takes them keyword-only and both ops take exactly them (as typed lists, *option_values(opt), no
+    backend string);
     the kernels receive temperature and ignore_index under those names. (process_group and vocab_start, last, route
     a call to rlkernels.vocab_parallel before any op: they are no option of the ops.)"""
     fields = [f.name for f in dataclasses.fields(fl_module.LinearLogprobsOptions)]
     assert ["bias", *fields] == _kwonly(linear_logprobs)[:-2] == _kwonly(reference.linear_logprobs)
     assert _kwonly(linear_logprobs)[-2:] == ["process_group", "vocab_start"]
     assert _kwonly(fl_module._validate) == ["hidden", "weight", "labels", "bias", *fields]
-    assert _schema_options(torch.ops.rlkernels.linear_logprobs) == fields
-    assert _schema_options(torch.ops.rlkernels.linear_logprobs_backward) == fields
+    lists = ["float_options", "int_options", "bool_options"]
+    assert _schema_options(torch.ops.rlkernels.linear_logprobs) == _schema_options(
+        torch.ops.rlkernels.linear_logprobs_backward) == lists
+    opt = fl_module.LinearLogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=-5)
+    assert options_from(fl_module.LinearLogprobsOptions, option_values(opt)) == opt
     pytest.importorskip("triton")
     assert "temperature" in fl_module._fwd_kernel.arg_names
     assert {"temperature", "ignore_index"} <= set(fl_module._dz_kernel.arg_names)
@@ -797,7 +801,7 @@ def test_op_outputs_do_not_depend_on_the_backend(return_entropy):
     for backend in [x for x in backends("cpu") if x != "reference"]:
         with forced_backend(backend):
             logp, ent, stats = fl_module._linear_logprobs_op(hidden.float(), weight.float(), labels, b.float(),
-                                                             *dataclasses.astuple(opt))
+                                                             *option_values(opt))
         assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
         if return_entropy:
             assert_close_to_truth(ent, t_ent, torch.float32, name=f"{backend} entropy")
@@ -921,7 +925,7 @@ def test_opcheck():
     hidden, weight, b, labels, _, _ = _inputs(8, 16, 50, bias=True, seed=1)
     opt = mod.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
     args = (hidden.float().requires_grad_(), weight.float().requires_grad_(), labels, b.float().requires_grad_(),
-            *dataclasses.astuple(opt))
+            *option_values(opt))
     with forced_backend("torch"):
         torch.library.opcheck(mod._linear_logprobs_op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

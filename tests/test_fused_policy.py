@@ -2,7 +2,6 @@
 reference.policy_loss, in float64), forward and backward, every option, and against the two-op path."""
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import rlkernels
 from rlkernels import _backend, fused_policy
 from rlkernels import reference as ref
+from rlkernels._host import option_values
 from tests.helpers import DTYPES, assert_close_to_truth, devices, forced_backend, noncontiguous
 
 BACKENDS = ("torch", "reference")  # the ops' CPU rows; the Triton rows (interpreter on CPU) have their own tests
@@ -628,7 +628,7 @@ def _default_op_args(x, h, w) -> tuple:
                                                     kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
                                                     agg="token-mean", norm_length=None),
                                  grads=(True, True, False))
-    return (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *dataclasses.astuple(opt))
+    return (h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, None, *option_values(opt))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -10,6 +10,7 @@ import torch
 import rlkernels
 from rlkernels import losses
 from rlkernels import reference as ref
+from rlkernels._host import option_values, options_from
 from tests.helpers import DTYPES, assert_close_to_truth, backends, devices, forced_backend, noncontiguous, on_device
 
 BACKENDS = backends("cpu")
@@ -655,19 +656,24 @@ def _option_args(op) -> list[str]:
 
 
 def test_options_keep_their_names_down_to_the_kernel():
-    """Each op's options dataclass holds its public keyword arguments under their own names and meanings, in the
-    op's schema and in the kernel (clip_low reached the kernel as clip_lo = 1 - clip_low; the KL estimator, the
-    agg mode and the ratio mode crossed the op as indices and a flag)."""
+    """Each op's options dataclass holds its public keyword arguments under their own names and meanings, across the
+    op (as typed lists: rlkernels._host.op_schema) and in the kernel (clip_low reached the kernel as
+    clip_lo = 1 - clip_low; the KL estimator, the agg mode and the ratio mode crossed the op as indices and a flag)."""
     tensors = {"ref_logp", "entropy", "cu_seqlens"}  # cu_seqlens: packed inputs, unpacked before the op
     policy_fields = [f.name for f in dataclasses.fields(losses.PolicyOptions)]
     assert policy_fields == [n for n in _kwonly(rlkernels.policy_loss) if n not in tensors]
     assert policy_fields == [n for n in _kwonly(ref.policy_loss) if n not in tensors]
-    assert _option_args(torch.ops.rlkernels.policy_loss) == policy_fields
+    assert _option_args(torch.ops.rlkernels.policy_loss) == ["float_options", "str_options"]
+    policy = losses.PolicyOptions(0.1, 0.3, 3.0, "sequence", 0.05, "k2", 0.01, "seq-mean-token-sum-norm", None)
+    assert options_from(losses.PolicyOptions, option_values(policy)) == policy
     value_fields = [f.name for f in dataclasses.fields(losses.ValueOptions)]
     assert value_fields == [n for n in _kwonly(rlkernels.value_loss) if n not in tensors]
     assert value_fields == [n for n in _kwonly(ref.value_loss) if n not in tensors]
-    assert _option_args(torch.ops.rlkernels.value_loss) == value_fields
-    assert _option_args(torch.ops.rlkernels.kl_penalty) == [f.name for f in dataclasses.fields(losses.KLOptions)]
+    assert _option_args(torch.ops.rlkernels.value_loss) == ["float_options", "str_options"]
+    assert options_from(losses.ValueOptions, option_values(losses.ValueOptions(None, "token-sum"))) == \
+        losses.ValueOptions(None, "token-sum")
+    assert _option_args(torch.ops.rlkernels.kl_penalty) == ["bool_options", "str_options"]
+    assert options_from(losses.KLOptions, option_values(losses.KLOptions("k2", True))) == losses.KLOptions("k2", True)
     pytest.importorskip("triton")
     kernel_params = {p.name: p.annotation_type for p in losses._policy_kernel.params}
     # float64 scalars: the kernel rounds 1 ∓ clip to float32 once, as the host rounds them for PyTorch's clamp
@@ -714,7 +720,7 @@ def test_policy_op_outputs_mean_the_same_on_every_backend(backend, ratio, agg, n
                    entropy_coef=0.01, agg=agg, norm_length=norm_length)
     opt = losses.PolicyOptions(**options)
     with forced_backend(backend):
-        loss, metrics, g_logp, g_ref, g_ent, w = torch.ops.rlkernels.policy_loss(*tensors, *dataclasses.astuple(opt))
+        loss, metrics, g_logp, g_ref, g_ent, w = torch.ops.rlkernels.policy_loss(*tensors, *option_values(opt))
     truth_loss, truth_metrics, truth_grads = _run_policy(ref.policy_loss, inputs, lambda t: t.double(), 1.0, **options)
     assert_scalar_close(loss, truth_loss, "loss")
     for name, value in zip(losses.POLICY_METRICS, metrics):

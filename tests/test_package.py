@@ -116,6 +116,60 @@ def test_fused_policy_losses_are_reached_where_the_contract_places_them():
         fused_linear.linear_policy_los
 
 
+def _options_classes():
+    from rlkernels import fused_linear, fused_policy, losses, softmax
+
+    return (softmax.LogprobsOptions, fused_linear.LinearLogprobsOptions, fused_policy.FusedPolicyOptions,
+            losses.PolicyOptions, losses.ValueOptions, losses.KLOptions)
+
+
+@pytest.mark.parametrize("options", _options_classes(), ids=lambda c: c.__name__)
+def test_op_options_cross_torch_library_as_a_few_typed_lists(options):
+    """An op's options dataclass crosses ``torch.library`` as at most four typed lists and comes back equal, every
+    field in its place (distinct values in every field; an optional float both given and None). Why lists: torch's
+    autograd wrapper runs ``fill_defaults`` on every call, quadratic in the schema's length."""
+    import dataclasses
+
+    from rlkernels._host import option_values, options_from
+
+    for none_at in (0, 1):  # optional floats None in turn: one value each way per field
+        values = []
+        for i, f in enumerate(dataclasses.fields(options)):
+            values.append({"float": 0.25 + i, "float | None": None if i % 2 == none_at else 1.5 + i, "int": -3 - i,
+                           "bool": i % 2 == 0, "str": f"s{i}"}[str(f.type)])
+        opt = options(*values)
+        packed = option_values(opt)
+        assert 1 <= len(packed) <= 4 and all(isinstance(p, list) for p in packed)
+        assert options_from(options, packed) == opt
+
+
+def test_op_options_lists_of_the_wrong_length_are_refused_naming_what_they_hold():
+    """A caller of ``torch.ops.rlkernels.*`` who passes option lists by hand gets a ValueError naming the list and
+    the fields it must hold, not a StopIteration or a silently shifted option."""
+    import rlkernels  # noqa: F401  (registers the ops)
+
+    logp = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"str_options must hold 1 values \(estimator\), got 2"):
+        torch.ops.rlkernels.kl_penalty(logp, logp, [False], ["k3", "k1"])
+    with pytest.raises(ValueError, match=r"float_options must hold 6 values \(clip_low, clip_high, dual_clip, kl_coef"):
+        torch.ops.rlkernels.policy_loss(logp[None], logp[None], logp[None], logp[None], None, None, [0.2],
+                                        ["token", "k3", "token-mean"])
+
+
+def test_custom_ops_take_no_option_outside_the_lists():
+    """Every op built from an options dataclass takes its non-tensor arguments as the typed lists only (an option
+    added as its own schema argument would bring back the per-call cost those lists remove)."""
+    import rlkernels  # noqa: F401
+
+    lists = {"float_options", "int_options", "bool_options", "str_options"}
+    names = ("kl_penalty", "policy_loss", "value_loss", "logprobs_fwd", "logprobs_bwd", "linear_logprobs",
+             "linear_logprobs_backward", "linear_policy_loss", "logits_policy_loss")
+    for name in names:
+        schema = getattr(torch.ops.rlkernels, name).default._schema
+        options = [a.name for a in schema.arguments if "Tensor" not in str(a.type)]
+        assert options and set(options) <= lists, (name, options)
+
+
 def test_aot_table_goes_to_a_file_and_one_line_names_it(tmp_path, monkeypatch):
     """`make test` ends with one summary line; the per-configuration table is in the file it names."""
     import types

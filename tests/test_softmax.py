@@ -15,6 +15,7 @@ import torch
 
 import rlkernels
 from rlkernels import reference
+from rlkernels._host import option_values, options_from
 from rlkernels.testing import memory as _memory
 from tests.helpers import (DTYPES, EAGER_SLACK, REL_TOL, assert_close_to_truth, backends, devices, forced_backend,
                            noncontiguous, on_device)
@@ -518,7 +519,7 @@ def test_saved_statistics_do_not_depend_on_the_backend():
     for device, backend in [(d, b) for d in devices() for b in backends(d) if b != "reference"]:  # reference: no statistics
         with forced_backend(backend):
             logp, ent, stats = (t.cpu() for t in torch.ops.rlkernels.logprobs_fwd(*on_device(device, logits, labels),
-                                                                                   *dataclasses.astuple(opt)))
+                                                                                   *option_values(opt)))
         assert stats.shape == (2, 3, 2) and stats.dtype == torch.float32, backend
         assert_close_to_truth(stats, truth, torch.float32, name=f"{backend} stats")
         assert_close_to_truth(logp, t_logp, torch.float32, name=f"{backend} logp")
@@ -539,12 +540,15 @@ def _option_args(op) -> list[str]:
 
 def test_options_keep_their_names_down_to_the_kernel():
     """LogprobsOptions holds the public keyword arguments under their own names, in order; both ops take exactly
-    those (as *astuple(opt)), no backend string; the kernels receive 1/temperature and ignore_index."""
+    those (as typed lists, *option_values(opt)), no backend string; the kernels receive 1/temperature and
+    ignore_index."""
     fields = [f.name for f in dataclasses.fields(lp_module.LogprobsOptions)]
     assert fields == _kwonly(rlkernels.logprobs) == _kwonly(reference.logprobs)
     assert fields == _kwonly(lp_module._validate)[2:]  # after the tensors logits, labels
-    assert _option_args(torch.ops.rlkernels.logprobs_fwd) == fields
-    assert _option_args(torch.ops.rlkernels.logprobs_bwd) == fields
+    assert _option_args(torch.ops.rlkernels.logprobs_fwd) == ["float_options", "int_options", "bool_options"]
+    assert _option_args(torch.ops.rlkernels.logprobs_bwd) == ["float_options", "int_options", "bool_options"]
+    opt = lp_module.LogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=-5)
+    assert options_from(lp_module.LogprobsOptions, option_values(opt)) == opt
     pytest.importorskip("triton")
     for kernel in (lp_module._logprobs_fwd_kernel, lp_module._logprobs_bwd_kernel):
         assert {"inv_temp", "ignore_index"} <= set(kernel.arg_names), kernel.arg_names
