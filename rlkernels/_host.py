@@ -32,7 +32,10 @@ def mask_u8(mask: torch.Tensor) -> torch.Tensor:
 # ``torch._library.utils.fill_defaults``, which the autograd wrapper of an op with a ``setup_context`` runs on each
 # call and which is quadratic in the schema's length (it reads ``schema.arguments``, rebuilt at every access, once
 # per argument): measured alone (timeit, 2000 calls, torch 2.13, CPU) 95 us for policy_loss's 15 arguments and
-# 215 us for linear_policy_loss's 23, against ~20 us for the 8 and 12 they have with the lists.
+# 215 us for linear_policy_loss's 23, against 21 us and 43 us for the 8 and 12 they have with the lists. A trivial
+# autograd op's fwd+bwd, both schemas round-robin in one process (``python -m bench.cpu_host_cost``,
+# bench/results/cpu-host-cost-2026-11-27.txt): 367 -> 288 us with policy_loss's options, 498 -> 311 us with
+# linear_policy_loss's (medians of 9, one thread).
 _OPTION_LISTS = (("float", "float?[] float_options"), ("int", "int[] int_options"), ("bool", "bool[] bool_options"),
                  ("str", "str[] str_options"))
 # the list that carries a field, by the field's annotation (a string under ``from __future__ import annotations``)
@@ -71,16 +74,28 @@ def options_from(options: type, packed: tuple) -> object:
     """The dataclass ``options`` rebuilt from an op's trailing list arguments ``packed`` (made by
     :func:`option_values`). A direct caller of ``torch.ops.rlkernels.*`` that passes lists of the wrong length
     gets a ValueError naming the fields each list must hold."""
-    lists = _field_lists(options)
-    names = [f.name for f in dataclasses.fields(options)]
-    kinds = sorted(set(lists))
-    for k, values in zip(kinds, packed, strict=True):
-        want = [n for n, i in zip(names, lists) if i == k]
-        if len(values) != len(want):
-            raise ValueError(f"{_OPTION_LISTS[k][1].split()[1]} must hold {len(want)} values ({', '.join(want)}), "
-                             f"got {len(values)}")
-    iters = dict(zip(kinds, map(iter, packed)))
-    return options(*(next(iters[i]) for i in lists))
+    layout = _UNPACK_LAYOUTS.get(options)
+    if layout is None:  # first call for this class (the op's body runs eagerly, never under dynamo)
+        lists = _field_lists(options)
+        names = [f.name for f in dataclasses.fields(options)]
+        kinds = sorted(set(lists))
+        held = [[n for n, i in zip(names, lists) if i == k] for k in kinds]  # the field names each list holds
+        slots = [kinds.index(i) for i in lists]  # per field: the position of its list among the op's arguments
+        layout = _UNPACK_LAYOUTS[options] = (slots, kinds, held)
+    slots, kinds, held = layout
+    if len(packed) != len(kinds) or any(len(values) != len(want) for values, want in zip(packed, held)):
+        for k, values, want in zip(kinds, packed, held):
+            if len(values) != len(want):
+                raise ValueError(f"{_OPTION_LISTS[k][1].split()[1]} must hold {len(want)} values "
+                                 f"({', '.join(want)}), got {len(values)}")
+        raise ValueError(f"{options.__name__} crosses an op as {len(kinds)} lists, got {len(packed)}")
+    iters = [iter(values) for values in packed]
+    return options(*[next(iters[j]) for j in slots])
+
+
+# per options class: (per field, the position of its list among the op's option arguments; the _OPTION_LISTS
+# indices present, in order; the field names each list holds)
+_UNPACK_LAYOUTS: dict[type, tuple] = {}
 
 
 def field_values(opt) -> tuple:

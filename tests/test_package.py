@@ -309,6 +309,20 @@ def test_bench_every_module_sets_up_its_cpu_cases():
             assert case.baseline in case.providers, case.op
 
 
+def test_host_cost_bench_runs_every_op_and_both_schemas(capsys):
+    """``python -m bench.cpu_host_cost`` (the losses' fixed cost per call, issue 14) prints a row per loss op and
+    the in-process comparison of one argument per option against the option lists, for both options classes."""
+    from bench import cpu_host_cost
+
+    assert cpu_host_cost.main(["--rounds", "1", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    for op in ("policy_loss", "value_loss", "kl_penalty", "logprobs", "linear_logprobs", "logits_policy_loss",
+               "linear_policy_loss"):
+        assert any(line.split()[:1] == [op] for line in out.splitlines()), op
+    assert "PolicyOptions per option (15 arguments)" in out and "PolicyOptions lists (8 arguments)" in out
+    assert "FusedPolicyOptions per option (21 arguments)" in out and "FusedPolicyOptions lists (10 arguments)" in out
+
+
 def _differentiable_calls():
     """Every public op with a gradient, as ``(name, make)``: ``make(x)`` computes a scalar from the leaf ``x``
     ``[2, 3]`` through that op only (the fused losses on-policy: no ratio is clipped, the gradient is not 0)."""
