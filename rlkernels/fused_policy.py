@@ -57,9 +57,15 @@ GEMM; the rows at labels formed again in float32 with their residuals, ``fused_l
 more chunks ``d_weight`` is summed over them in a float32 ``[V, H]`` buffer -- for 16-bit weights a buffer beside
 the gradient, which DESIGN's numerics rule out (at N = 8192, H = 4096, V = 151936: 2.4 GB, the H100's measured
 3753 MiB of peak). Kept because the ways out each cost what the op is for: the two-op path's four GEMMs; or
-``d_weight`` summed in 16 bits, one rounding per chunk (its error grows with the chunks: estimated, not measured,
-past 1.5x eager's from 4 chunks); or
-every token's dz held, ``N·V`` 16-bit values (as large at that shape). Open in issue 12.
+``d_weight`` summed in 16 bits, one rounding per chunk, whose error grows as ``sqrt((K + 1) / 2)`` with the
+chunk count K (emulated in float64 around the same roundings, ``python -m bench.cpu_chunk_rounding``,
+bench/results/cpu-chunk-rounding-2026-11-27.txt: relative error 0.71x eager's with the float32 accumulator at any
+K, 1.11x at 4 chunks, 1.42x at the contract's 7, 1.5x at 8, 2.07x at 16 -- past the tests' 1.5x beyond 7 chunks);
+or every token's dz held, ``N·V`` 16-bit values (as large at that shape). A fourth way, not built: the running sum
+kept as two bf16 halves (``hi`` = the gradient itself, ``lo`` = the rounding residue), added to in float32 in
+GEMM 3's epilogue -- float32-like error and an extra 2 bytes per weight entry instead of 4, but a Triton GEMM of
+our own for GEMM 3 (cuBLAS writes no such epilogue) and a 16-bit ``[V, H]`` buffer still beside the gradient.
+Open in issue 12.
 
 ``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
 a 16-bit dtype), except a one-chunk 16-bit ``d_weight``, rounded in the forward (an upstream gradient other than 1
