@@ -323,6 +323,18 @@ def test_host_cost_bench_runs_every_op_and_both_schemas(capsys):
     assert "FusedPolicyOptions per option (21 arguments)" in out and "FusedPolicyOptions lists (10 arguments)" in out
 
 
+def test_chunk_rounding_bench_separates_the_two_sums():
+    """``python -m bench.cpu_chunk_rounding`` (issue 12's trade): with one chunk the bf16 running sum is the float32
+    accumulator rounded once (the same numbers), with 16 chunks its error is larger, and the float32 accumulator's
+    error does not depend on the chunk count (deterministic seeds: a fixed computation, not a timing)."""
+    from bench import cpu_chunk_rounding
+
+    errors = cpu_chunk_rounding._errors((1024, 16, 128), seed=0, chunk_counts=(1, 16))
+    assert errors["K= 1 bf16 running sum"] == errors["K= 1 float32 accumulator"]
+    assert errors["K=16 float32 accumulator"][1] == pytest.approx(errors["K= 1 float32 accumulator"][1], rel=1e-3)
+    assert errors["K=16 bf16 running sum"][1] > 1.5 * errors["K=16 float32 accumulator"][1]
+
+
 def _differentiable_calls():
     """Every public op with a gradient, as ``(name, make)``: ``make(x)`` computes a scalar from the leaf ``x``
     ``[2, 3]`` through that op only (the fused losses on-policy: no ratio is clipped, the gradient is not 0)."""
