@@ -35,7 +35,8 @@ def mask_u8(mask: torch.Tensor) -> torch.Tensor:
 # 215 us for linear_policy_loss's 23, against 21 us and 43 us for the 8 and 12 they have with the lists. A trivial
 # autograd op's fwd+bwd, both schemas round-robin in one process (``python -m bench.cpu_host_cost``,
 # bench/results/cpu-host-cost-2026-11-27.txt): 367 -> 288 us with policy_loss's options, 498 -> 311 us with
-# linear_policy_loss's (medians of 9, one thread).
+# linear_policy_loss's (medians of 9, one thread). (Upstream, pytorch/pytorch PR 195110, open since 2026-08, makes
+# fill_defaults linear; the lists stay worth their few microseconds with the torch versions this package supports.)
 _OPTION_LISTS = (("float", "float?[] float_options"), ("int", "int[] int_options"), ("bool", "bool[] bool_options"),
                  ("str", "str[] str_options"))
 # the list that carries a field, by the field's annotation (a string under ``from __future__ import annotations``)
