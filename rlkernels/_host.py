@@ -71,32 +71,34 @@ def option_values(opt) -> tuple[list, ...]:
     return tuple(values for values in packed if values)  # a kind is present or absent for the class, not the call
 
 
+def _unpack_layout(options: type) -> tuple:
+    """For the options dataclass ``options``, computed once: (per field, the position of its list among the op's
+    option arguments; the ``_OPTION_LISTS`` indices present, in order; the field names each list holds). Read by
+    the op's body and backward, which run eagerly, never under dynamo."""
+    layout = _UNPACK_LAYOUTS.get(options)
+    if layout is None:
+        lists = _field_lists(options)
+        names = [f.name for f in dataclasses.fields(options)]
+        kinds = sorted(set(lists))
+        held = [[n for n, i in zip(names, lists) if i == k] for k in kinds]
+        layout = _UNPACK_LAYOUTS[options] = ([kinds.index(i) for i in lists], kinds, held)
+    return layout
+
+
+_UNPACK_LAYOUTS: dict[type, tuple] = {}
+
+
 def options_from(options: type, packed: tuple) -> object:
     """The dataclass ``options`` rebuilt from an op's trailing list arguments ``packed`` (made by
     :func:`option_values`). A direct caller of ``torch.ops.rlkernels.*`` that passes lists of the wrong length
     gets a ValueError naming the fields each list must hold."""
-    layout = _UNPACK_LAYOUTS.get(options)
-    if layout is None:  # first call for this class (the op's body runs eagerly, never under dynamo)
-        lists = _field_lists(options)
-        names = [f.name for f in dataclasses.fields(options)]
-        kinds = sorted(set(lists))
-        held = [[n for n, i in zip(names, lists) if i == k] for k in kinds]  # the field names each list holds
-        slots = [kinds.index(i) for i in lists]  # per field: the position of its list among the op's arguments
-        layout = _UNPACK_LAYOUTS[options] = (slots, kinds, held)
-    slots, kinds, held = layout
-    if len(packed) != len(kinds) or any(len(values) != len(want) for values, want in zip(packed, held)):
-        for k, values, want in zip(kinds, packed, held):
-            if len(values) != len(want):
-                raise ValueError(f"{_OPTION_LISTS[k][1].split()[1]} must hold {len(want)} values "
-                                 f"({', '.join(want)}), got {len(values)}")
-        raise ValueError(f"{options.__name__} crosses an op as {len(kinds)} lists, got {len(packed)}")
+    slots, kinds, held = _unpack_layout(options)
+    for k, values, want in zip(kinds, packed, held):  # (the schema fixes how many lists arrive)
+        if len(values) != len(want):
+            raise ValueError(f"{_OPTION_LISTS[k][1].split()[1]} must hold {len(want)} values "
+                             f"({', '.join(want)}), got {len(values)}")
     iters = [iter(values) for values in packed]
     return options(*[next(iters[j]) for j in slots])
-
-
-# per options class: (per field, the position of its list among the op's option arguments; the _OPTION_LISTS
-# indices present, in order; the field names each list holds)
-_UNPACK_LAYOUTS: dict[type, tuple] = {}
 
 
 def field_values(opt) -> tuple:
@@ -144,4 +146,4 @@ def refuse_double_backward(op: str) -> None:
 def no_grads(options: type) -> tuple[None, ...]:
     """An autograd op's gradients for its option arguments: one None per list :func:`op_schema` gave the
     ``options`` dataclass."""
-    return (None,) * len(set(_field_lists(options)))
+    return (None,) * len(_unpack_layout(options)[1])

@@ -331,7 +331,9 @@ def test_chunk_rounding_bench_separates_the_two_sums():
 
     errors = cpu_chunk_rounding._errors((1024, 16, 128), seed=0, chunk_counts=(1, 16))
     assert errors["K= 1 bf16 running sum"] == errors["K= 1 float32 accumulator"]
-    assert errors["K=16 float32 accumulator"][1] == pytest.approx(errors["K= 1 float32 accumulator"][1], rel=1e-3)
+    # the same float32 sums in another order: a few final bf16 roundings may flip under another BLAS (each moves
+    # this 2048-entry error by ~3e-4); the bf16 running sum is ~3x worse (2.7-3.2x over seeds 0-7)
+    assert errors["K=16 float32 accumulator"][1] == pytest.approx(errors["K= 1 float32 accumulator"][1], rel=0.02)
     assert errors["K=16 bf16 running sum"][1] > 1.5 * errors["K=16 float32 accumulator"][1]
 
 
