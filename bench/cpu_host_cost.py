@@ -3,18 +3,19 @@
 ``python -m bench.cpu_host_cost [--rounds 7] [--calls 500]``
 
 At ``B = 2, T = 8`` (``H = 16, V = 64`` for the ops with a head) the arithmetic is negligible and a fwd+bwd call
-measures what every call pays on any device before and after its kernels: validation, the dispatch through
-``torch.library`` (the custom op, its autograd wrapper, the backward's op), the Python around them. Each op's
-fwd+bwd is timed round-robin with the others (``harness.interleaved_samples_ms``), median per call; beside it the
-time spent inside torch's ``torch._library.utils.fill_defaults``, which the autograd wrapper of an op with a
-``setup_context`` runs on every call and which grows with the square of the op's schema length (why the ops take
-their options as a few typed lists: ``rlkernels._host.op_schema``). That column is measured by wrapping the
-function with a ``perf_counter`` accumulator for ``--calls`` further calls of each op.
+measures what every call pays on any device before and after its kernels: validation, the op's
+``torch.autograd.Function``, the Python around its body. Each op's fwd+bwd is timed round-robin with the others
+(``harness.interleaved_samples_ms``), median per call; beside it the time spent inside torch's
+``torch._library.utils.fill_defaults``, which torch.library's autograd wrapper (``register_autograd``) runs on every
+call and which grows with the square of the op's schema length (0 now that eager calls skip the dispatcher; measured
+by wrapping the function with a ``perf_counter`` accumulator for ``--calls`` further calls of each op).
 
 Timings of separate processes on this machine differ by up to 1.5x (the same code measured 1263 and 1822 us per
-policy_loss call in two runs), more than the change being measured, so a second table compares the schemas inside one
-process: a trivial op (a sum and a copy, saved for a backward) registered twice per options class, with one schema
-argument per option (as before 2026-11-27) and with the typed lists of ``op_schema``, timed round-robin.
+policy_loss call in two runs), more than the changes being measured, so two more tables compare paths inside one
+process, round-robin: a trivial op (a sum and a copy, saved for a backward) per options class, with torch.library's
+autograd and one schema argument per option (as before 2026-11-27), with the typed lists of ``op_schema``, and as the
+package calls its ops now (``rlkernels._host.autograd_function``: a Function over the body); and policy_loss's own op
+through torch.library's autograd (its path before) against its autograd.Function.
 
 No bound is printed: the floor is zero host time, and the GPU-side figure (the call's wall time on the device) is
 what ``make gpu`` measures. Run it against another checkout with ``PYTHONPATH=<tree>`` to compare two versions.
@@ -94,6 +95,7 @@ def _schema_pairs(tensors: int = 6):
         return _PAIRS
     import dataclasses
 
+    from rlkernels import _host
     from rlkernels._host import op_schema, option_values
     from rlkernels.fused_policy import FusedPolicyOptions
     from rlkernels.losses import PolicyOptions
@@ -125,8 +127,59 @@ def _schema_pairs(tensors: int = 6):
             op.register_autograd(backward, setup_context=setup)
             steps[f"{type(opt).__name__} {kind} ({n_inputs} arguments)"] = (
                 lambda op=op, args=args: op(x, *others, *args)[0].backward())
+        # the package's path since 2026-11-27 (second stop): the same op's autograd as a torch.autograd.Function
+        # whose forward calls the body directly in eager mode (rlkernels._host.call)
+        name = f"rlkernels_bench::{type(opt).__name__.lower()}_function"
+        op = _host.custom_op(name, schema=op_schema(head, type(opt), "(Tensor, Tensor)"))(
+            lambda t0, *rest: (t0.sum(), t0.clone()))
+        op.register_fake(lambda t0, *rest: (t0.new_empty(()), torch.empty_like(t0)))
+        function = _host.autograd_function("Trivial", op, lambda ctx, inputs, output: ctx.save_for_backward(output[1]),
+                                           lambda ctx, g, _unused: (ctx.saved_tensors[0] * g,))
+        args = list(option_values(opt))
+        steps[f"{type(opt).__name__} lists, autograd.Function ({tensors + len(args)} arguments)"] = (
+            lambda function=function, args=args: function.apply(x, *others, *args)[0].backward())
     _PAIRS.update(steps)
     return steps
+
+
+def _policy_loss_paths():
+    """policy_loss's fwd+bwd at tiny shapes through the package's path (``_PolicyLoss``, a torch.autograd.Function
+    over the op's body) and through the path it had before: a custom op with the same schema and body whose
+    autograd is torch.library's (``register_autograd``, the same setup and backward, the backward calling
+    ``scale_rows`` through the dispatcher). Registered under ``rlkernels_bench::`` once per process (eager calls
+    only: no fake implementation), leaving the package's own ops as they are."""
+    from rlkernels import _host, losses
+    from rlkernels._host import option_values
+
+    if "policy" not in _PATHS:
+        schema = str(torch.ops.rlkernels.policy_loss.default._schema)
+        op = torch.library.custom_op("rlkernels_bench::policy_loss_dispatcher", _host._BODIES[losses._policy_op],
+                                     mutates_args=(), schema=schema[schema.index("("):])
+
+        def dispatcher_backward(ctx, d_loss, *_unused):
+            g_logp, g_ref, _g_ent, w = ctx.saved_tensors  # [B, T] fp32 x2, [0], [B]
+            grad_logp, grad_ref, _ = losses._scale_rows_op(d_loss, w, g_logp, g_ref, None, *ctx.dtypes)
+            return (grad_logp, None, None, None, grad_ref, None) + (None,) * ctx.n_lists
+
+        def setup(ctx, inputs, output):
+            ctx.n_lists = len(inputs) - 6
+            losses._policy_setup(ctx, inputs, output)
+
+        op.register_autograd(dispatcher_backward, setup_context=setup)
+        _PATHS["policy"] = op
+    op = _PATHS["policy"]
+    torch.manual_seed(0)
+    B, T = 2, 8
+    logp = torch.randn(B, T, requires_grad=True)  # [B, T]
+    old, adv, ref = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T)  # [B, T] x3
+    mask = torch.ones(B, T, dtype=torch.bool)  # [B, T]
+    opt = losses.PolicyOptions(0.2, 0.2, None, "token", 0.1, "k3", 0.0, "token-mean", None)
+    args = (logp, old, adv, mask, ref, None, *option_values(opt))
+    return {"custom op's autograd (before)": lambda: op(*args)[0].backward(),
+            "autograd.Function (now)": lambda: losses._PolicyLoss.apply(*args)[0].backward()}
+
+
+_PATHS: dict = {}
 
 
 def _print_row(name: str, width: int, samples_ms: list[float], fill_defaults_us: float) -> None:
@@ -158,8 +211,17 @@ def main(argv=None) -> int:
     samples = harness.interleaved_samples_ms(pairs, timing)
     print("\nthe dispatch alone: a trivial autograd op (6 tensors) with each options class, in this process, "
           "round-robin")
-    print(f"{'op':48s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
+    print(f"{'op':58s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
     for name, step in pairs.items():
+        _print_row(name, 58, samples[name], _fill_defaults_us(step, args.calls))
+    paths = _policy_loss_paths()
+    for step in paths.values():
+        for _ in range(min(20, args.calls)):
+            step()
+    samples = harness.interleaved_samples_ms(paths, timing)
+    print("\npolicy_loss's op (B=2, T=8, ref_logp, kl_coef) fwd+bwd through each autograd path, round-robin")
+    print(f"{'path':48s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
+    for name, step in paths.items():
         _print_row(name, 48, samples[name], _fill_defaults_us(step, args.calls))
     return 0
 

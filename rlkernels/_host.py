@@ -1,10 +1,14 @@
-"""Host-side helpers shared by the launchers of every op family: dtype names, strides, masks.
+"""Host-side helpers shared by every op family: dtype names, strides, masks; how an op's options cross
+``torch.library`` (``op_schema``, ``option_values``, ``options_from``); how an op is registered and called
+(``custom_op``, ``call``: eager calls run the body without the dispatcher) and given its gradient
+(``autograd_function``).
 
 (Validation lives in ``rlkernels._checks``, backend choice in ``rlkernels._backend``.)
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -36,7 +40,9 @@ def mask_u8(mask: torch.Tensor) -> torch.Tensor:
 # autograd op's fwd+bwd, both schemas round-robin in one process (``python -m bench.cpu_host_cost``,
 # bench/results/cpu-host-cost-2026-11-27.txt): 367 -> 288 us with policy_loss's options, 498 -> 311 us with
 # linear_policy_loss's (medians of 9, one thread). (Upstream, pytorch/pytorch PR 195110, open since 2026-08, makes
-# fill_defaults linear; the lists stay worth their few microseconds with the torch versions this package supports.)
+# fill_defaults linear.) Since the ops' autograd moved to torch.autograd.Function (:func:`autograd_function`, below)
+# an eager call no longer runs fill_defaults; calls through the dispatcher (compiled graphs, dispatch modes) still
+# parse the schema, and a short one is also what a reader of ``torch.ops.rlkernels.*`` sees.
 _OPTION_LISTS = (("float", "float?[] float_options"), ("int", "int[] int_options"), ("bool", "bool[] bool_options"),
                  ("str", "str[] str_options"))
 # the list that carries a field, by the field's annotation (a string under ``from __future__ import annotations``)
@@ -143,7 +149,83 @@ def refuse_double_backward(op: str) -> None:
                            "higher derivatives")
 
 
-def no_grads(options: type) -> tuple[None, ...]:
-    """An autograd op's gradients for its option arguments: one None per list :func:`op_schema` gave the
-    ``options`` dataclass."""
-    return (None,) * len(_unpack_layout(options)[1])
+# ---------------------------------------------------------------- calling an op: eager calls skip the dispatcher
+# Every op is a torch.library custom op, so that torch.compile keeps it one opaque node with a fake implementation
+# (DESIGN: no graph break). In eager mode nothing needs the dispatcher, and it costs: measured round-robin in one
+# process (`python -m bench.cpu_host_cost`, torch 2.13 CPU, one thread, medians of 9;
+# bench/results/cpu-host-cost-2026-11-27-function.txt), a trivial op's fwd+bwd took 120 us through the custom op
+# with torch.library's autograd and 81 us through a torch.autograd.Function calling the same body; policy_loss's op
+# 529 us and 454 us. So every op's autograd is a torch.autograd.Function (:func:`autograd_function`; DESIGN's
+# layering: launcher -> Function -> public function), and :func:`call` runs an op's body directly unless something
+# must see the op itself.
+_BODIES: dict = {}  # custom op (and its OpOverload) -> the Python function registered as its implementation
+_OVERLOADS: dict = {}  # custom op -> its OpOverload (torch.ops.<ns>.<name>.default), which dynamo can trace
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def custom_op(name: str, schema: str | None = None):
+    """Decorator: ``torch.library.custom_op(name, mutates_args=(), schema=schema)`` (``schema=None``: inferred from
+    the type hints) that also records the body for :func:`call`."""
+
+    def register(body):
+        op = torch.library.custom_op(name, body, mutates_args=(), schema=schema)
+        namespace, short = name.split("::")
+        overload = _OVERLOADS[op] = getattr(getattr(torch.ops, namespace), short).default
+        _BODIES[op] = _BODIES[overload] = body
+        return op
+
+    return register
+
+
+def needs_dispatcher(args) -> bool:
+    """Whether a call with ``args`` must go through the custom op rather than its body: while torch.compile traces
+    (the op is the graph's node), under a dispatch mode (fake tensors, ``rlkernels.testing.count_launches``), or
+    when a tensor argument is a subclass, a meta tensor or a torch.func wrapper (each served by its own dispatch
+    key: the op's fake implementation for meta)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(isinstance(a, torch.Tensor) and (type(a) not in _PLAIN_TENSORS or a.is_meta
+                                                or torch._C._functorch.is_functorch_wrapped_tensor(a))
+               for a in args)
+
+
+def call(op, *args):
+    """Run the custom op ``op`` (made by :func:`custom_op`, or its OpOverload) on ``args``: its body directly in
+    eager mode, the op where :func:`needs_dispatcher`. Either way the body runs with autograd off, as below the
+    dispatcher's Autograd key: gradients are the business of the op's :func:`autograd_function`."""
+    if needs_dispatcher(args):
+        return op(*args)
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _BODIES[op](*args)
+    return _BODIES[op](*args)
+
+
+def autograd_function(name: str, op, setup_context, backward) -> type:
+    """A ``torch.autograd.Function`` named ``name`` whose forward is :func:`call` of ``op``, with the given
+    ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grad_outputs)``. The backward returns the gradients
+    of the op's leading tensor arguments, as far as any is given (or None for no gradient at all); the arguments
+    after them (option lists) get None here. Its ``apply`` takes the op's arguments and returns the op's outputs;
+    torch.compile traces it (forward, setup and backward) down to the custom ops it calls."""
+    overload = _OVERLOADS[op]  # not the CustomOpDef: dynamo cannot wrap one held by a closure
+
+    def forward(*args):
+        return call(overload, *args)
+
+    # Dynamo traces a Function whose inputs need no gradient by calling forward with or without ``ctx`` according to
+    # forward's parameter count (torch 2.11-2.13, variables/misc.py call_apply): ``*args`` would get ``ctx``. The
+    # schema's argument names give the count.
+    forward.__signature__ = inspect.Signature([inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_ONLY)
+                                               for a in overload._schema.arguments])
+
+    def setup(ctx, inputs, output):
+        ctx.n_inputs = len(inputs)
+        setup_context(ctx, inputs, output)
+
+    def backward_every_input(ctx, *grad_outputs):
+        grads = backward(ctx, *grad_outputs) or ()
+        return tuple(grads) + (None,) * (ctx.n_inputs - len(grads))
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                   "setup_context": staticmethod(setup),
+                                                   "backward": staticmethod(backward_every_input)})

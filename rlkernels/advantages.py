@@ -956,7 +956,7 @@ _WHITEN_IMPLS = {
 # traced by torch.compile), from the inputs' device and dtype. Every op body runs with autocast off for
 # its device: under torch.autocast("cpu", bfloat16) the torch backend's chunk matmul would otherwise run
 # in bf16 (advantages off by ~0.05).
-@torch.library.custom_op("rlkernels::gae", mutates_args=())
+@_host.custom_op("rlkernels::gae")
 def _gae_op(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     # CUDA: the csrc kernel by default (measured on an H100, B=1024 T=4096 bf16: 25.1 us against the fixed Triton
     # kernel's 33.3; bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26.md), Triton where the extension has no CUDA kernels
@@ -972,7 +972,7 @@ def _(rewards, values, mask, gamma, lam):
     return rewards.new_empty(rewards.shape, dtype=torch.float32), rewards.new_empty(rewards.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("rlkernels::group_advantages", mutates_args=())
+@_host.custom_op("rlkernels::group_advantages")
 def _group_op(scores: torch.Tensor, group_size: int | None, index: torch.Tensor | None, mode: str, eps: float) -> torch.Tensor:
     backend = backends.resolve(scores.device, _SUPPORTED, scores.dtype)
     with backends.float32_compute(scores.device):
@@ -984,7 +984,7 @@ def _(scores, group_size, index, mode, eps):
     return scores.new_empty(scores.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("rlkernels::masked_whiten", mutates_args=())
+@_host.custom_op("rlkernels::masked_whiten")
 def _whiten_op(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, eps: float) -> torch.Tensor:
     backend = backends.resolve(x.device, _SUPPORTED, x.dtype)
     with backends.float32_compute(x.device):
@@ -1043,7 +1043,7 @@ def gae(
             ``lam`` outside ``[0, 1]`` or NaN/inf.
     """
     gamma, lam = _validate_gae(rewards=rewards, values=values, mask=mask, gamma=gamma, lam=lam)
-    return _gae_op(rewards.detach(), values.detach(), mask.detach(), gamma, lam)
+    return _host.call(_gae_op, rewards.detach(), values.detach(), mask.detach(), gamma, lam)
 
 
 def group_advantages(
@@ -1087,7 +1087,7 @@ def group_advantages(
             ``mode``, a negative, NaN or infinite ``eps``.
     """
     group_size, mode, eps = _validate_group(scores=scores, group_size=group_size, index=index, mode=mode, eps=eps)
-    return _group_op(scores.detach(), group_size, None if index is None else index.detach(), mode, eps)
+    return _host.call(_group_op, scores.detach(), group_size, None if index is None else index.detach(), mode, eps)
 
 
 def masked_whiten(
@@ -1140,7 +1140,7 @@ def masked_whiten(
     shift_mean, eps = _validate_whiten(x=x, mask=mask, shift_mean=shift_mean, eps=eps, process_group=process_group)
     if process_group is not None:
         return _whiten_global(x.detach(), mask.detach(), shift_mean, eps, process_group)
-    return _whiten_op(x.detach(), mask.detach(), shift_mean, eps)
+    return _host.call(_whiten_op, x.detach(), mask.detach(), shift_mean, eps)
 
 
 # ================================================================ process supervision (issue 15)
@@ -1384,7 +1384,7 @@ _PROCESS_IMPLS = {
 }
 
 
-@torch.library.custom_op("rlkernels::process_advantages", mutates_args=())
+@_host.custom_op("rlkernels::process_advantages")
 def _process_op(step_rewards: torch.Tensor, step_ends: torch.Tensor, step_mask: torch.Tensor | None, T: int,
                 group_size: int | None, index: torch.Tensor | None, mode: str, eps: float) -> torch.Tensor:
     backend = backends.resolve(step_rewards.device, _PROCESS_SUPPORTED, step_rewards.dtype)
@@ -1451,4 +1451,5 @@ def process_advantages(
     T, group_size, mode, eps = _validate_process(step_rewards=step_rewards, step_ends=step_ends, T=T, step_mask=step_mask,
                                                  group_size=group_size, index=index, mode=mode, eps=eps)
     detach = lambda x: None if x is None else x.detach()  # noqa: E731
-    return _process_op(step_rewards.detach(), step_ends.detach(), detach(step_mask), T, group_size, detach(index), mode, eps)
+    return _host.call(_process_op, step_rewards.detach(), step_ends.detach(), detach(step_mask), T, group_size,
+                      detach(index), mode, eps)

@@ -84,7 +84,8 @@ import torch
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, lse_merge, no_grads, op_schema, option_values, options_from, refuse_double_backward,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, lse_merge, op_schema, option_values, options_from,
+    refuse_double_backward,
     unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
@@ -1359,7 +1360,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
 
-# ---------------------------------------------------------------- torch.library ops with autograd
+# ---------------------------------------------------------------- torch.library ops and their autograd.Functions
 
 # Each op's backends: the row serving a call is chosen at run time, inside the op, by _backend.resolve over the
 # table's keys (torch.compile traces none of it; RLKERNELS_BACKEND is read at every call). Every row returns the
@@ -1388,8 +1389,8 @@ def _kept_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     return valid.nonzero().squeeze(1)  # [k]
 
 
-@torch.library.custom_op("rlkernels::linear_logprobs", mutates_args=(),
-                         schema=op_schema(_FWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::linear_logprobs",
+           schema=op_schema(_FWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_op(hidden, weight, labels, bias, *options):
     """``hidden`` [N, H], ``weight`` [V, H], int64 ``labels`` [N], ``bias`` [V] or None, then
     ``*option_values(LinearLogprobsOptions)``. Returns ``(logp [N], entropy [N], stats [2, N])``; ``stats`` holds each
@@ -1421,8 +1422,8 @@ def _(hidden, weight, labels, bias, *options):
     return hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt), hidden.new_empty(2, N, dtype=dt)  # [N], [N], [2, N]
 
 
-@torch.library.custom_op("rlkernels::linear_logprobs_backward", mutates_args=(),
-                         schema=op_schema(_BWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::linear_logprobs_backward",
+           schema=op_schema(_BWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
     """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
     ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsOptions)``. Returns
@@ -1456,7 +1457,7 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, labels, bias, *options = inputs
     logp, entropy, stats = output  # [N], [N], [2, N]
     ctx.save_for_backward(hidden, weight, labels, bias, stats, entropy, logp)
-    ctx.options = options_from(LinearLogprobsOptions, options)
+    ctx.options = options  # the op's option lists, handed on to the backward's op
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(stats)
 
@@ -1466,19 +1467,20 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
     g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
-    dh, dw, db = _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp,
-                                              *option_values(ctx.options))
-    return (dh, dw, None, db if ctx.has_bias else None) + no_grads(LinearLogprobsOptions)
+    dh, dw, db = call(_linear_logprobs_backward_op, g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy,
+                      logp, *ctx.options)
+    return dh, dw, None, db if ctx.has_bias else None
 
 
-_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+_LinearLogprobs = autograd_function("_LinearLogprobs", _linear_logprobs_op, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------- public function
 
-# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the custom op: its
-# gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a custom
-# op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the ops' tables.
+# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the op's
+# autograd.Function: its gradient is autograd's through rlkernels.reference's eager formulas, and autograd records
+# nothing inside an op (its body runs with autograd off, as a custom op's implementation runs below the Autograd
+# key), so it cannot be a row of the ops' tables.
 # (rlkernels.softmax and rlkernels.losses serve their reference backends the same way.)
 def _reference_linear_logprobs(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     """:func:`rlkernels.reference.linear_logprobs` behind the op's label check (on the CPU, when not compiled:
@@ -1557,7 +1559,7 @@ def linear_logprobs(
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         y = labels.reshape(-1).long()  # [N]
-        logp, entropy, _ = _linear_logprobs_op(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
+        logp, entropy, _ = _LinearLogprobs.apply(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
     logp = logp.reshape(lead)  # [...]
     return (logp, entropy.reshape(lead)) if opt.return_entropy else logp
 

@@ -87,7 +87,7 @@ logits_policy_loss") is ONE kernel for ``ratio="token"``: each program reads its
 the loss coefficients in registers and re-reads the row (from L2) to write ``d_logits`` -- the logits read once from
 memory, the gradient written once; GSPO runs the logprobs kernels around the policy loss's own implementation.
 
-Order: launchers (validate, chunk, compute) -> torch.library ops with autograd -> public functions.
+Order: launchers (validate, chunk, compute) -> torch.library ops -> their autograd.Functions -> public functions.
 """
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, field_values, lse_merge, mask_u8, no_grads, op_schema, option_dict, option_values,
-    options_from, refuse_double_backward, unit_stride,
+    TRITON_DTYPE_NAMES, autograd_function, custom_op, field_values, lse_merge, mask_u8, op_schema, option_dict,
+    option_values, options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 
@@ -987,7 +987,7 @@ _LINEAR_IMPLS = {"torch": _linear_torch, "triton": _linear_triton}
 _LOGITS_IMPLS = {"torch": _logits_torch, "triton": _logits_triton}
 
 
-# ---------------------------------------------------------------- torch.library ops with autograd
+# ---------------------------------------------------------------- torch.library ops and their autograd.Functions
 
 _LINEAR_TENSORS = ("Tensor hidden, Tensor weight, Tensor labels, Tensor? old_logp, Tensor advantages, Tensor mask, "
                    "Tensor? ref_logp, Tensor? bias")
@@ -1010,9 +1010,9 @@ def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.
     return torch.where(bad, torch.zeros((), dtype=hidden.dtype, device=hidden.device), hidden)
 
 
-@torch.library.custom_op("rlkernels::linear_policy_loss", mutates_args=(),
-                         schema=op_schema(_LINEAR_TENSORS, FusedPolicyOptions,
-                                          "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::linear_policy_loss",
+           schema=op_schema(_LINEAR_TENSORS, FusedPolicyOptions,
+                            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _linear_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_hidden [B, T, H] or [0], d_weight [V, H] or [0],
     d_bias [V] or [0]): the gradients of the loss itself (upstream 1)."""
@@ -1038,8 +1038,8 @@ def _(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, *optio
             hidden.new_empty(bias.shape, dtype=cdt) if opt.grad_bias and bias is not None else hidden.new_empty(0))
 
 
-@torch.library.custom_op("rlkernels::logits_policy_loss", mutates_args=(),
-                         schema=op_schema(_LOGITS_TENSORS, FusedPolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::logits_policy_loss",
+           schema=op_schema(_LOGITS_TENSORS, FusedPolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     """-> (loss [], metrics [5], logp [B, T], entropy [B, T], d_logits [B, T, V] or [0])."""
     opt = options_from(FusedPolicyOptions, options)
@@ -1100,17 +1100,16 @@ def _linear_setup(ctx, inputs, output):
 def _linear_backward(ctx, d_loss, *_unused):
     refuse_double_backward("linear_policy_loss")
     if d_loss is None:  # the loss reaches no output that needs a gradient
-        return (None,) * 8 + no_grads(FusedPolicyOptions)
+        return None
     d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
     dt_hidden, dt_weight, dt_bias = ctx.dtypes
 
     one = _upstream_is_one(d_loss)
-    grads = (_scaled(d_hidden, d_loss, one, dt_hidden), _scaled(d_weight, d_loss, one, dt_weight), None, None, None,
-             None, None, _scaled(d_bias, d_loss, one, dt_bias) if ctx.has_bias else None)
-    return grads + no_grads(FusedPolicyOptions)
+    return (_scaled(d_hidden, d_loss, one, dt_hidden), _scaled(d_weight, d_loss, one, dt_weight), None, None, None,
+            None, None, _scaled(d_bias, d_loss, one, dt_bias) if ctx.has_bias else None)
 
 
-_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+_LinearPolicyLoss = autograd_function("_LinearPolicyLoss", _linear_op, _linear_setup, _linear_backward)
 
 
 def _logits_setup(ctx, inputs, output):
@@ -1123,16 +1122,16 @@ def _logits_backward(ctx, d_loss, *_unused):
     refuse_double_backward("logits_policy_loss")
     (d_logits,) = ctx.saved_tensors
     if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
-        return (None,) * 6 + no_grads(FusedPolicyOptions)
+        return None
     if _upstream_is_one(d_loss):  # loss.backward(): the stored gradient as it is, no [B, T, V] copy (see _RETURNS_DOC)
-        return (d_logits, None, None, None, None, None) + no_grads(FusedPolicyOptions)
+        return (d_logits,)
     # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
     # other than 1 rounds it a second time
     grad = (d_logits.to(torch.promote_types(d_logits.dtype, torch.float32)) * d_loss).to(d_logits.dtype)
-    return (grad, None, None, None, None, None) + no_grads(FusedPolicyOptions)
+    return (grad,)
 
 
-_logits_op.register_autograd(_logits_backward, setup_context=_logits_setup)
+_LogitsPolicyLoss = autograd_function("_LogitsPolicyLoss", _logits_op, _logits_setup, _logits_backward)
 
 
 # ---------------------------------------------------------------- public functions
@@ -1301,7 +1300,7 @@ def linear_policy_loss(
         if (_backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "torch"
                 and _torch_layout(hidden, weight, opt) == "two-op"):
             return _two_op(hidden, weight, labels, *constants, bias, opt)
-        loss, metrics, logp, ent, *_ = _linear_op(hidden, weight, labels.long(), *constants, bias,
+        loss, metrics, logp, ent, *_ = _LinearPolicyLoss.apply(hidden, weight, labels.long(), *constants, bias,
                                                    *option_values(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
 
@@ -1351,5 +1350,5 @@ def logits_policy_loss(
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_LOGITS_IMPLS, logits):
             return _reference_logits(logits, labels, *constants, opt)
-        loss, metrics, logp, ent, _ = _logits_op(logits, labels.long(), *constants, *option_values(opt))
+        loss, metrics, logp, ent, _ = _LogitsPolicyLoss.apply(logits, labels.long(), *constants, *option_values(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)

@@ -25,8 +25,8 @@ Backends: each op's implementations sit in a table (``_KL_IMPLS``, ``_POLICY_IMP
 ``rlkernels._backend.resolve``. Options travel as one frozen dataclass per op whose
 field names are the public keyword arguments, down to the kernels.
 
-Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops with autograd -> public
-functions.
+Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library ops -> their autograd.Functions ->
+public functions.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from rlkernels import packing as _packing
 from rlkernels import reference as _ref
 from rlkernels._device import block_sum
 from rlkernels._host import (
-    mask_u8, no_grads, op_schema, option_dict, option_values, options_from, refuse_double_backward, unit_stride,
+    autograd_function, call, custom_op, mask_u8, op_schema, option_dict, option_values, options_from,
+    refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import HAS_TRITON, cdiv, jit, tl
 from rlkernels.reference import AGG_MODES, KL_ESTIMATORS, RATIO_MODES
@@ -931,7 +932,7 @@ def _value_torch(values, old_values, returns, mask, opt: ValueOptions):
     return partials, (g * m).contiguous()
 
 
-# ================================================================ torch.library ops with autograd
+# ================================================================ torch.library ops and their autograd.Functions
 
 # Each op's backends: the implementation serving a call is chosen at run time, inside the op, by
 # _backend.resolve over the table's keys (so torch.compile traces none of it).
@@ -941,9 +942,9 @@ _VALUE_IMPLS = {"torch": _value_torch, "triton": _value_triton}
 _REDUCE_IMPLS = {"torch": _reduce_torch, "triton": _reduce_triton}  # the epilogue, by the loss's backend
 _SCALE_IMPLS = {"torch": _scale_rows_torch, "triton": _scale_rows_triton}  # the backward
 
-@torch.library.custom_op("rlkernels::scale_rows", mutates_args=(),
-                         schema="(Tensor d_loss, Tensor w, Tensor g0, Tensor? g1, Tensor? g2, ScalarType dt0, "
-                                "ScalarType? dt1, ScalarType? dt2) -> (Tensor, Tensor, Tensor)")
+@custom_op("rlkernels::scale_rows",
+           schema="(Tensor d_loss, Tensor w, Tensor g0, Tensor? g1, Tensor? g2, ScalarType dt0, "
+                  "ScalarType? dt1, ScalarType? dt2) -> (Tensor, Tensor, Tensor)")
 def _scale_rows_op(d_loss, w, g0, g1, g2, dt0, dt1, dt2):
     """The losses' backward: saved ``g0`` [B, T] fp32 (and ``g1``, ``g2`` when given) times ``d_loss · w_b``
     [B], each in its dtype ``dt*`` (an absent one comes back as [0]); one launch on the Triton backend."""
@@ -960,8 +961,7 @@ def _(d_loss, w, g0, g1, g2, dt0, dt1, dt2):
                  for g, dt in ((g0, dt0), (g1, dt1), (g2, dt2)))
 
 
-@torch.library.custom_op("rlkernels::kl_penalty", mutates_args=(),
-                         schema=op_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
+@custom_op("rlkernels::kl_penalty", schema=op_schema("Tensor logp, Tensor ref_logp", KLOptions, "(Tensor, Tensor)"))
 def _kl_op(logp, ref_logp, *options):
     """-> (kl [...] fp32, dkl/dlogp [...] fp32, or [0] without need_grad)."""
     return _backend.implementation(_KL_IMPLS, logp)(logp, ref_logp, options_from(KLOptions, options))
@@ -983,16 +983,16 @@ def _kl_backward(ctx, d_kl, _d_grad):
     refuse_double_backward("kl_penalty")
     (grad,) = ctx.saved_tensors  # [...] fp32: dkl/dlogp
     g = grad * d_kl
-    return (g.to(ctx.dtypes[0]), (-g).to(ctx.dtypes[1])) + no_grads(KLOptions)
+    return g.to(ctx.dtypes[0]), (-g).to(ctx.dtypes[1])
 
 
-_kl_op.register_autograd(_kl_backward, setup_context=_kl_setup)
+_KLPenalty = autograd_function("_KLPenalty", _kl_op, _kl_setup, _kl_backward)
 
 _POLICY_TENSORS = "Tensor logp, Tensor old_logp, Tensor advantages, Tensor mask, Tensor? ref_logp, Tensor? entropy"
 
 
-@torch.library.custom_op("rlkernels::policy_loss", mutates_args=(),
-                         schema=op_schema(_POLICY_TENSORS, PolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::policy_loss",
+           schema=op_schema(_POLICY_TENSORS, PolicyOptions, "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
 def _policy_op(logp, old_logp, advantages, mask, ref_logp, entropy, *options):
     """-> (loss [], metrics [5], g_logp [B, T], g_ref [B, T] or [0], g_ent [B, T] or [0], w [B])."""
     opt = options_from(PolicyOptions, options)
@@ -1027,21 +1027,20 @@ def _policy_setup(ctx, inputs, output):
 def _policy_backward(ctx, d_loss, *_unused):
     refuse_double_backward("policy_loss")
     if d_loss is None:  # only the (non-differentiable) metrics or saved outputs reached the backward
-        return (None,) * (6 + len(no_grads(PolicyOptions)))
+        return None
     g_logp, g_ref, g_ent, w = ctx.saved_tensors  # [B, T] fp32 (x3; [0] when absent), [B]
     dt_logp, dt_ref, dt_ent = ctx.dtypes
-    grad_logp, grad_ref, grad_ent = _scale_rows_op(d_loss, w, g_logp, g_ref if dt_ref is not None else None,
+    grad_logp, grad_ref, grad_ent = call(_scale_rows_op, d_loss, w, g_logp, g_ref if dt_ref is not None else None,
                                                    g_ent if dt_ent is not None else None, dt_logp, dt_ref, dt_ent)
-    return ((grad_logp, None, None, None, grad_ref if dt_ref is not None else None,
-             grad_ent if dt_ent is not None else None)
-            + no_grads(PolicyOptions))
+    return (grad_logp, None, None, None, grad_ref if dt_ref is not None else None,
+            grad_ent if dt_ent is not None else None)
 
 
-_policy_op.register_autograd(_policy_backward, setup_context=_policy_setup)
+_PolicyLoss = autograd_function("_PolicyLoss", _policy_op, _policy_setup, _policy_backward)
 
 
-@torch.library.custom_op("rlkernels::value_loss", mutates_args=(),
-                         schema=op_schema("Tensor values, Tensor old_values, Tensor returns, Tensor mask", ValueOptions,
+@custom_op("rlkernels::value_loss",
+           schema=op_schema("Tensor values, Tensor old_values, Tensor returns, Tensor mask", ValueOptions,
                                         "(Tensor, Tensor, Tensor, Tensor)"))
 def _value_op(values, old_values, returns, mask, *options):
     """-> (loss [], metrics [2] (clipfrac, values_mean), g_values [B, T], w [B])."""
@@ -1068,20 +1067,20 @@ def _value_setup(ctx, inputs, output):
 def _value_backward(ctx, d_loss, *_unused):
     refuse_double_backward("value_loss")
     if d_loss is None:
-        return (None,) * (4 + len(no_grads(ValueOptions)))
+        return None
     g_v, w = ctx.saved_tensors  # [B, T] fp32, [B]
-    grad, _, _ = _scale_rows_op(d_loss, w, g_v, None, None, ctx.dtype, None, None)
-    return (grad, None, None, None) + no_grads(ValueOptions)
+    grad, _, _ = call(_scale_rows_op, d_loss, w, g_v, None, None, ctx.dtype, None, None)
+    return (grad,)
 
 
-_value_op.register_autograd(_value_backward, setup_context=_value_setup)
+_ValueLoss = autograd_function("_ValueLoss", _value_op, _value_setup, _value_backward)
 
 
 # ================================================================ public functions
 
-# The reference backend (RLKERNELS_BACKEND=reference) is served before each custom op (see
-# _backend.serves_reference): autograd records nothing inside a custom op (its implementation runs below the
-# Autograd dispatch key, and torch.func transforms are off when compiled code calls it).
+# The reference backend (RLKERNELS_BACKEND=reference) is served before each op's autograd.Function (see
+# _backend.serves_reference): its gradients are autograd's through the eager formulas, and autograd records nothing
+# inside an op (its body runs with autograd off, as a custom op's implementation runs below the Autograd key).
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL estimate of the policy against a reference policy.
 
@@ -1106,7 +1105,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     with _backend.float32_compute(logp.device):
         if _backend.serves_reference(_KL_IMPLS, logp):
             return _ref.kl_penalty(logp, ref_logp, opt.estimator).float()  # float32 also for float64 inputs
-        kl, _ = _kl_op(logp, ref_logp, *option_values(opt))  # [...] fp32
+        kl, _ = _KLPenalty.apply(logp, ref_logp, *option_values(opt))  # [...] fp32
     return kl
 
 
@@ -1194,7 +1193,7 @@ def policy_loss(
         if _backend.serves_reference(_POLICY_IMPLS, logp):
             return float32_result(*_ref.policy_loss(logp, *constants, ref_logp=ref_logp, entropy=entropy,
                                                     **option_dict(opt)), POLICY_METRICS)
-        loss, metrics, *_ = _policy_op(logp, *constants, ref_logp, entropy, *option_values(opt))  # [], [5]
+        loss, metrics, *_ = _PolicyLoss.apply(logp, *constants, ref_logp, entropy, *option_values(opt))  # [], [5]
     metrics = dict(zip(POLICY_METRICS, metrics.detach()))
     if ref_logp is None:
         del metrics["kl"]
@@ -1240,6 +1239,6 @@ def value_loss(
     with _backend.float32_compute(values.device):
         if _backend.serves_reference(_VALUE_IMPLS, values):
             return float32_result(*_ref.value_loss(values, *constants, **option_dict(opt)), VALUE_METRICS)
-        loss, metrics, _, _ = _value_op(values, *constants, *option_values(opt))  # loss [], metrics [2]
+        loss, metrics, _, _ = _ValueLoss.apply(values, *constants, *option_values(opt))  # loss [], metrics [2]
     metrics = metrics.detach()
     return loss, dict(zip(VALUE_METRICS, metrics))

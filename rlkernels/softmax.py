@@ -58,7 +58,8 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, no_grads, op_schema, option_values, options_from, refuse_double_backward,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, op_schema, option_values, options_from,
+    refuse_double_backward,
 )
 from rlkernels._triton import HAS_TRITON, jit, tl
 
@@ -667,7 +668,7 @@ def _triton_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_ent
     return dlogits
 
 
-# ---------------------------------------------------------------- torch.library ops with autograd
+# ---------------------------------------------------------------- torch.library ops and their autograd.Functions
 
 # Each op's backends: the implementation serving a call is chosen at run time, inside the op, by
 # _backend.resolve over the table's keys (so torch.compile traces none of it; RLKERNELS_BACKEND is read at
@@ -677,8 +678,8 @@ _FWD_IMPLS = {"torch": _torch_forward, "triton": _triton_forward}
 _BWD_IMPLS = {"torch": _torch_backward, "triton": _triton_backward}
 
 
-@torch.library.custom_op("rlkernels::logprobs_fwd", mutates_args=(),
-                         schema=op_schema("Tensor logits, Tensor labels", LogprobsOptions, "(Tensor, Tensor, Tensor)"))
+@custom_op("rlkernels::logprobs_fwd",
+           schema=op_schema("Tensor logits, Tensor labels", LogprobsOptions, "(Tensor, Tensor, Tensor)"))
 def _logprobs_fwd_op(logits, labels, *options):
     """``logits`` [..., V], int64 ``labels`` [...], then ``*option_values(LogprobsOptions)``. Returns ``(logp, entropy,
     stats)``: ``logp``, ``entropy`` [...] and ``stats`` [..., 2], each row's max logit and shifted sum
@@ -704,7 +705,7 @@ def _(logits, labels, *options):
 _BWD_TENSORS = "Tensor logits, Tensor labels, Tensor stats, Tensor entropy, Tensor g_logp, Tensor? g_entropy"
 
 
-@torch.library.custom_op("rlkernels::logprobs_bwd", mutates_args=(), schema=op_schema(_BWD_TENSORS, LogprobsOptions, "Tensor"))
+@custom_op("rlkernels::logprobs_bwd", schema=op_schema(_BWD_TENSORS, LogprobsOptions, "Tensor"))
 def _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *options):
     """``logits`` [..., V], ``labels`` [...] int64, ``stats`` [..., 2] and ``entropy`` [...] from the forward,
     upstream ``g_logp`` [...] and ``g_entropy`` [...] (None: no entropy gradient), then
@@ -724,7 +725,7 @@ def _setup_context(ctx, inputs, output):
     logits, labels, *options = inputs
     _logp, entropy, stats = output
     ctx.save_for_backward(logits, labels, stats, entropy)
-    ctx.options = options_from(LogprobsOptions, options)
+    ctx.options = options  # the op's option lists, handed on to the backward's op
 
 
 def _backward(ctx, g_logp, g_entropy, _g_stats):
@@ -732,18 +733,19 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     logits, labels, stats, entropy = ctx.saved_tensors  # [..., V], [...], [..., 2], [...]
     g_logp = torch.zeros_like(entropy) if g_logp is None else g_logp  # [...]
     with _backend.float32_compute(logits.device):
-        dlogits = _logprobs_bwd_op(logits, labels, stats, entropy, g_logp, g_entropy, *option_values(ctx.options))
-    return (dlogits, None) + no_grads(LogprobsOptions)
+        dlogits = call(_logprobs_bwd_op, logits, labels, stats, entropy, g_logp, g_entropy, *ctx.options)
+    return (dlogits,)
 
 
-_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_Logprobs = autograd_function("_Logprobs", _logprobs_fwd_op, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------- public function
 
-# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the custom op: its
-# gradient is autograd's through rlkernels.reference's eager formulas, and autograd records nothing inside a
-# custom op (its implementation runs below the Autograd dispatch key), so it cannot be a row of the op's tables.
+# The reference backend (RLKERNELS_BACKEND=reference) is served in ONE place, here, before the op's
+# autograd.Function: its gradient is autograd's through rlkernels.reference's eager formulas, and autograd records
+# nothing inside an op (its body runs with autograd off, as a custom op's implementation runs below the Autograd
+# key), so it cannot be a row of the op's tables.
 # (rlkernels.losses serves its reference backend the same way.)
 def _reference_logprobs(logits, labels, opt: LogprobsOptions):
     """:func:`rlkernels.reference.logprobs` with the op's label check (on the CPU, when not compiled: compiled,
@@ -802,5 +804,5 @@ def logprobs(
         if _backend.serves_reference(_FWD_IMPLS, logits):
             return _reference_logprobs(logits, labels, opt)
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
-        logp, entropy, _ = _logprobs_fwd_op(logits, labels.long(), *option_values(opt))  # [...] x2, [..., 2]
+        logp, entropy, _ = _Logprobs.apply(logits, labels.long(), *option_values(opt))  # [...] x2, [..., 2]
     return (logp, entropy) if opt.return_entropy else logp
