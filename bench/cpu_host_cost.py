@@ -1,6 +1,9 @@
 """The fixed host cost of one call of each loss op, on the CPU at tiny shapes (issue 14: the losses are launch-bound).
 
-``python -m bench.cpu_host_cost [--rounds 7] [--calls 500]``
+``python -m bench.cpu_host_cost [--rounds 7] [--calls 500] [--device cpu]``
+
+Written for the CPU machine; ``--device cuda`` runs the same on a GPU machine's host (``make gpu PART=profile``
+does, into the record's ``host_cost``), each call then ending with a ``torch.cuda.synchronize()``.
 
 At ``B = 2, T = 8`` (``H = 16, V = 64`` for the ops with a head) the arithmetic is negligible and a fwd+bwd call
 measures what every call pays on any device before and after its kernels: validation, the op's
@@ -187,42 +190,46 @@ def _print_row(name: str, width: int, samples_ms: list[float], fill_defaults_us:
     print(f"{name:{width}s} {us[len(us) // 2]:10.1f} {us[0]:8.1f} {us[-1]:8.1f} {fill_defaults_us:20.1f}")
 
 
+def _synced(steps: dict, device: torch.device) -> dict:
+    """On CUDA each call ends with ``torch.cuda.synchronize()``: a call's time then holds its kernels and one sync
+    (the same few microseconds on every row), and no queue of launches builds up ahead of the device."""
+    if device.type != "cuda":
+        return steps
+    return {name: (lambda step=step: (step(), torch.cuda.synchronize())) for name, step in steps.items()}
+
+
+def _table(title: str, head: str, width: int, steps: dict, timing, calls: int) -> None:
+    for step in steps.values():  # warm-up: first-call costs (imports, caches, compiles) out of the samples
+        for _ in range(min(20, calls)):
+            step()
+    samples = harness.interleaved_samples_ms(steps, timing)
+    print(title)
+    print(f"{head:{width}s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
+    for name, step in steps.items():
+        _print_row(name, width, samples[name], _fill_defaults_us(step, calls))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_host_cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7, help="timed rounds of every op (default 7)")
     p.add_argument("--calls", type=int, default=500, help="calls of each op timed for the fill_defaults column")
+    p.add_argument("--device", default="cpu", help="where the tensors live (default cpu; `make gpu PART=profile` "
+                                                    "runs it with cuda: the GPU machine's host)")
     args = p.parse_args(argv)
-    steps = _cases()
-    for step in steps.values():  # warm-up: first-call costs (imports, caches) out of the samples
-        for _ in range(min(20, args.calls)):
-            step()
+    device = torch.device(args.device)
+    with torch.device(device):  # the inputs only: no device context while timed
+        steps, pairs, paths = _cases(), _schema_pairs(), _policy_loss_paths()
     timing = harness.Timing(samples=args.rounds, min_samples=args.rounds, budget_s=0.0)
-    samples = harness.interleaved_samples_ms(steps, timing)
-    print(f"fwd+bwd per call at tiny shapes, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"other processes used {harness.OTHER_LOAD.fraction():.0%} of the CPU while timed")
-    print(f"{'op':20s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
-    for name, step in steps.items():
-        _print_row(name, 20, samples[name], _fill_defaults_us(step, args.calls))
-    pairs = _schema_pairs()
-    for step in pairs.values():
-        for _ in range(min(20, args.calls)):
-            step()
-    samples = harness.interleaved_samples_ms(pairs, timing)
-    print("\nthe dispatch alone: a trivial autograd op (6 tensors) with each options class, in this process, "
-          "round-robin")
-    print(f"{'op':58s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
-    for name, step in pairs.items():
-        _print_row(name, 58, samples[name], _fill_defaults_us(step, args.calls))
-    paths = _policy_loss_paths()
-    for step in paths.values():
-        for _ in range(min(20, args.calls)):
-            step()
-    samples = harness.interleaved_samples_ms(paths, timing)
-    print("\npolicy_loss's op (B=2, T=8, ref_logp, kl_coef) fwd+bwd through each autograd path, round-robin")
-    print(f"{'path':48s} {'median us':>10s} {'min us':>8s} {'max us':>8s} {'in fill_defaults us':>20s}")
-    for name, step in paths.items():
-        _print_row(name, 48, samples[name], _fill_defaults_us(step, args.calls))
+    on = f"{device.type} tensors" + (f" ({torch.cuda.get_device_name(device)}, each call synchronized)"
+                                     if device.type == "cuda" else "")
+    _table(f"fwd+bwd per call at tiny shapes on {on}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+           "op", 20, _synced(steps, device), timing, args.calls)
+    print(f"(other processes used {harness.OTHER_LOAD.fraction():.0%} of the CPU while timed)")
+    _table("\nthe dispatch alone: a trivial autograd op (6 tensors) with each options class, in this process, "
+           "round-robin", "op", 58, _synced(pairs, device), timing, args.calls)
+    _table("\npolicy_loss's op (B=2, T=8, ref_logp, kl_coef) fwd+bwd through each autograd path, round-robin", "path",
+           48, _synced(paths, device), timing, args.calls)
     return 0
 
 

@@ -644,15 +644,31 @@ def _ncu() -> str | None:
     return found or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True)), None)
 
 
+HOST_COST_S = 90.0  # at most this much of the profile part for bench.cpu_host_cost on the device's tensors
+
+
+def host_cost(p: Part) -> dict:
+    """``python -m bench.cpu_host_cost --device cuda`` (each op's fixed cost per call at tiny shapes, and policy_loss's
+    op through its autograd.Function against torch.library's autograd, in one process), its output kept as
+    printed."""
+    cmd = [sys.executable, "-m", "bench.cpu_host_cost", "--device", p.device.type,
+           *(("--rounds", "1", "--calls", "2") if p.dry else ("--rounds", "7", "--calls", "200"))]
+    output, returncode, interrupted = run_interruptible(cmd, max(min(p.time_left(), HOST_COST_S), 5.0))
+    print(output[-2500:], flush=True)
+    return {"command": "python -m bench.cpu_host_cost " + " ".join(cmd[3:]), "returncode": returncode,
+            "interrupted": interrupted, "output": output[-6000:], "ok": returncode == 0 and not interrupted}
+
+
 def part_profile(p: Part) -> dict:
     from bench import profile
 
     prefixes = [x.strip() for x in p.args.profile_only.split(",") if x.strip()]
     cases = [c for c in profile.CASES if not prefixes or any(c.startswith(x) for x in prefixes)]
+    host = host_cost(p)  # first: seconds, and it needs no ncu
     tool = None if p.dry else _ncu()
     if not p.dry and tool is None:
         print("  ncu not found", flush=True)
-        return {"profile": {"tool": None, "ok": False, "cases": [], "summary": "ncu not found"}}
+        return {"host_cost": host, "profile": {"tool": None, "ok": False, "cases": [], "summary": "ncu not found"}}
     results = []
     for case in cases:
         if p.time_left() < 0:
@@ -677,7 +693,16 @@ def part_profile(p: Part) -> dict:
                  f"DRAM {top.get('dram_pct', float('nan')):.0f} %" if top else ""), flush=True)
     ok = all(r.get("returncode") == 0 and (p.dry or r["kernels"]) for r in results if "returncode" in r)
     tool_text = "none (dry run: the script alone)" if p.dry else f"{tool} --clock-control none, sections {', '.join(NCU_SECTIONS)}"
-    return {"profile": {"tool": tool_text, "cases": results, "ok": ok}}
+    return {"host_cost": host, "profile": {"tool": tool_text, "cases": results, "ok": ok}}
+
+
+def _host_cost_lines(record: dict) -> list[str]:
+    host = record.get("host_cost")
+    if not host:
+        return []
+    state = "" if host.get("ok") else f" (returncode {host.get('returncode')}, interrupted {host.get('interrupted')})"
+    return ["", f"The fixed host cost per call (`{host.get('command')}`){state}:", "", "```",
+            host.get("output", "").strip(), "```"]
 
 
 def _profile_lines(record: dict) -> list[str]:
@@ -785,6 +810,7 @@ def render_markdown(record: dict) -> str:
                           f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
     elif tr:
         lines += ["", f"Trainer: {tr.get('summary', '')}"]
+    lines += _host_cost_lines(record)
     lines += _profile_lines(record)
     return "\n".join(lines) + "\n"
 

@@ -123,6 +123,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert all(r["world"] == 2 and r["step_s"] > 0 and r["update_peak_mib"] > 0 for r in sharded["ranks"])
     assert [c["case"] for c in record["profile"]["cases"]] == ["gae csrc", "policy_loss"]
     assert all(c["returncode"] == 0 for c in record["profile"]["cases"])
+    host = record["host_cost"]  # issue 14: each op's fixed cost per call, on the device's tensors
+    assert host["ok"] and "--device cpu" in host["command"] and "autograd.Function (now)" in host["output"]
+    assert "The fixed host cost per call" in gpu.render_markdown(record)
     assert path.with_suffix(".md").read_text() == gpu.render_markdown(record)
     assert "Sharded GRPO (`shard = fsdp`, 2 processes" in gpu.render_markdown(record)
     assert "== trainer: ok" in done.stdout
