@@ -1301,7 +1301,7 @@ def linear_policy_loss(
                 and _torch_layout(hidden, weight, opt) == "two-op"):
             return _two_op(hidden, weight, labels, *constants, bias, opt)
         loss, metrics, logp, ent, *_ = _LinearPolicyLoss.apply(hidden, weight, labels.long(), *constants, bias,
-                                                   *option_values(opt))
+                                                               *option_values(opt))
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
 
 

@@ -1031,7 +1031,7 @@ def _policy_backward(ctx, d_loss, *_unused):
     g_logp, g_ref, g_ent, w = ctx.saved_tensors  # [B, T] fp32 (x3; [0] when absent), [B]
     dt_logp, dt_ref, dt_ent = ctx.dtypes
     grad_logp, grad_ref, grad_ent = call(_scale_rows_op, d_loss, w, g_logp, g_ref if dt_ref is not None else None,
-                                                   g_ent if dt_ent is not None else None, dt_logp, dt_ref, dt_ent)
+                                         g_ent if dt_ent is not None else None, dt_logp, dt_ref, dt_ent)
     return (grad_logp, None, None, None, grad_ref if dt_ref is not None else None,
             grad_ent if dt_ent is not None else None)
 
@@ -1041,7 +1041,7 @@ _PolicyLoss = autograd_function("_PolicyLoss", _policy_op, _policy_setup, _polic
 
 @custom_op("rlkernels::value_loss",
            schema=op_schema("Tensor values, Tensor old_values, Tensor returns, Tensor mask", ValueOptions,
-                                        "(Tensor, Tensor, Tensor, Tensor)"))
+                            "(Tensor, Tensor, Tensor, Tensor)"))
 def _value_op(values, old_values, returns, mask, *options):
     """-> (loss [], metrics [2] (clipfrac, values_mean), g_values [B, T], w [B])."""
     opt = options_from(ValueOptions, options)
