@@ -97,6 +97,15 @@ def _group(backend: str):
     return make
 
 
+def _whiten(device: torch.device, tiny: bool) -> Callable[[], object]:
+    """masked_whiten's CUDA kernels (partial moments, merge, apply) at B=1024 T=4096 float32: the H100 measured
+    31.2 us, 2.5x the one-read-one-write bound; their durations say which of the three takes it."""
+    B, T = (4, 64) if tiny else (1024, 4096)
+    x = torch.randn(B, T, device=device)  # [B, T]
+    m = torch.rand(B, T, device=device) > 0.1  # [B, T]
+    return lambda: A._whiten_csrc(x, m, True, 1e-8)
+
+
 def _policy(device: torch.device, tiny: bool) -> Callable[[], object]:
     B, T = (2, 37) if tiny else (256, 4096)
     logp = torch.randn(B, T, device=device).requires_grad_()  # [B, T]
@@ -117,6 +126,7 @@ CASES = {
     "logits_policy_loss": _logits_policy(False), "logits two-op": _logits_policy(True),  # N=8192 V=151936 bf16
     "gae csrc": _gae("csrc"), "gae triton": _gae("triton"),  # B=1024 T=4096 bf16
     "group csrc": _group("csrc"),  # 2^20 scores, groups of 16
+    "whiten csrc": _whiten,  # B=1024 T=4096 float32
     "policy_loss": _policy,  # PPO fwd+bwd, B=256 T=4096 float32
     "group triton": _group("triton"),  # last: under ncu it outlasted the part's share on the H100
 }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench import gpu
+from bench import profile as gpu_profile
 from tools import readme_perf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,3 +250,11 @@ def test_ncu_csv_parsed_per_kernel_launch():
     assert got == [{"kernel": "gae_kernel", "dram_pct": 74.51, "us": 24.32, "registers": 40.0},
                    {"kernel": "_group_tile_kernel", "us": 1250500.0, "sm_pct": 12.5}]
     assert gpu.parse_ncu_csv("no csv here\n") == []
+
+
+@pytest.mark.parametrize("case", sorted(gpu_profile.CASES))
+def test_every_profile_case_runs_tiny_on_the_cpu(case, capsys):
+    """Each case of ``make gpu PART=profile`` (bench/profile.py) runs at small sizes without a profiler: a case
+    that cannot set up would otherwise be found only under ncu on a GPU lease."""
+    assert gpu_profile.main(["--case", case, "--tiny", "--device", "cpu"]) == 0
+    assert f"profiled {case}" in capsys.readouterr().out
