@@ -226,6 +226,9 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
         grads = backward(ctx, *grad_outputs) or ()
         return tuple(grads) + (None,) * (ctx.n_inputs - len(grads))
 
+    # generate_vmap_rule: under torch.vmap forward sees batched tensors, so `call` goes through the custom op, whose
+    # fallback runs the body per sample (as vmap of the op did when torch.library carried its autograd)
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                    "setup_context": staticmethod(setup),
-                                                   "backward": staticmethod(backward_every_input)})
+                                                   "backward": staticmethod(backward_every_input),
+                                                   "generate_vmap_rule": True})

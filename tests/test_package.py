@@ -462,6 +462,17 @@ def test_ops_compile_whole_when_no_input_needs_a_gradient(case):
     torch.testing.assert_close(compiled(x), make(x))
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's per-sample fallback for a custom op
+@pytest.mark.parametrize("case", range(7))
+def test_vmap_over_a_batch_of_inputs_equals_the_per_sample_loop(case):
+    """torch.vmap over a batch of inputs gives each sample's result (the ops' autograd.Functions let vmap reach the
+    custom op, which torch runs once per sample): what vmap of the ops gave before their autograd moved off
+    torch.library."""
+    name, make = _differentiable_calls()[case]
+    xs = torch.rand(3, 2, 3, generator=torch.Generator().manual_seed(8)).neg()  # [3, 2, 3]: three samples
+    torch.testing.assert_close(torch.vmap(make)(xs), torch.stack([make(x) for x in xs]), rtol=0, atol=0)
+
+
 def test_ops_on_meta_tensors_give_meta_results_of_the_right_shapes():
     """Meta tensors (shape inference, deferred init) reach each op's fake implementation, not its body."""
     import rlkernels
