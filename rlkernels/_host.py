@@ -80,7 +80,7 @@ def option_values(opt) -> tuple[list, ...]:
 def _unpack_layout(options: type) -> tuple:
     """For the options dataclass ``options``, computed once: (per field, the position of its list among the op's
     option arguments; the ``_OPTION_LISTS`` indices present, in order; the field names each list holds). Read by
-    the op's body and backward, which run eagerly, never under dynamo."""
+    :func:`options_from` in the op's body, which runs eagerly or opaque to dynamo, never traced."""
     layout = _UNPACK_LAYOUTS.get(options)
     if layout is None:
         lists = _field_lists(options)
@@ -218,17 +218,15 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
     forward.__signature__ = inspect.Signature([inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_ONLY)
                                                for a in overload._schema.arguments])
 
-    def setup(ctx, inputs, output):
-        ctx.n_inputs = len(inputs)
-        setup_context(ctx, inputs, output)
+    n_inputs = len(overload._schema.arguments)
 
     def backward_every_input(ctx, *grad_outputs):
         grads = backward(ctx, *grad_outputs) or ()
-        return tuple(grads) + (None,) * (ctx.n_inputs - len(grads))
+        return tuple(grads) + (None,) * (n_inputs - len(grads))
 
     # generate_vmap_rule: under torch.vmap forward sees batched tensors, so `call` goes through the custom op, whose
     # fallback runs the body per sample (as vmap of the op did when torch.library carried its autograd)
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
-                                                   "setup_context": staticmethod(setup),
+                                                   "setup_context": staticmethod(setup_context),
                                                    "backward": staticmethod(backward_every_input),
                                                    "generate_vmap_rule": True})

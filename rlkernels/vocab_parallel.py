@@ -185,10 +185,9 @@ class _LinearLogprobs(torch.autograd.Function):
         g_ent = torch.zeros(ctx.N, dtype=logp.dtype, device=logp.device) if g_ent is None else g_ent  # [N]
         if keep is not None:
             g_logp, g_ent = g_logp[keep], g_ent[keep]  # [n]
-        dh, dw, db = call(
-            fused_linear._linear_logprobs_backward_op, g_logp.contiguous(), g_ent.contiguous(), h, weight, y_local, bias,
-            stats, entropy, logp,
-            *option_values(ctx.opt))  # [n, H], [V_r, H], [V_r] or [0]
+        dh, dw, db = call(fused_linear._linear_logprobs_backward_op, g_logp.contiguous(), g_ent.contiguous(), h,
+                          weight, y_local, bias, stats, entropy, logp,
+                          *option_values(ctx.opt))  # [n, H], [V_r, H], [V_r] or [0]
         if ctx.needs_input_grad[0]:
             dist.all_reduce(dh, group=ctx.group)  # d_hidden = Σ_r dz_r W_r
             if keep is not None:
