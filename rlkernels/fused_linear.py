@@ -241,11 +241,12 @@ def _logits_tile_tma(h_desc, w_desc, b_ptr, row0, col0, V, H, HAS_BIAS: tl.const
 def _fwd_kernel_tma(
     h_desc, w_desc,  # TMA descriptors: hidden [N, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
     b_ptr, labels_ptr,  # [V], [N] int64
+    z_desc,  # STORE_Z: TMA descriptor of the [N, V] float32 logits / T in [BLOCK_N, BLOCK_V] boxes; else unused
     m_ptr, s_ptr, u_ptr, zy_ptr,  # partials, each [S, N] float32, as _fwd_kernel writes them
     N, V, H, temperature,  # divides the logits, as in _logits_tile (see below)
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_TILES: tl.constexpr,
-    GROUP_N: tl.constexpr, FLATTEN: tl.constexpr,
+    GROUP_N: tl.constexpr, FLATTEN: tl.constexpr, STORE_Z: tl.constexpr,
 ):
     """The Hopper forward: ``_fwd_kernel``'s math and partials over a persistent grid (``P`` programs, about one
     per SM).
@@ -262,7 +263,11 @@ def _fwd_kernel_tma(
     The logits are divided by ``T``, not multiplied by ``1/T`` (issue 13 asks for the multiply): the backward's
     recomputation (``_logits_tile``) divides, and a logit one float32 ulp away from the backward's moved the
     gradients at T = 1e-3 to twice eager's error (bf16, d_hidden 4.9e-3 against eager's 2.3e-3, under the
-    interpreter). Multiply here once ``_logits_tile`` multiplies too: both, or neither."""
+    interpreter). Multiply here once ``_logits_tile`` multiplies too: both, or neither.
+
+    ``STORE_Z`` (rlkernels.fused_policy's kernel 1 on sm_90): each tile of logits / T also goes to the float32
+    ``[N, V]`` tile through ``z_desc`` (a TMA store from shared memory; the descriptor clips rows past ``N`` and
+    columns past ``V``)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -283,8 +288,11 @@ def _fwd_kernel_tma(
         rows = row0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         cols = col0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         col_ok = cols < V
+        z = acc / temperature  # [BLOCK_N, BLOCK_V]
+        if STORE_Z:
+            z_desc.store([row0, col0], z)
         label = tl.load(labels_ptr + rows, mask=rows < N, other=-1)  # [BLOCK_N] int64
-        m, s, u, zy = _online_update(acc / temperature, cols, col_ok, label, m, s, u, zy)
+        m, s, u, zy = _online_update(z, cols, col_ok, label, m, s, u, zy)
         if t == SPLIT_TILES - 1:  # the item is complete: its partials, then fresh statistics
             out = split.to(tl.int64) * N + rows  # [BLOCK_N]
             row_ok = rows < N
@@ -604,6 +612,26 @@ def aot_configs() -> list[KernelConfig]:
     return configs
 
 
+def fwd_tma_config(ty: str, has_bias: bool, store_z: bool, t: _PersistentTiles | None = None) -> KernelConfig:
+    """``_fwd_kernel_tma``'s configuration for ``ty`` ("bf16"/"fp16") inputs with tiles ``t`` (default
+    ``_TMA_TILES``); ``store_z``: the float32 logits stored too (rlkernels.fused_policy's kernel 1)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    t = t or _TMA_TILES
+    consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v,
+              "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n, "FLATTEN": t.flatten,
+              "STORE_Z": store_z}
+    sig = {"h_desc": f"tensordesc<{ty}[{t.block_n}, {t.block_k}]>",
+           "w_desc": f"tensordesc<{ty}[{t.block_v}, {t.block_k}]>",
+           "b_ptr": f"*{ty}", "labels_ptr": "*i64",
+           "z_desc": f"tensordesc<fp32[{t.block_n}, {t.block_v}]>" if store_z else "constexpr",
+           "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32",
+           "N": "i32", "V": "i32", "H": "i32", "temperature": "fp32", **dict.fromkeys(consts, "constexpr")}
+    if not store_z:
+        consts = {**consts, "z_desc": None}
+    return KernelConfig(_fwd_kernel_tma, sig, consts, t.num_warps, t.num_stages, archs=(90,))
+
+
 def _tma_aot_configs() -> list[KernelConfig]:
     """The Hopper kernels' configurations, ``_fwd_kernel_tma`` and ``_dz_kernel_tma`` (16-bit inputs, bias or not),
     for sm_90 only: the launcher never picks them elsewhere (:func:`_tma_ok`)."""
@@ -613,14 +641,7 @@ def _tma_aot_configs() -> list[KernelConfig]:
     configs = []
     for ty in ("bf16", "fp16"):
         for has_bias in (False, True):
-            consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v,
-                      "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n, "FLATTEN": t.flatten}
-            sig = {"h_desc": f"tensordesc<{ty}[{t.block_n}, {t.block_k}]>",
-                   "w_desc": f"tensordesc<{ty}[{t.block_v}, {t.block_k}]>",
-                   "b_ptr": f"*{ty}", "labels_ptr": "*i64",
-                   "m_ptr": "*fp32", "s_ptr": "*fp32", "u_ptr": "*fp32", "zy_ptr": "*fp32",
-                   "N": "i32", "V": "i32", "H": "i32", "temperature": "fp32", **dict.fromkeys(consts, "constexpr")}
-            configs.append(KernelConfig(_fwd_kernel_tma, sig, consts, t.num_warps, t.num_stages, archs=(90,)))
+            configs.append(fwd_tma_config(ty, has_bias, store_z=False))
             td = _TMA_DZ_TILES
             dz_consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": td.block_n, "BLOCK_V": td.block_v,
                          "BLOCK_K": td.block_k, "GROUP_N": td.group_n}
@@ -635,42 +656,45 @@ def _tma_aot_configs() -> list[KernelConfig]:
 
 # ---- which forward kernel (the triton backend)
 #
-# RLKERNELS_LINEAR_FWD picks the forward of the triton backend on a GPU:
-# - "split": _fwd_kernel (cp.async + mma.sync on sm_80, wgmma m64n64 on sm_90; every GPU; the default);
+# RLKERNELS_LINEAR_FWD picks the forward of the triton backend on a GPU (unset: "tma" where it can run, else "split"):
+# - "split": _fwd_kernel (cp.async + mma.sync on sm_80, wgmma m64n64 on sm_90; every GPU);
 # - "tma": _fwd_kernel_tma (TMA descriptors + wgmma m64n128, persistent grid): sm_90 only, 16-bit inputs whose rows
-#   are 16-byte aligned (H * 2 % 16 == 0); anywhere else it falls back to "split" (sm_80 keeps cp.async + mma);
+#   are 16-byte aligned (H * 2 % 16 == 0); anywhere else it falls back to "split" (sm_80 keeps cp.async + mma). The
+#   backward then takes the Hopper dz kernel, _dz_kernel_tma (_bwd_tiles). The default on sm_90 CUDA tensors;
+#   under the interpreter (CPU tensors) only when asked for by name, so the tests run both;
 # - "cublas": the plain baseline, a cuBLAS GEMM into a bounded float32 [rows, V] chunk, then the memory-bound
 #   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas); the vocabulary-parallel path, which needs the
 #   per-split partials, runs "split" then, and so do float32 inputs: with large logits or a low temperature the
 #   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
 #   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
 #   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
-# Measured on an H100 80GB HBM3 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26-lease1.json and the later run of
-# that day, NVIDIA_H100_80GB_HBM3-2026-11-26.json; torch 2.11, triton 3.6; forward alone, N=8192 H=4096 bf16,
-# V=128256 / 151936): one cuBLAS GEMM 12.6 / 14.9 ms, split 32.5 / 37.2 (2.6x the GEMM: bench/model.py had
-# predicted 1.16x), tma 15.5 / 18.4, tma 2cta 22.0 / 27.6, cublas 14.5 / 18.2 (and 1 GiB more memory); tma flat
-# does not compile with triton 3.6 (see _TMA_TILES). fwd+bwd: split 120.8 / 140.7 ms, tma 103.8 / 121.7. "tma"'s
-# CUDA tests passed in the second run (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth), but the
-# default stays "split" until the backward that follows it has run on a GPU: the backward (_dz_kernel) recomputed the
-# logits with K blocks of _BWD_TILES_16.block_k = 32 while _TMA_TILES sums blocks of 64, and at T = 1e-3 that
-# difference reached the gradients under the interpreter (test_tma_forward_low_temperature_no_worse_than_eager with
-# K blocks of 64: float16 d_weight 4.1e-4 against eager's 2.7e-4). Since then the backward takes the forward's K
-# blocks (_bwd_tiles); that test now runs with the two blocked differently by default and on CUDA too.
-# Since those runs the split forward's (and the dz kernel's) grid is grouped like tma's (_grouped_item): the split
-# numbers above are from its ungrouped grid, which re-read hidden from HBM for every vocabulary tile; measure again.
+# Measured on an H200 (bench/results/NVIDIA_H200-2026-11-27.md; torch 2.11, triton 3.6; N=8192 H=4096 bf16,
+# V=128256 / 151936; one cuBLAS GEMM 12.35 / 14.62 ms): forward alone split 29.8 / 34.2 ms, tma 14.4 / 17.4, tma 2cta
+# 19.9 / 23.7, cublas 13.9 / 16.8 (and 1 GiB more memory); tma flat does not compile with triton 3.6 (see
+# _TMA_TILES). The backward's dz kernel alone (V=128256, 4 chunks of 32768): _dz_kernel 48.5 ms, _dz_kernel_tma
+# 16.7 ms; the backward's other phases 29.6 ms (dh and dW GEMMs 12.4 + 12.7, label rows 4.5). "tma"'s CUDA tests
+# passed there, forward and backward (tests/test_fused_linear.py::test_forward_kernels_match_float64_truth,
+# ::test_tma_forward_low_temperature_no_worse_than_eager: the backward recomputes the logits with the forward's K
+# blocks, _bwd_tiles). So "tma" became the default on sm_90 after that run. Its fwd+bwd was not measured as such
+# there: the bench's "rlkernels fwd tma" row (91.4 ms at V=128256) ran the tma forward with the default backward
+# of the time, _dz_kernel; the phases above add up to a prediction of ~61 ms (the "rlkernels" row: 108.2 ms).
+# Measured on an H100 80GB HBM3 the day before (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26*.json): split 32.5 /
+# 37.2 ms (an ungrouped grid then), tma 15.5 / 18.4.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
-_FWD_KERNEL_DEFAULT = "split"
 _CUBLAS_CHUNK_BYTES = 1 << 30  # the baseline's float32 [rows, V] logits chunk stays under this
 
 
 def _fwd_kernel_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
     """The forward kernel for these inputs (``hidden`` [N, H], ``weight`` [V, H], unit stride along H):
-    ``$RLKERNELS_LINEAR_FWD`` or the default, "tma" only where it can run (sm_90 on CUDA; the interpreter on
-    CPU tensors, which is how the tests check it) and "cublas" only for 16-bit inputs, else "split"."""
+    ``$RLKERNELS_LINEAR_FWD`` if set, "tma" only where it can run (sm_90 on CUDA; the interpreter on CPU tensors,
+    which is how the tests check it) and "cublas" only for 16-bit inputs, else "split". Unset: "tma" on CUDA
+    tensors where it can run, else "split"."""
     import os
 
-    name = os.environ.get(FWD_KERNEL_ENV, "").strip().lower() or _FWD_KERNEL_DEFAULT
+    name = os.environ.get(FWD_KERNEL_ENV, "").strip().lower()
+    if not name:
+        return "tma" if hidden.device.type == "cuda" and _tma_ok(hidden, weight) else "split"
     if name not in FWD_KERNELS:
         raise ValueError(f"{FWD_KERNEL_ENV} must be one of {FWD_KERNELS}, got {name!r}")
     if name == "tma" and not _tma_ok(hidden, weight):
@@ -706,21 +730,31 @@ def _persistent_launch(hidden: torch.Tensor, weight: torch.Tensor, items: int, t
     return (min(items, programs),), h_desc, w_desc
 
 
-def _launch_fwd_tma(hidden, weight, labels, bias, part, opt: LinearLogprobsOptions) -> None:
-    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
-    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does. ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned
-    rows), ``labels`` [N] int64, ``bias`` [V] or None."""
-    t = _TMA_TILES
+def _launch_fwd_tma(hidden, weight, labels, bias, part, temperature: float, z: torch.Tensor | None = None,
+                    t: _PersistentTiles | None = None) -> None:
+    """``_fwd_kernel_tma`` with ``t`` (default ``_TMA_TILES``) on a persistent grid (``ctas_per_sm`` programs per
+    SM, at most one per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does, and with
+    ``z`` (a contiguous float32 ``[N, V]``, 16-byte aligned rows: :func:`_tma_store_ok`) the logits / T there too.
+    ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned rows), ``labels`` [N] int64, ``bias`` [V] or None."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = t or _TMA_TILES
     N, V = hidden.shape[0], weight.shape[0]
     items = cdiv(N, t.block_n) * cdiv(V, t.split_tiles * t.block_v)
     grid, h_desc, w_desc = _persistent_launch(hidden, weight, items, t)
+    z_desc = None if z is None else TensorDescriptor.from_tensor(z, [t.block_n, t.block_v])
     _fwd_kernel_tma.launch(
-        grid, h_desc, w_desc, bias if bias is not None else weight, labels,
-        part[0], part[1], part[2], part[3], N, V, hidden.shape[1], opt.temperature,
+        grid, h_desc, w_desc, bias if bias is not None else weight, labels, z_desc,
+        part[0], part[1], part[2], part[3], N, V, hidden.shape[1], temperature,
         HAS_BIAS=bias is not None, DOT_F32=_dot_f32(hidden), BLOCK_N=t.block_n, BLOCK_V=t.block_v,
-        BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, STORE_Z=z is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
+
+
+def _tma_store_ok(z: torch.Tensor) -> bool:
+    """A TMA store needs a 16-byte aligned base and row stride: a float32 ``[n, V]`` tile with ``V % 4 == 0``."""
+    return z.data_ptr() % 16 == 0 and (z.stride(0) * z.element_size()) % 16 == 0
 
 
 def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
@@ -739,7 +773,7 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     S = cdiv(V, split_cols)
     part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split
     if N > 0 and tma:
-        _launch_fwd_tma(hidden, weight, labels, bias, part, opt)
+        _launch_fwd_tma(hidden, weight, labels, bias, part, opt.temperature)
     elif N > 0:
         grid = (cdiv(N, t.block_n) * S,)  # (token block, split) items, grouped in the kernel
         _fwd_kernel.launch(

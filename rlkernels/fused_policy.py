@@ -659,6 +659,8 @@ def aot_configs() -> list:
                 configs.append(KernelConfig(_fl._fwd_kernel,
                                             {**_fl._fwd_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                             consts, t.num_warps, t.num_stages, archs=(arch,)))
+            if dtype != torch.float32:  # sm_90's kernel 1 (_TritonTile): the Hopper forward storing the tile
+                configs.append(_fl.fwd_tma_config(ty, has_bias, store_z=True))
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                     consts, _DZ2_WARPS, 1))
@@ -696,7 +698,11 @@ class _TritonTile:
         self.h, self.w, self.b = hidden, weight, None if bias is None else bias.contiguous()
         V = weight.shape[0]
         self.V = V
-        self.t = _stats_tiles(hidden.dtype, hopper=_fl._hopper(hidden))
+        # kernel 1: on sm_90 with 16-bit inputs (fused_linear's "tma" forward: _fl._fwd_kernel_choice) the Hopper
+        # forward with STORE_Z (TMA loads, wgmma m64n128, the tile stored by TMA: its rows of V float32 must be
+        # 16-byte aligned, V % 4 == 0); else _fwd_kernel with STORE_Z
+        self.tma = _fl._fwd_kernel_choice(hidden, weight) == "tma" and V % 4 == 0
+        self.t = _fl._TMA_TILES if self.tma else _stats_tiles(hidden.dtype, hopper=_fl._hopper(hidden))
         self.S = cdiv(V, self.t.split_tiles * self.t.block_v)
         dev = hidden.device
         self.low = hidden.dtype != torch.float32
@@ -711,11 +717,14 @@ class _TritonTile:
         n, V, t = t1 - t0, self.V, self.t
         part = self.part[:, :, :n]  # [4, S, n]
         h_c = self.h[t0:t1]  # [n, H]
-        _fl._fwd_kernel.launch(
-            (cdiv(n, t.block_n) * self.S,), h_c, self.w, self.b if self.b is not None else self.w, labels,
-            self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
-            opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, STORE_Z=True, num_warps=t.num_warps,
-            num_stages=t.num_stages)
+        if self.tma:
+            _fl._launch_fwd_tma(h_c, self.w, labels, self.b, part, opt.temperature, z=self.z[:n * V].view(n, V))
+        else:
+            _fl._fwd_kernel.launch(
+                (cdiv(n, t.block_n) * self.S,), h_c, self.w, self.b if self.b is not None else self.w, labels,
+                self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
+                opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, STORE_Z=True, num_warps=t.num_warps,
+                num_stages=t.num_stages)
         m, s, u, zy = part.unbind(0)  # [S, n] each
         m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
         log_s = torch.log(s_all)  # [n]

@@ -618,6 +618,38 @@ def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
     _check_fused_against_truth(x, options, upstream, dtype, "triton")
 
 
+@pytest.mark.parametrize("dtype, V, options", [
+    (torch.bfloat16, 200, dict(kl_coef=0.05, entropy_coef=0.01)),
+    (torch.float16, 200, dict(ratio="sequence")),
+    (torch.bfloat16, 202, {}),  # rows of 202 float32 are not 16-byte aligned: kernel 1 is _fwd_kernel then
+])
+def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, monkeypatch):
+    """With RLKERNELS_LINEAR_FWD=tma (the default on sm_90 CUDA tensors) kernel 1 is the Hopper forward storing the
+    tile by TMA (fused_linear._fwd_kernel_tma, STORE_Z), under the interpreter here, over several chunks: forward
+    and backward against the float64 truth; where the tile's rows cannot take a TMA store it is _fwd_kernel."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, "tma")
+    per_token = V * (4 + dtype.itemsize)
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    x = _inputs(4, 5, 16, V, seed=V, adv_per_seq=options.get("ratio") == "sequence")
+    launches = {"tma": 0, "split": 0}
+    tma_launch, split_launch = fused_policy._fl._launch_fwd_tma, fused_policy._fl._fwd_kernel.launch
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            launches[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(fused_policy._fl, "_launch_fwd_tma", counted("tma", tma_launch))
+    monkeypatch.setattr(fused_policy._fl._fwd_kernel, "launch", counted("split", split_launch))
+    _check_fused_against_truth(x, options, 1.0, dtype, "triton")
+    chunks = len(fused_policy._triton_chunks(4, 5, V, options.get("ratio", "token"), dtype))
+    assert chunks >= 2
+    want = "tma" if V % 4 == 0 else "split"
+    assert launches[want] >= chunks and launches["tma" if want == "split" else "split"] == 0, launches
+
+
 def _default_op_args(x, h, w) -> tuple:
     """The custom op's arguments for ``x`` (:func:`_inputs`) with hidden ``h`` and weight ``w`` (both requiring
     grad), no bias or ref_logp, and the public defaults (token ratio, no KL, no entropy bonus)."""
@@ -676,19 +708,21 @@ def test_aot_compiles_every_config_without_spills(arch):
     from rlkernels.testing.aot import compile_config
 
     configs = fused_policy.aot_configs()
-    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2) + 3 dtypes x 2 tiles x 3 flag
-    # sets of the logits kernel
-    assert len(configs) == 3 * (4 + 1) + 18
+    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2) + sm_90's Hopper kernel 1 for
+    # 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
+    assert len(configs) == 3 * (4 + 1) + 4 + 18
     configs = [c for c in configs if arch in c.archs]
-    assert len(configs) == 9 + 18
+    assert len(configs) == 9 + (4 if arch == 90 else 0) + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)
         assert report.registers > 0
         if report.spill_bytes:
             spilled.append(str(report))
-        if config.constexprs.get("STORE_Z") and config.signature["h_ptr"] != "*fp32":  # kernel 1
+        if config.constexprs.get("STORE_Z") and config.signature.get("h_ptr") != "*fp32":  # kernel 1, 16-bit
             assert report.tensor_core_ops > 0, str(report)
+        if config.kernel is fused_policy._fl._fwd_kernel_tma:  # TMA loads (the tile's TMA store: UTMASTG) and wgmma
+            assert config.constexprs["STORE_Z"] and report.tma_loads > 0 and report.wgmma_shapes, str(report)
     assert not spilled, "configs that spill registers:\n" + "\n".join(spilled)
 
 
