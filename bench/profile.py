@@ -121,14 +121,15 @@ def _policy(device: torch.device, tiny: bool) -> Callable[[], object]:
 
 
 CASES = {
-    "linear_logprobs": _linear,  # fwd+bwd with entropy, N=8192 H=4096 V=128256 bf16
     "logprobs": _logprobs,  # fwd+bwd with entropy, N=8192 V=151936 bf16
     "logits_policy_loss": _logits_policy(False), "logits two-op": _logits_policy(True),  # N=8192 V=151936 bf16
     "gae csrc": _gae("csrc"), "gae triton": _gae("triton"),  # B=1024 T=4096 bf16
     "group csrc": _group("csrc"),  # 2^20 scores, groups of 16
     "whiten csrc": _whiten,  # B=1024 T=4096 float32
     "policy_loss": _policy,  # PPO fwd+bwd, B=256 T=4096 float32
-    "group triton": _group("triton"),  # last: under ncu it outlasted the part's share on the H100
+    "group triton": _group("triton"),  # late: under ncu it outlasted the part's share on the H100
+    # last: under ncu (its GEMM-sized kernels replayed per section) it outlasted a 66 s share on the H200
+    "linear_logprobs": _linear,  # fwd+bwd with entropy, N=8192 H=4096 V=128256 bf16
 }
 
 

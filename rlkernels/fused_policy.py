@@ -664,6 +664,10 @@ def aot_configs() -> list:
         consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
         configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
                                     consts, _DZ2_WARPS, 1))
+        scale = {"BLOCK": _SCALE_BLOCK, "INTERPRETED": False}  # the backward's upstream gradient (_scale_in_place)
+        configs.append(KernelConfig(_scale_unless_one_kernel, {"x_ptr": f"*{ty}", "scale_ptr": "*fp32", "numel": "i64",
+                                                               "iters": "i32", **dict.fromkeys(scale, "constexpr")},
+                                    scale, 8, 3))
     return configs + _logits_aot_configs()
 
 
@@ -1074,30 +1078,93 @@ def _(logits, labels, old_logp, advantages, mask, ref_logp, *options):
             torch.empty_like(logits, memory_format=torch.contiguous_format) if opt.grad_input else logits.new_empty(0))
 
 
-def _upstream_is_one(d_loss: torch.Tensor) -> bool:
-    """Whether the upstream gradient is exactly 1 (``loss.backward()``): then the stored gradients are handed out
-    as they are, with no gradient-sized copy (and autograd copies them before accumulating when the graph is
-    retained). One scalar read (a device sync on a GPU); while traced always False (no data-dependent branch in
-    the traced backward: torch 2.11's AOT autograd traces it with ``torch.compiler.is_compiling()`` False, hence
-    ``_checks._tracing``, which also sees its dispatch mode)."""
-    return not _checks._tracing() and bool(d_loss == 1)
+# ---- the upstream gradient
+#
+# Both ops form their gradients in the forward and hand them out in the backward times the upstream gradient d_loss
+# (a 0-dim float32 tensor; 1 for loss.backward()). Reading d_loss on the host, to hand a gradient out as it is when
+# d_loss is 1, synchronizes the device at every backward: the host then waits for the whole forward before it can
+# queue anything after it, and a CUDA graph cannot capture the step. Measured on an H200 (bench/results/
+# NVIDIA_H200-2026-11-27.md, N=8192 V=151936 bf16, fwd+bwd): logits_policy_loss 3.996 ms, its kernels 2.0 ms under
+# Nsight Compute and the host's work 2.5 ms per call (bench.cpu_host_cost there): with the sync the two add up,
+# where the same kernels called as two ops (no sync) took 1.851 ms. So a stored gradient already in its output
+# dtype is scaled in place on the device (_scale_unless_one_kernel: every program loads d_loss and returns at once
+# when it is 1; else x = x * d_loss formed in float32, rounded once) and the same buffer is handed out; one that
+# must be cast anyway (a float32 d_hidden for a 16-bit hidden) is multiplied into the cast (x * 1 is x: the cast's
+# own bits when d_loss is 1). A second backward through a retained graph finds the buffer scaled by the first one's
+# d_loss (ctx.applied): the same d_loss hands it out again; another one rescales it by the ratio (a host read, this
+# rare path only; for 16-bit gradients one more rounding), and after a d_loss of 0 it cannot and says so. float64
+# gradients (the torch backend) and CPU tensors keep the host's check, which costs no sync there.
 
 
-def _scaled(g: torch.Tensor, d_loss: torch.Tensor, one: bool, dtype: torch.dtype):
-    """A stored gradient ``g`` (compute dtype) times the upstream scalar, in ``dtype``, rounded once (the product
-    is formed in ``g``'s dtype and written straight into the output); a one-chunk 16-bit ``d_weight``
-    (:func:`_torch_layout`) is stored in ``dtype`` already, so an upstream other than 1 rounds it a second
-    time. ``[0]``: not computed -> None."""
+@jit
+def _scale_unless_one_kernel(x_ptr, scale_ptr, numel, iters, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    # x [numel] in place: x * scale (float32 product, rounded once to x's dtype), nothing at all when scale == 1;
+    # program pid takes the blocks pid, pid + P, ... (iters of them)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        pid = tl.program_id(0).to(tl.int64)
+        P = tl.num_programs(0).to(tl.int64)
+        for it in range(0, iters):
+            offs = (it * P + pid) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] int64
+            ok = offs < numel
+            x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+            losses._store_scaled(x_ptr + offs, x.to(tl.float32) * scale, ok, INTERPRETED)  # rounded to nearest
+
+
+_SCALE_BLOCK = 4096
+_SCALE_PROGRAMS_PER_SM = 4
+_DEVICE_SCALE_ON_CPU = False  # the tests set it: the device path on CPU tensors, under the interpreter
+
+
+def _device_scale(g: torch.Tensor) -> bool:
+    """Whether ``g`` (a stored gradient) takes the in-place device scaling: CUDA (or, for the tests, the interpreter),
+    16-bit or float32, contiguous, not traced (torch.compile and dispatch modes take the arithmetic path)."""
+    if _checks._tracing() or g.dtype not in TRITON_DTYPE_NAMES or not g.is_contiguous() or not _backend.has_triton():
+        return False
+    return g.device.type == "cuda" or (g.device.type == "cpu" and _DEVICE_SCALE_ON_CPU)
+
+
+def _scale_in_place(g: torch.Tensor, scale: torch.Tensor) -> None:
+    """``g`` (contiguous, any shape) times the 0-dim ``scale``, in place, unless ``scale`` is 1; no host read."""
+    n = g.numel()
+    if n == 0:
+        return
+    sms = torch.cuda.get_device_properties(g.device).multi_processor_count if g.device.type == "cuda" else 1
+    programs = min(sms * _SCALE_PROGRAMS_PER_SM, cdiv(n, _SCALE_BLOCK))
+    _scale_unless_one_kernel.launch((programs,), g, scale.float().reshape(1), n, cdiv(n, programs * _SCALE_BLOCK),
+                                    BLOCK=_SCALE_BLOCK, INTERPRETED=g.device.type == "cpu", num_warps=8)
+
+
+def _handed_out(ctx, key: str, g: torch.Tensor, d_loss: torch.Tensor, dtype: torch.dtype):
+    """The stored gradient ``g`` (``key`` names it in ``ctx.applied``) times the upstream ``d_loss``, in ``dtype``
+    (see the note above). ``[0]``: not computed -> None."""
     if g.numel() == 0 and g.dim() == 1:
         return None
-    if one:
-        return g if g.dtype == dtype else g.to(dtype)
-    # d_loss a float32 0-dim tensor: it does not promote g, and the product of a 16-bit g is formed in float32
-    return torch.mul(g, d_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    if g.dtype != dtype:  # d_loss a float32 0-dim tensor: the product formed in g's dtype, rounded once into dtype
+        return torch.mul(g, d_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+    if not _device_scale(g):
+        if not _checks._tracing() and bool(d_loss == 1):  # the host's check: no device sync on the CPU
+            return g
+        return (g.to(torch.promote_types(g.dtype, torch.float32)) * d_loss).to(dtype)
+    applied = ctx.applied.get(key)  # the d_loss a first backward scaled g by, in place
+    if applied is None:
+        _scale_in_place(g, d_loss)
+    else:  # a second backward through a retained graph
+        before, now = float(applied), float(d_loss)  # host reads: this rare path only
+        if before == 0.0 and now != 0.0:
+            raise RuntimeError(
+                f"{ctx.op_name}: a second backward through a retained graph after one whose upstream gradient was 0: "
+                "the op hands out its stored gradient scaled in place, and a gradient scaled by 0 cannot be "
+                "rescaled; call the op again for another backward")
+        if before != now:
+            _scale_in_place(g, d_loss.float() / applied)
+    ctx.applied[key] = d_loss.detach().float().clone()
+    return g
 
 
 def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(*output[4:7])
+    ctx.op_name, ctx.applied = "linear_policy_loss", {}
     ctx.has_bias = inputs[7] is not None
     ctx.dtypes = (inputs[0].dtype, inputs[1].dtype, None if inputs[7] is None else inputs[7].dtype)
     ctx.mark_non_differentiable(*output[1:7])
@@ -1112,10 +1179,9 @@ def _linear_backward(ctx, d_loss, *_unused):
         return None
     d_hidden, d_weight, d_bias = ctx.saved_tensors  # compute dtype (float32; float64 for float64 inputs)
     dt_hidden, dt_weight, dt_bias = ctx.dtypes
-
-    one = _upstream_is_one(d_loss)
-    return (_scaled(d_hidden, d_loss, one, dt_hidden), _scaled(d_weight, d_loss, one, dt_weight), None, None, None,
-            None, None, _scaled(d_bias, d_loss, one, dt_bias) if ctx.has_bias else None)
+    return (_handed_out(ctx, "hidden", d_hidden, d_loss, dt_hidden),
+            _handed_out(ctx, "weight", d_weight, d_loss, dt_weight), None, None, None, None, None,
+            _handed_out(ctx, "bias", d_bias, d_loss, dt_bias) if ctx.has_bias else None)
 
 
 _LinearPolicyLoss = autograd_function("_LinearPolicyLoss", _linear_op, _linear_setup, _linear_backward)
@@ -1123,6 +1189,7 @@ _LinearPolicyLoss = autograd_function("_LinearPolicyLoss", _linear_op, _linear_s
 
 def _logits_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
+    ctx.op_name, ctx.applied = "logits_policy_loss", {}
     ctx.mark_non_differentiable(*output[1:5])
     ctx.set_materialize_grads(False)  # as in _linear_setup: no [N, V] zeros for d_logits' gradient
 
@@ -1130,14 +1197,11 @@ def _logits_setup(ctx, inputs, output):
 def _logits_backward(ctx, d_loss, *_unused):
     refuse_double_backward("logits_policy_loss")
     (d_logits,) = ctx.saved_tensors
-    if d_loss is None or (d_logits.numel() == 0 and d_logits.dim() == 1):  # no upstream gradient; not computed
+    if d_loss is None:  # the loss reaches no output that needs a gradient
         return None
-    if _upstream_is_one(d_loss):  # loss.backward(): the stored gradient as it is, no [B, T, V] copy (see _RETURNS_DOC)
-        return (d_logits,)
-    # scaled in float32; for 16-bit logits the stored gradient was rounded once already, so an upstream gradient
-    # other than 1 rounds it a second time
-    grad = (d_logits.to(torch.promote_types(d_logits.dtype, torch.float32)) * d_loss).to(d_logits.dtype)
-    return (grad,)
+    # handed out without a [B, T, V] copy (see _RETURNS_DOC); for 16-bit logits an upstream gradient other than 1
+    # rounds the stored (once rounded) gradient a second time
+    return (_handed_out(ctx, "logits", d_logits, d_loss, d_logits.dtype),)
 
 
 _LogitsPolicyLoss = autograd_function("_LogitsPolicyLoss", _logits_op, _logits_setup, _logits_backward)

@@ -1131,7 +1131,7 @@ def test_tma_kernel_writes_every_split_partial(programs, monkeypatch):
     S = -(-V // cols)
     part = torch.full((4, S, N), float("nan"))  # [4, S, N]
     opt = fl_module.LinearLogprobsOptions(temperature=T, return_entropy=True, ignore_index=-100)
-    fl_module._launch_fwd_tma(h, w, y, bb, part, opt)
+    fl_module._launch_fwd_tma(h, w, y, bb, part, opt.temperature)
     z = (h.double() @ w.double().T + bb.double()) / T  # [N, V] float64
     for j in range(S):
         zj = z[:, j * cols:(j + 1) * cols]  # [N, c]

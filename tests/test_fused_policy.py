@@ -2,6 +2,7 @@
 reference.policy_loss, in float64), forward and backward, every option, and against the two-op path."""
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import pytest
@@ -546,11 +547,16 @@ def test_logits_torch_row_layouts_match_float64_truth(layout, ratio):
     assert torch.count_nonzero(grad[2, 6]) == 0
 
 
+@pytest.mark.parametrize("device_scale", [False, True], ids=["host-check", "device-scale"])
 @pytest.mark.parametrize("backend", ("torch", "triton"))
-def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend):
+def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend, device_scale, monkeypatch):
     """loss.backward() hands the stored d_logits out as they are (no [B, T, V] copy); with the graph retained,
     .grad accumulation copies them, so two backward passes give exactly twice the gradient and a third pass
-    still sees the stored one unchanged; an upstream other than 1 scales it."""
+    still sees the stored one unchanged; an upstream other than 1 scales it. Both ways of applying the upstream
+    gradient: the host's check (CPU tensors) and the in-place device kernel (CUDA tensors; here the interpreter)."""
+    if device_scale:
+        pytest.importorskip("triton")
+    monkeypatch.setattr(fused_policy, "_DEVICE_SCALE_ON_CPU", device_scale)
     x = _inputs(2, 3, 8, 90, seed=5)
     logits = torch.randn(2, 3, 90, generator=_gen(6))  # [B, T, V]
     _, _, g1 = _logits_fused(logits, x, dict(kl_coef=0.1), 1.0, backend)
@@ -566,6 +572,71 @@ def test_logits_gradient_handed_out_without_a_copy_accumulates_safely(backend):
     assert torch.equal(again, g1) and twice.data_ptr() == again.data_ptr()  # the stored tensor, not a copy
     (scaled,) = torch.autograd.grad(loss * -0.5, z)
     torch.testing.assert_close(scaled, -0.5 * g1)
+
+
+class _NoHostRead:
+    """Inside: reading any tensor's value on the host (``bool``, ``float``, ``item``) raises -- what a device sync
+    would be on a GPU."""
+
+    def __enter__(self):
+        self.saved = {k: getattr(torch.Tensor, k) for k in ("__bool__", "__float__", "item")}
+
+        def refuse(*_a, **_k):
+            raise AssertionError("a host read of a tensor value (a device sync on a GPU)")
+
+        for k in self.saved:
+            setattr(torch.Tensor, k, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            setattr(torch.Tensor, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_gradient_applied_on_the_device_without_a_host_read(dtype, monkeypatch):
+    """On a GPU the backward of both fused ops applies the upstream gradient with no host read of it (no device
+    sync): a stored gradient in its output dtype is scaled in place by a kernel that does nothing when it is 1, a
+    float32 one for 16-bit inputs is scaled as it is cast. Here the kernel runs under the interpreter on CPU
+    tensors; the gradients are bit for bit the host-check path's, for an upstream of 1 and of 1.7; with the graph
+    retained a second backward with the same upstream hands out the same bits, another one rescales (exact for
+    float32 up to one rounding), and after an upstream of 0 it refuses by name."""
+    pytest.importorskip("triton")
+    x = _inputs(2, 3, 8, 90, seed=15)
+    logits = (torch.randn(2, 3, 90, generator=_gen(16)) * 2).to(dtype)  # [B, T, V]
+    h, w = x["hidden"].to(dtype), x["weight"].to(dtype)  # [B, T, H], [V, H]
+    args = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
+
+    def run(op, upstreams, device_scale):
+        monkeypatch.setattr(fused_policy, "_DEVICE_SCALE_ON_CPU", device_scale)
+        leaves = [t.clone().requires_grad_() for t in ((logits,) if op == "logits" else (h, w))]
+        with forced_backend("triton"):
+            if op == "logits":
+                loss, _ = rlkernels.logits_policy_loss(*leaves, *args, ref_logp=x["ref_logp"], kl_coef=0.1)
+            else:
+                loss, _ = rlkernels.linear_policy_loss(*leaves, *args, ref_logp=x["ref_logp"], kl_coef=0.1)
+        out = []
+        for i, u in enumerate(upstreams):
+            up = torch.tensor(u)
+            with (_NoHostRead() if device_scale and i == 0 else contextlib.nullcontext()):
+                grads = torch.autograd.grad(loss, leaves, up, retain_graph=i + 1 < len(upstreams))
+            out.append([g.clone() for g in grads])
+        return out
+
+    for op in ("logits", "linear"):
+        for u in (1.0, 1.7):
+            host, device = run(op, [u], False), run(op, [u], True)
+            for a, b in zip(host[0], device[0]):
+                assert torch.equal(a, b), (op, u)
+        same = run(op, [1.7, 1.7], True)
+        for a, b in zip(*same):
+            assert torch.equal(a, b), op
+        host = run(op, [2.5], False)[0]
+        rescaled = run(op, [1.7, 2.5], True)[1]
+        for a, b in zip(rescaled, host):
+            torch.testing.assert_close(a, b, rtol=2 ** -7 if dtype != torch.float32 else 1e-6, atol=0)
+        with pytest.raises(RuntimeError, match=f"{op}.*policy_loss.*upstream gradient was 0|policy_loss.*0"):
+            run(op, [0.0, 1.0], True)
 
 
 @pytest.mark.parametrize("backend", LOGITS_BACKENDS)
@@ -708,11 +779,12 @@ def test_aot_compiles_every_config_without_spills(arch):
     from rlkernels.testing.aot import compile_config
 
     configs = fused_policy.aot_configs()
-    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2) + sm_90's Hopper kernel 1 for
-    # 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
-    assert len(configs) == 3 * (4 + 1) + 4 + 18
+    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2; the upstream gradient's
+    # in-place scaling) + sm_90's Hopper kernel 1 for 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag
+    # sets of the logits kernel
+    assert len(configs) == 3 * (4 + 1 + 1) + 4 + 18
     configs = [c for c in configs if arch in c.archs]
-    assert len(configs) == 9 + (4 if arch == 90 else 0) + 18
+    assert len(configs) == 12 + (4 if arch == 90 else 0) + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)
