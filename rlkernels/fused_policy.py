@@ -960,20 +960,51 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-_logits_triton_pair = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
+_logits_triton_chunked = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
+
+
+def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """The "pair" Triton row: the logprobs forward kernel over all ``N = B·T`` tokens (the statistics: one read of
+    the logits), the policy loss's own kernels on the ``[B, T]`` log-probs (its per-token terms and coefficients,
+    then its reduction with the aggregation weights ``w`` [B]), then the logprobs backward kernel writing
+    ``d_logits`` with the coefficients ``dL/dlogp = g_logp·w`` (a second read, one write). The same calls, in
+    the same layout, as ``logprobs`` then ``policy_loss`` called separately: five kernels and a few small ops.
+    (Through the shared chunk driver, :func:`_logits_with`, the same kernels took ~40 small ops more per call
+    and the policy kernel a row per token; on an H200's host one call's host work was 2.5 ms.) A masked-out
+    token is passed to the backward kernel as ignored: its ``d_logits`` row is exactly 0 without its logits being
+    read, where 0 times their NaN/inf would reach the gradient. Same outputs as :func:`_logits_torch`."""
+    B, T, V = logits.shape
+    if B * T == 0:
+        return _logits_triton_chunked(logits, labels, old_logp, advantages, mask, ref_logp, opt)
+    sopt = _sm.LogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
+    logp, ent, stats = _sm._triton_forward(logits, labels, sopt)  # [B, T] float32 each (entropy 0 unless asked), [B, T, 2]
+    old = logp if old_logp is None else old_logp  # on-policy: the ratio is 1
+    partials, g_logp, _g_ref, g_ent = losses._policy_triton(logp, old, advantages, mask, ref_logp,
+                                                            ent if opt.with_entropy else None, opt.policy)
+    w, loss, metrics = losses._reduce_triton(partials, opt.agg, T, opt.norm_length, losses._POLICY_METRIC_SLOTS)
+    d_logits = None
+    if opt.grad_input:
+        w_col = w.unsqueeze(1)  # [B, 1]
+        coef_ent = g_ent * w_col if opt.entropy_coef != 0 else None  # [B, T] dL/dentropy, or none
+        quiet = labels.masked_fill(mask == 0, opt.ignore_index)  # [B, T]
+        d_logits = torch.empty(B, T, V, dtype=logits.dtype, device=logits.device)  # [B, T, V]
+        _sm._triton_backward_into(d_logits, logits, quiet, stats, ent, g_logp * w_col, coef_ent, sopt)
+    return loss, metrics, logp, ent, logits.new_empty(0) if d_logits is None else d_logits
+
 
 # Which Triton row serves ratio="token" (RLKERNELS_LOGITS_POLICY; GSPO always takes the pair):
 # - "pair" (the default): the logprobs kernels around the policy loss (_logits_triton_pair): a read pass for the
-#   statistics, the policy loss over [N], then a read-and-write pass for d_logits -- three passes over [N, V];
+#   statistics, the policy loss over [B, T], then a read-and-write pass for d_logits -- three passes over [N, V];
 # - "one-kernel": _logits_policy_kernel, a program per token that reads its row, forms the token's loss
 #   coefficients in registers and re-reads the row to write d_logits (two passes when the re-read hits L2).
 # Measured on an H100 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26-lease1.md, N=8192 V=151936 bf16, fwd+bwd): the
 # one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately 2.56 ms: the
 # re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes at a program-per-row's
-# lower bandwidth. The pair became the default then; measured as itself in the day's second run
-# (NVIDIA_H100_80GB_HBM3-2026-11-26.md) it took 5.04 ms, against 2.56 ms for the two ops and 4.65 ms for the one
-# kernel: the same kernels as the two ops, so the difference is not yet explained (bench/profile.py's
-# "logits_policy_loss" and "logits two-op" cases put both under Nsight Compute). The one kernel stays selectable.
+# lower bandwidth. The pair became the default then. Measured as itself it took 5.04 ms on the H100 and 3.996 ms on
+# an H200 (NVIDIA_H200-2026-11-27.md; the two ops 1.851 ms, the one kernel 3.826 ms): under Nsight Compute there its
+# kernels took 2.0 ms (the two ops' 1.84 ms), but the backward read the upstream gradient on the host (a device sync)
+# and the host's work per call was 2.5 ms, so the two added up. Since then the upstream gradient is applied on the
+# device (_handed_out) and the pair makes the two ops' calls (bench/results/cpu-op-count-2026-11-27.txt).
 LOGITS_ROW_ENV = "RLKERNELS_LOGITS_POLICY"
 LOGITS_ROWS = ("pair", "one-kernel")
 
@@ -1063,8 +1094,8 @@ def _logits_op(logits, labels, old_logp, advantages, mask, ref_logp, *options):
     # the per-token metrics of a masked-out token whose logits hold NaN/inf: 0, as linear_policy_loss reports the
     # log-prob of such a row with its non-finite entries set to 0 (nothing at a masked-out position reaches an output)
     unused = mask == 0  # [B, T]
-    logp = torch.where(unused & ~torch.isfinite(logp), torch.zeros_like(logp), logp)  # [B, T]
-    entropy = torch.where(unused & ~torch.isfinite(entropy), torch.zeros_like(entropy), entropy)  # [B, T]
+    logp = torch.where(unused, logp.nan_to_num(0.0, 0.0, 0.0), logp)  # [B, T]
+    entropy = torch.where(unused, entropy.nan_to_num(0.0, 0.0, 0.0), entropy)  # [B, T]
     return loss, metrics, logp, entropy, d_logits
 
 

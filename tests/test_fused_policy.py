@@ -1105,3 +1105,17 @@ def test_autocast_backward_inside_the_region(backend, layout, monkeypatch):
     for name, g, t, e in zip(("hidden", "weight", "bias"), grads, t_grads, e_grads):
         assert g.dtype == torch.float32, name
         assert_close_to_truth(g, t, torch.float32, eager=e, name=f"d_{name}")
+
+
+def test_logits_triton_row_issues_about_the_two_ops_host_calls():
+    """logits_policy_loss's Triton row runs the kernels of logprobs then policy_loss (one fewer: it needs no
+    upstream scaling of the per-token coefficients), and its host issues about as many PyTorch ops per fwd+bwd
+    as the two ops called separately (on a GPU machine's host each costs tens of microseconds; through the shared
+    chunk driver the row issued 136 against their 52: bench/results/cpu-op-count-2026-11-27.txt)."""
+    pytest.importorskip("triton")
+    from bench.cpu_op_count import cases, count
+
+    (fused_ops, fused_launches), (two_ops, two_launches) = (count(fn) for fn in cases(2, 8, 300).values())
+    assert set(fused_launches) == {"_logprobs_fwd_kernel", "_policy_kernel", "_reduce_kernel", "_logprobs_bwd_kernel"}
+    assert all(n == 1 for n in fused_launches.values()), fused_launches
+    assert sum(fused_ops.values()) <= sum(two_ops.values()) + 12, (fused_ops, two_ops)
