@@ -14,7 +14,7 @@
 // write); otherwise one warp per group, three passes over the (L1-resident) group.
 // masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, one block merges
 // them (and rescues an overflow, see whiten_merge_kernel), then every block of a third kernel
-// normalizes its share.
+// normalizes its share; both passes keep kUnroll loads per thread in flight.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -328,21 +328,44 @@ __device__ Moments block_merge(Moments mo) {
   return total;
 }
 
+// Welford's update of a thread's moments by one masked-in value xi, on xi - k (k: the thread's first one).
+__device__ __forceinline__ void welford(Moments& mo, float xi) {
+  if (mo.n == 0.f) mo.k = xi;
+  const float yi = xi - mo.k;
+  mo.n += 1.f;
+  const float delta = yi - mo.mu;
+  mo.mu += delta / mo.n;
+  mo.m2 += delta * (yi - mo.mu);
+}
+
+// Grid-stride loops take kUnroll strides per iteration: every load of the group is issued before the first value
+// is used (the mask and x unconditionally), so a thread has kUnroll of each in flight. With one stride per
+// iteration the x load waited for its mask (a conditional load) and each iteration for the last: on an H200 the
+// statistics pass moved its bytes at 38 % of the DRAM bandwidth (Nsight Compute, B=1024 T=4096 float32). The values
+// are consumed in the same order as before, so the results are the same bits.
+constexpr int kUnroll = 4;
+
 // The moments of the masked-in x·scale at i = first, first + stride, ... below N, merged over the block.
 template <typename T>
 __device__ Moments block_moments(const T* __restrict__ x, const uint8_t* __restrict__ mask, int64_t first,
                                  int64_t stride, int64_t N, float scale) {
   Moments mo{0.f, 0.f, 0.f, 0.f};
-  for (int64_t i = first; i < N; i += stride) {
-    if (mask[i]) {  // Welford's update per thread, on x - k (k: the thread's first masked-in value)
-      const float xi = to_float(x[i]) * scale;
-      if (mo.n == 0.f) mo.k = xi;
-      const float yi = xi - mo.k;
-      mo.n += 1.f;
-      const float delta = yi - mo.mu;
-      mo.mu += delta / mo.n;
-      mo.m2 += delta * (yi - mo.mu);
+  int64_t i = first;
+  for (; i + (kUnroll - 1) * stride < N; i += kUnroll * stride) {
+    uint8_t m[kUnroll];
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      m[u] = mask[i + u * stride];
+      v[u] = to_float(x[i + u * stride]) * scale;  // read whether masked in or not: not used where it is not
     }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (m[u]) welford(mo, v[u]);
+    }
+  }
+  for (; i < N; i += stride) {
+    if (mask[i]) welford(mo, to_float(x[i]) * scale);
   }
   return block_merge(mo);
 }
@@ -398,7 +421,18 @@ __global__ void __launch_bounds__(kThreads)
   const float rstd = rsqrtf(var + eps * scale * scale);  // the rescue's eps·2^-200 is 0: negligible beside var
   const float mean = (k + mu) * (scale == 1.f ? 1.f : kRescueUp);  // rounded only where added back
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += stride) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < N; i += kUnroll * stride) {  // kUnroll loads in flight (see kUnroll)
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = to_float(x[i + u * stride]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float y = ((v[u] * scale - k) - mu) * rstd;
+      out[i + u * stride] = shift_mean ? y : y + mean;
+    }
+  }
+  for (; i < N; i += stride) {
     const float y = ((to_float(x[i]) * scale - k) - mu) * rstd;
     out[i] = shift_mean ? y : y + mean;
   }
