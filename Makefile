@@ -53,13 +53,22 @@ PART       ?= all
 GPU_WHEELS ?= .gpu-wheels
 ONLY       ?=
 PROFILE_ONLY ?=
+TRAINER_ONLY ?=
 TOTAL_S    ?=
-# ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls)
+# ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls);
+# PROFILE_ONLY / TRAINER_ONLY (rows, sharded, run) narrow those parts.
 # TOTAL_S=520 makes the parts of one call share 520 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
 # 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included
-# (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s):
-#   run(command="make gpu PART=env,tests,memcheck,bench TOTAL_S=520; cp bench/results/*.json bench/results/*.md $OUT/;
-#       tar czf $OUT/test-logs.tgz build/gpu-logs", carry=[".gpu-wheels", ".gpu-ext"], timeout_s=590)
+# (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s;
+# on 2026-11-27 an H200 ran env, tests, bench in 348 s, a trainer row takes ~40 s, ncu of linear_logprobs > 66 s):
+#   run(command="mkdir -p build && cp .gpu-wheels/*.part-aa build/; make gpu PART=env,tests,bench TOTAL_S=400;
+#       cp bench/results/*.json bench/results/*.md $OUT/; tar czf $OUT/test-logs.tgz build/gpu-logs",
+#       carry=[".gpu-wheels", ".gpu-ext"], timeout_s=460)
+#   run(command="cp build/*.part-aa .gpu-wheels-2/ && make gpu PART=trainer,memcheck,profile GPU_WHEELS=.gpu-wheels-2
+#       TRAINER_ONLY=rows,sharded TOTAL_S=330; cp bench/results/*.json bench/results/*.md $OUT/",
+#       carry=[".gpu-wheels-2"], timeout_s=380)
+# The record of each call is also kept under build/gpu-records/ (a warm machine keeps build/), so the second
+# call's parts merge into the first call's record.
 # .gpu-ext (`make gpu-ext`, optional) holds the csrc extension prebuilt here for the GPU machines' torch; `make gpu`
 # uses it only while csrc/ is what it was built from (else the extension builds there, ~20 s).
 # CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a
@@ -74,7 +83,8 @@ gpu:
 	fi; \
 	CUDA_HOME=$${CUDA_HOME:-$$(test -f /usr/local/cuda/include/cuda_runtime.h && echo /usr/local/cuda)} \
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PY) -m bench --gpu --part $(PART) --wheels $(GPU_WHEELS) \
-	  $(if $(ONLY),--only $(ONLY)) $(if $(PROFILE_ONLY),--profile-only "$(PROFILE_ONLY)") $(if $(TOTAL_S),--total-s $(TOTAL_S)); \
+	  $(if $(ONLY),--only $(ONLY)) $(if $(PROFILE_ONLY),--profile-only "$(PROFILE_ONLY)") \
+	  $(if $(TRAINER_ONLY),--trainer-only $(TRAINER_ONLY)) $(if $(TOTAL_S),--total-s $(TOTAL_S)); \
 	status=$$?; rm -f rlkernels/_C_prebuilt.so; exit $$status  # the copy never outlives the run
 
 # The same code on this CPU at tiny sizes, in a minute or two: checks the machinery, measures nothing.

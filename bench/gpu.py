@@ -536,6 +536,7 @@ def part_trainer(p: Part) -> dict:
         # a realistic update batch for the per-step numbers: 16 prompts x 8 samples x up to 64 new tokens
         one = {**base, "steps": 3, "prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64}
         run = {**base, "steps": 60}
+    pieces = {x.strip() for x in p.args.trainer_only.split(",") if x.strip()} or set(TRAINER_PIECES)
     steps = []
     # GRPO with activation checkpointing too: the update's peak is then the head's (the contract's "one GRPO step
     # on SmolLM2-135M: peak memory >= 3x lower than eager" compares the losses at the same model settings)
@@ -543,6 +544,8 @@ def part_trainer(p: Part) -> dict:
     for algo, ckpt in (("grpo", True), ("grpo", False), ("ppo", False)):
         for losses in ("fused", "eager"):
             row = {"algo": algo, "losses": losses, "gradient_checkpointing": ckpt}
+            if "rows" not in pieces:
+                continue
             if p.time_left() < 0:
                 steps.append({**row, "summary": "not run: part time budget spent"})
                 continue
@@ -552,18 +555,20 @@ def part_trainer(p: Part) -> dict:
             print(f"  {algo} {losses}{' checkpointed' if ckpt else ''}: step {s['step_s']:.3f} s, update peak "
                   f"{s['update_peak_mib']:.1f} MiB", flush=True)
     result = {"step_config": one, "steps": steps, "run_config": run}
-    if p.time_left() > 0:  # issue 16: one sharded GRPO run, memory per rank
+    if "sharded" in pieces and p.time_left() > 0:  # issue 16: one sharded GRPO run, memory per rank
         result["sharded"] = sharded_run({**one, "algo": "grpo", "losses": "fused"}, p)
-    if p.time_left() > 0:
+    if "run" in pieces and p.time_left() > 0:
         s = _train({**run, "algo": "grpo", "losses": "fused"}, p.device, measure_steps=False)
         result["run"] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
                                            "solved_last_fifth")}
         print(f"  {s['steps']} GRPO steps in {s['wall_s']} s: reward {s['reward_first_fifth']:.3f} (first fifth) -> "
               f"{s['reward_last_fifth']:.3f} (last fifth)", flush=True)
-    result["ok"] = "run" in result and all("step_s" in s for s in steps)
+    result["ok"] = ("run" in result or "run" not in pieces) and all("step_s" in s for s in steps)
     return {"trainer": result}
 
 
+# the trainer part's pieces (--trainer-only): the per-step rows, the sharded run, the learning run
+TRAINER_PIECES = ("rows", "sharded", "run")
 SHARDED_PROCESSES = 2
 
 
@@ -846,7 +851,12 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="bench part: comma-separated bench modules (default: all)")
     parser.add_argument("--memcheck-only", default="", help="memcheck part: case name prefixes (default: all)")
     parser.add_argument("--profile-only", default="", help="profile part: case name prefixes (default: all)")
+    parser.add_argument("--trainer-only", default="",
+                        help=f"trainer part: comma-separated pieces of {', '.join(TRAINER_PIECES)} (default: all)")
     args = parser.parse_args(argv)
+    unknown_pieces = {x.strip() for x in args.trainer_only.split(",") if x.strip()} - set(TRAINER_PIECES)
+    if unknown_pieces:
+        parser.error(f"--trainer-only: unknown {sorted(unknown_pieces)}; pieces: {', '.join(TRAINER_PIECES)}")
     parts = list(PARTS) if args.part == "all" else [x.strip() for x in args.part.split(",") if x.strip()]
     unknown = [x for x in parts if x not in PARTS]
     if unknown:
@@ -872,7 +882,10 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     out_dir = Path(args.out_dir or (ROOT / ("build/gpu-dry-run" if args.dry_run else "bench/results")))
     path = results_path(out_dir, device_name, date)
-    record = load_record(path)
+    # a copy under build/ (ignored by git: a warm device machine keeps it between calls, where the working tree's
+    # bench/results/ comes fresh from the caller's checkout) lets the parts of several calls merge into one record
+    staged = ROOT / "build" / "gpu-records" / path.name
+    record = load_record(staged) or load_record(path)  # staged: this machine's newest, a superset
     record.update(date=date, device=device_name, dry_run=args.dry_run, git_commit=git_commit(),
                   command="python -m bench --gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   env=environment(device))
@@ -888,5 +901,7 @@ def main(argv=None) -> int:
         ok = ok and part_ok
         print(f"== {name}: {'ok' if part_ok else 'FAILED'} in {record['seconds'][name]} s", flush=True)
         write_record(record, path)  # after every part: a later part that crashes keeps the earlier ones
+        if not args.dry_run:
+            write_record(record, staged)
     print(f"wrote {path} and {path.with_suffix('.md').name}", flush=True)
     return 0 if ok else 1

@@ -183,6 +183,32 @@ def test_time_flags_must_be_positive(flags, capsys):
     assert "must be > 0" in capsys.readouterr().err
 
 
+def test_trainer_only_names_its_pieces(capsys):
+    with pytest.raises(SystemExit):
+        gpu.main(["--dry-run", "--part", "env", "--trainer-only", "rows,learning"])
+    assert "--trainer-only: unknown ['learning']" in capsys.readouterr().err
+
+
+def test_trainer_part_runs_only_the_pieces_named(tmp_path, monkeypatch):
+    """--trainer-only rows: the per-step rows and nothing else (no sharded run, no learning run), and the part
+    says ok without the learning run it was not asked for."""
+    trained = []
+    monkeypatch.setattr(gpu, "_train", lambda values, device, measure_steps, before_update=None: trained.append(values)
+                        or {"step_s": 0.1, "update_peak_mib": 1.0})
+    monkeypatch.setattr(gpu, "sharded_run", lambda *a: pytest.fail("sharded run not asked for"))
+    args = gpu.argparse.Namespace(dry_run=True, trainer_only="rows", budget_s=60.0, wheels=str(tmp_path))
+    got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
+    assert len(got["steps"]) == 6 and len(trained) == 6 and "run" not in got and "sharded" not in got
+    assert got["ok"]
+    args.trainer_only = "run"
+    trained.clear()
+    monkeypatch.setattr(gpu, "_train", lambda values, device, measure_steps, before_update=None: trained.append(values)
+                        or {k: 1 for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
+                                           "solved_last_fifth")})
+    got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
+    assert got["steps"] == [] and got["run"]["steps"] == 1 and len(trained) == 1 and got["ok"]
+
+
 def test_pytest_workers_default_and_override():
     """As many xdist workers as cores (at most 16) on a GPU machine that has pytest-xdist, none in a dry run or
     without xdist; the flag wins."""
