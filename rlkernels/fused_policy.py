@@ -1323,10 +1323,14 @@ _RETURNS_DOC = """
 
     The backward only multiplies the gradients formed in the forward by the upstream scalar: a second
     backward (``retain_graph=True``) gives the same gradients; double backward (``create_graph=True``)
-    raises. Gradients are computed only for inputs that require them (with grad mode on). With an upstream
-    gradient of exactly 1 (``loss.backward()``) the stored gradients are handed out without a copy: under
-    ``torch.autograd.grad(..., retain_graph=True)`` the returned tensors are the ones a second backward hands
-    out again, so do not modify them in place (``.grad`` accumulation copies them while the graph is retained).
+    raises. Gradients are computed only for inputs that require them (with grad mode on). A stored gradient
+    already in its input's dtype is handed out without a copy: on the CPU as it is when the upstream gradient is
+    exactly 1 (``loss.backward()``), else scaled into a new tensor; on a GPU scaled in place by a kernel that
+    reads the upstream on the device and does nothing where it is 1 (no host read of it: no device sync, and a
+    CUDA graph can capture the step). Under ``torch.autograd.grad(..., retain_graph=True)`` the returned tensors
+    are the ones a second backward hands out again, so do not modify them in place (``.grad`` accumulation copies
+    them while the graph is retained). On a GPU a second backward with another upstream rescales the stored
+    gradient (for 16-bit gradients one more rounding), and after an upstream of 0 it raises.
 """
 
 
