@@ -200,7 +200,7 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     statistics: the time is the same), dh += dz @ W_j with a float32
     result and d_weight's slices dz.T @ hidden with 16-bit results (the two GEMMs as the backward calls them, chunk
     by chunk), the same two with the other output dtype (what the output dtype costs), and the labelled rows of
-    d_weight re-formed in float32 (fl._label_rows_exact, N random labels)."""
+    d_weight re-formed in float32 (fl._label_runs once, then fl._label_rows_of_chunk per chunk, N random labels)."""
     from rlkernels import fused_linear as fl
 
     opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
@@ -251,11 +251,13 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
             dz[:, : v1 - v0].T @ hidden  # [vc, H]
 
     def label_rows(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        # as the backward does it: the label runs planned once for every chunk, then chunk by chunk
         dw = torch.empty(vc, H, device=device, dtype=dtype)  # [vc, H] one slice of d_weight
-        for v0, v1 in chunks:
-            at = (labels >= v0) & (labels < v1)  # [N] the tokens labelled in this chunk
-            fl._label_rows_exact(dw[: v1 - v0], dz[:, : v1 - v0], hidden, labels[at] - v0,
-                                 g_logp[at, None] * hidden[at].float())  # [k, H] stand-in residual rows
+        valid = torch.ones(N, dtype=torch.bool, device=device)  # [N]
+        tok, _, _, starts = fl._labels_by_chunk(valid, labels, g_logp, vc, len(chunks))
+        runs = fl._label_runs(tok, labels[tok], vc, starts)
+        for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
+            fl._label_rows_of_chunk(dw[: v1 - v0], dz[:, : v1 - v0], hidden, g_logp, runs[j])
 
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {

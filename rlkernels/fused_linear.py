@@ -934,7 +934,8 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
     (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
     written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), the rows of
-    labelled columns then re-formed with their label residuals (:func:`_label_rows_exact`). No weight-sized float32
+    labelled columns then re-formed with their label residuals (:func:`_label_rows_of_chunk`, planned for every
+    chunk at once by :func:`_label_runs`: no host read inside the loop). No weight-sized float32
     buffer and no float32 slice of one: beyond the outputs, ``[N, H]`` float32 and the ``dz`` chunk, sized to
     ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
@@ -949,8 +950,10 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     dh = torch.zeros(N, H, dtype=torch.float32, device=dev)  # [N, H] (float32 inputs: d_hidden itself)
     d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
-    # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused)
-    tok, cols, _, starts = _labels_by_chunk(valid, safe, resid, vc, S)
+    # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused);
+    # 16-bit: per chunk, those tokens' runs of equal labels (the label rows' sums, planned here once)
+    tok, _, _, starts = _labels_by_chunk(valid, safe, resid, vc, S)
+    runs = _label_runs(tok, safe[tok], vc, starts) if low else None
     for j in range(S):
         v0, v1 = j * vc, min(V, (j + 1) * vc)
         dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
@@ -962,15 +965,14 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
-            k0, k1 = starts[j], starts[j + 1]
-            t_j, c_j = tok[k0:k1], cols[k0:k1]  # [k] the tokens labelled in this chunk, their columns
-            _label_rows_exact(d_weight[v0:v1], dz, hidden, c_j, resid[t_j, None] * hidden[t_j].float())
+            _label_rows_of_chunk(d_weight[v0:v1], dz, hidden, resid, runs[j])
         else:
             dh.addmm_(dz, w_j)
         if d_bias32 is not None:
             d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
-            if low:
-                _add_at_labels(d_bias32[v0:v1], c_j, resid[t_j])
+            if low and runs[j][1].numel():  # the label residuals summed per label in token order (no host read)
+                t_j, u_j, n_j = runs[j]  # [k], [u], [u]
+                d_bias32[v0:v1][u_j] += torch.segment_reduce(resid[t_j], "sum", lengths=n_j, axis=0, unsafe=True)
     if not low:
         return dh, d_weight, d_bias32
     r = torch.where(valid, resid, torch.zeros_like(resid))  # [N]
@@ -1037,8 +1039,28 @@ def _sum_by_label(labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tenso
     from run to run): the tokens sorted by label (stable), each label's run summed in token order
     (``segment_reduce``). ``labels`` [n] int64 (n > 0), ``rows`` [n, ...] float32."""
     y, order = torch.sort(labels, stable=True)  # [n]
-    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] each
-    return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0)  # [u], [u, ...]
+    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] each (a host read: its size)
+    # unsafe: no validation of the lengths (two more host reads); unique_consecutive's counts are valid
+    return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0, unsafe=True)  # [u], [u, ...]
+
+
+def _label_runs(tok: torch.Tensor, labels_of_tok: torch.Tensor, vchunk: int, starts: list[int]) -> list[tuple]:
+    """The vocabulary-outer backward's label rows, planned for every vocabulary chunk at once: per chunk ``j``,
+    ``(tokens [k_j] sorted by label (token order within a label), the chunk's distinct label columns [u_j], tokens
+    per label [u_j])``, which :func:`_sum_by_label` would give chunk by chunk (same order, so the same sums). Two
+    host reads in all, where chunk by chunk took one per chunk: each waits for the device to finish everything
+    queued (that chunk's dz kernel and GEMMs), and the next chunk's work is queued only after it. ``tok`` [k]
+    grouped by chunk in token order (:func:`_labels_by_chunk`, chunk ``j`` at ``starts[j]:starts[j + 1]``),
+    ``labels_of_tok`` [k] their labels."""
+    order = torch.argsort(labels_of_tok, stable=True)  # [k] still chunk-major: a chunk is a range of labels
+    tok, y = tok[order], labels_of_tok[order]  # [k]
+    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] (a host read: its size)
+    per_chunk = torch.bincount(torch.div(uniq, vchunk, rounding_mode="floor"), minlength=len(starts) - 1).tolist()
+    runs, u0 = [], 0
+    for j, u in enumerate(per_chunk):
+        runs.append((tok[starts[j]:starts[j + 1]], uniq[u0:u0 + u] - j * vchunk, counts[u0:u0 + u]))
+        u0 += u
+    return runs
 
 
 def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
@@ -1066,6 +1088,26 @@ def _label_rows_exact(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, 
     if cols.numel() == 0:
         return
     uniq, extra = _sum_by_label(cols, resid_rows)  # [u], [u, H]
+    _label_rows_from_sums(dw, dz, hidden, uniq, extra)
+
+
+def _label_rows_of_chunk(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, resid: torch.Tensor,
+                         run: tuple) -> None:
+    """The vocabulary-outer backward's :func:`_label_rows_exact` for one chunk, from its ``run`` (
+    :func:`_label_runs`: tokens by label [k], label columns [u], counts [u]) and the tokens' float32 label residuals
+    ``resid`` [N]; ``dw`` [vc, H] the chunk's 16-bit ``d_weight`` slice, ``dz`` [N, vc]. No host read."""
+    tok, uniq, counts = run
+    if uniq.numel():
+        # each label's residual rows summed in token order (unsafe: the counts are valid; no host read)
+        extra = torch.segment_reduce(resid[tok, None] * hidden[tok].float(), "sum", lengths=counts, axis=0,
+                                     unsafe=True)  # [u, H]
+        _label_rows_from_sums(dw, dz, hidden, uniq, extra)
+
+
+def _label_rows_from_sums(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, uniq: torch.Tensor,
+                          extra: torch.Tensor) -> None:
+    """:func:`_label_rows_exact` from its label sums: the distinct columns ``uniq`` [u] and each one's residual
+    rows summed in token order, ``extra`` [u, H] float32. No host read."""
     for a in range(0, uniq.numel(), _LABEL_ROWS):
         u = uniq[a:a + _LABEL_ROWS]  # [r]
         rows = _mm_f32(dz[:, u].T, hidden)  # [r, H] float32: the GEMM's sums, unrounded
