@@ -1404,3 +1404,37 @@ def test_reference_ignored_rows_give_no_gradient_even_when_nan():
 def test_zero_hidden_size_is_refused_naming_it():
     with pytest.raises(ValueError, match="H >= 1"):
         linear_logprobs(torch.randn(3, 0), torch.randn(7, 0), torch.tensor([1, 2, 3]))
+
+
+def test_vocabulary_outer_backward_reads_the_device_a_fixed_number_of_times(monkeypatch):
+    """On a GPU every read of a device result by the host (a size that depends on the data, a value) waits for
+    everything queued before it. The vocabulary-outer backward (16-bit, with a bias) plans its label rows for every
+    chunk at once: the host reads of a backward over 8 vocabulary chunks are those over 2 (counted here on the CPU:
+    nonzero, unique_consecutive, tolist, item, and segment_reduce without unsafe=True, which checks its lengths)."""
+    pytest.importorskip("triton")
+    reads = []
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            if name != "segment_reduce" or not kwargs.get("unsafe", False):
+                reads.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    for name in ("nonzero", "unique_consecutive", "segment_reduce"):
+        monkeypatch.setattr(torch, name, counted(name, getattr(torch, name)))
+    for name in ("nonzero", "tolist", "item"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(40, 32, 1024, bias=True, seed=9)
+    counts = {}
+    for chunks in (2, 8):
+        monkeypatch.setattr(fl_module, "_DZ_BUDGET_BYTES", 40 * (1024 // chunks) * 2)  # [40, 1024 / chunks] bf16
+        h, w, bb = (_leaf(x, torch.bfloat16) for x in (hidden, weight, b))
+        with forced_backend("triton"):
+            logp, ent = linear_logprobs(h, w, labels, bias=bb, return_entropy=True)
+            loss = (logp * g_logp).sum() + (ent * g_ent).sum()
+            reads.clear()
+            torch.autograd.grad(loss, (h, w, bb))
+        assert fl_module._vocab_chunk(40, 1024, torch.bfloat16, fl_module._tiles(torch.bfloat16, backward=True)) * chunks == 1024
+        counts[chunks] = sorted(reads)
+    assert counts[8] == counts[2], counts
