@@ -253,11 +253,10 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     def label_rows(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
         # as the backward does it: the label runs planned once for every chunk, then chunk by chunk
         dw = torch.empty(vc, H, device=device, dtype=dtype)  # [vc, H] one slice of d_weight
-        valid = torch.ones(N, dtype=torch.bool, device=device)  # [N]
-        tok, _, _, starts = fl._labels_by_chunk(valid, labels, g_logp, vc, len(chunks))
-        runs = fl._label_runs(tok, labels[tok], vc, starts)
+        tok = torch.arange(N, device=device)  # [N] every token has a label
+        runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
         for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
-            fl._label_rows_of_chunk(dw[: v1 - v0], dz[:, : v1 - v0], hidden, g_logp, runs[j])
+            fl._label_rows_of_chunk(dw[: v1 - v0], dz[:, : v1 - v0], hidden, g_logp, runs[j], v0)
 
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {

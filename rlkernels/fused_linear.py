@@ -952,8 +952,11 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
     # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused);
     # 16-bit: per chunk, those tokens' runs of equal labels (the label rows' sums, planned here once)
-    tok, _, _, starts = _labels_by_chunk(valid, safe, resid, vc, S)
-    runs = _label_runs(tok, safe[tok], vc, starts) if low else None
+    runs = None
+    if low:
+        tok = valid.nonzero().squeeze(1)  # [k] the tokens with a label
+        y = safe[tok]  # [k]
+        runs = _label_runs(torch.div(y, vc, rounding_mode="floor"), y, tok, S, V)
     for j in range(S):
         v0, v1 = j * vc, min(V, (j + 1) * vc)
         dz = dz_buf[: N * (v1 - v0)].view(N, v1 - v0)  # [N, vc]
@@ -965,14 +968,13 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
-            _label_rows_of_chunk(d_weight[v0:v1], dz, hidden, resid, runs[j])
+            _label_rows_of_chunk(d_weight[v0:v1], dz, hidden, resid, runs[j], v0)
         else:
             dh.addmm_(dz, w_j)
         if d_bias32 is not None:
             d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
-            if low and runs[j][1].numel():  # the label residuals summed per label in token order (no host read)
-                t_j, u_j, n_j = runs[j]  # [k], [u], [u]
-                d_bias32[v0:v1][u_j] += torch.segment_reduce(resid[t_j], "sum", lengths=n_j, axis=0, unsafe=True)
+            if low:  # the label residuals summed per label in token order (no host read)
+                _add_run(d_bias32, runs[j], resid[runs[j][0]])
     if not low:
         return dh, d_weight, d_bias32
     r = torch.where(valid, resid, torch.zeros_like(resid))  # [N]
@@ -997,6 +999,10 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
     dz = torch.empty(chunk, V, dtype=hidden.dtype, device=dev)  # [chunk, V] workspace
     resid = torch.zeros(chunk, dtype=torch.float32, device=dev)  # [chunk]
+    runs = None
+    if low:  # per chunk of tokens, its runs of equal labels, planned once (no host read inside the loop)
+        tok = valid.nonzero().squeeze(1)  # [k]
+        runs = _label_runs(torch.div(tok, chunk, rounding_mode="floor"), safe[tok], tok, cdiv(N, chunk), V)
     for c0 in range(0, N, chunk):
         c1 = min(N, c0 + chunk)
         n = c1 - c0
@@ -1022,11 +1028,12 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
                 d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
             else:
                 _addmm_f32(d_weight32, dz_c.T, h_c)
-            _add_at_labels(d_weight32, y_c, r_c[:, None] * h_c.float())
+            t_c = runs[c0 // chunk][0] - c0  # [k] the chunk's tokens with a label, by label, as rows of the chunk
+            _add_run(d_weight32, runs[c0 // chunk], r_c[t_c, None] * h_c[t_c].float())
         if d_bias32 is not None:
             d_bias32 += dz_c.sum(0, dtype=torch.float32)
             if low:
-                _add_at_labels(d_bias32, y_c, r_c)
+                _add_run(d_bias32, runs[c0 // chunk], r_c[runs[c0 // chunk][0] - c0])
     if d_weight32 is None:  # N == 0
         d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=dev)
     d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
@@ -1044,32 +1051,34 @@ def _sum_by_label(labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tenso
     return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0, unsafe=True)  # [u], [u, ...]
 
 
-def _label_runs(tok: torch.Tensor, labels_of_tok: torch.Tensor, vchunk: int, starts: list[int]) -> list[tuple]:
-    """The vocabulary-outer backward's label rows, planned for every vocabulary chunk at once: per chunk ``j``,
-    ``(tokens [k_j] sorted by label (token order within a label), the chunk's distinct label columns [u_j], tokens
-    per label [u_j])``, which :func:`_sum_by_label` would give chunk by chunk (same order, so the same sums). Two
-    host reads in all, where chunk by chunk took one per chunk: each waits for the device to finish everything
-    queued (that chunk's dz kernel and GEMMs), and the next chunk's work is queued only after it. ``tok`` [k]
-    grouped by chunk in token order (:func:`_labels_by_chunk`, chunk ``j`` at ``starts[j]:starts[j + 1]``),
-    ``labels_of_tok`` [k] their labels."""
-    order = torch.argsort(labels_of_tok, stable=True)  # [k] still chunk-major: a chunk is a range of labels
-    tok, y = tok[order], labels_of_tok[order]  # [k]
-    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] (a host read: its size)
-    per_chunk = torch.bincount(torch.div(uniq, vchunk, rounding_mode="floor"), minlength=len(starts) - 1).tolist()
-    runs, u0 = [], 0
-    for j, u in enumerate(per_chunk):
-        runs.append((tok[starts[j]:starts[j + 1]], uniq[u0:u0 + u] - j * vchunk, counts[u0:u0 + u]))
-        u0 += u
+def _label_runs(group: torch.Tensor, labels: torch.Tensor, tok: torch.Tensor, n_groups: int, V: int) -> list[tuple]:
+    """Per-label sums planned for every group of tokens at once (a backward's chunks): per group ``g``, ``(its
+    tokens [k_g] sorted by label -- token order within a label --, its distinct labels [u_g] ascending, tokens per
+    label [u_g])``, the runs :func:`_sum_by_label` would form group by group, in the same order (so the same
+    sums). Two host reads in all, where group by group took one per group: each waits for the device to finish
+    everything queued (the chunk's kernels and GEMMs), and the next chunk's work is queued only after it. ``tok``
+    [k] the tokens, ``group`` [k] each one's group in ``[0, n_groups)``, ``labels`` [k] each one's label in
+    ``[0, V)``."""
+    key = group * V + labels  # [k]: group-major, then label
+    order = torch.argsort(key, stable=True)  # [k]
+    tok, key = tok[order], key[order]
+    uniq, counts = torch.unique_consecutive(key, return_counts=True)  # [u] (a host read: its size)
+    sizes = torch.stack((torch.bincount(group, minlength=n_groups),  # tokens per group
+                         torch.bincount(torch.div(uniq, V, rounding_mode="floor"), minlength=n_groups))).tolist()
+    runs, k0, u0 = [], 0, 0
+    for g, (k, u) in enumerate(zip(*sizes)):
+        runs.append((tok[k0:k0 + k], uniq[u0:u0 + u] - g * V, counts[u0:u0 + u]))
+        k0, u0 = k0 + k, u0 + u
     return runs
 
 
-def _add_at_labels(acc: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> None:
-    """``acc[labels[i]] += rows[i]`` for every token ``i``, deterministically (:func:`_sum_by_label`), one write per
-    distinct label. ``acc`` [V, ...] float32, ``labels`` [n] int64, ``rows`` [n, ...] float32."""
-    if labels.numel() == 0:
-        return
-    uniq, sums = _sum_by_label(labels, rows)  # [u], [u, ...]
-    acc[uniq] += sums  # labels distinct: no index written twice
+def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor, offset: int = 0) -> None:
+    """``acc[label - offset] += rows[i]`` for the tokens of one group's ``run`` (:func:`_label_runs`), ``rows``
+    [k, ...] float32 in the run's token order, each label's rows summed in token order first (one write per
+    label, deterministic, no host read). ``acc`` [labels, ...] float32."""
+    _, uniq, counts = run
+    if uniq.numel():
+        acc[uniq - offset] += torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
 
 
 # Label rows of a 16-bit d_weight slice re-formed at a time by _label_rows_exact: [this, N] of dz gathered and a
@@ -1092,16 +1101,16 @@ def _label_rows_exact(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, 
 
 
 def _label_rows_of_chunk(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, resid: torch.Tensor,
-                         run: tuple) -> None:
-    """The vocabulary-outer backward's :func:`_label_rows_exact` for one chunk, from its ``run`` (
-    :func:`_label_runs`: tokens by label [k], label columns [u], counts [u]) and the tokens' float32 label residuals
-    ``resid`` [N]; ``dw`` [vc, H] the chunk's 16-bit ``d_weight`` slice, ``dz`` [N, vc]. No host read."""
+                         run: tuple, v0: int) -> None:
+    """The vocabulary-outer backward's :func:`_label_rows_exact` for the chunk of columns from ``v0``, from its
+    ``run`` (:func:`_label_runs`: tokens by label [k], labels [u], counts [u]) and the tokens' float32 label
+    residuals ``resid`` [N]; ``dw`` [vc, H] the chunk's 16-bit ``d_weight`` slice, ``dz`` [N, vc]. No host read."""
     tok, uniq, counts = run
     if uniq.numel():
         # each label's residual rows summed in token order (unsafe: the counts are valid; no host read)
         extra = torch.segment_reduce(resid[tok, None] * hidden[tok].float(), "sum", lengths=counts, axis=0,
                                      unsafe=True)  # [u, H]
-        _label_rows_from_sums(dw, dz, hidden, uniq, extra)
+        _label_rows_from_sums(dw, dz, hidden, uniq - v0, extra)
 
 
 def _label_rows_from_sums(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, uniq: torch.Tensor,

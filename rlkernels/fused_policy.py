@@ -794,6 +794,12 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
     tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
     y_all = labels.reshape(N)  # [N]
+    run_of = {}  # 16-bit: per chunk (by its first token), its tokens' runs of equal labels, planned once
+    if low and chunks:
+        tok = ((y_all != opt.ignore_index) & (y_all >= 0) & (y_all < V)).nonzero().squeeze(1)  # [k] labelled tokens
+        ends = torch.tensor([t1 for _, t1 in chunks], device=dev)  # [chunks]
+        runs = _fl._label_runs(torch.bucketize(tok, ends, right=True), y_all[tok], tok, len(chunks), V)
+        run_of = {t0: run for (t0, _), run in zip(chunks, runs)}
 
     def chunk(t0, t1):
         h_c = h[t0:t1]  # [n, H]
@@ -817,11 +823,12 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
                     _fl._label_rows_exact(d_weight, dz, h_c, safe[ok], resid[ok, None] * h_c[ok].float())
                 elif d_weight is not None:
                     _fl._addmm_f32(d_weight, dz.T, h_c)
-                    _fl._add_at_labels(d_weight, safe, resid[:, None] * h_c.float())
+                    t_c = run_of[t0][0] - t0  # [k] the chunk's tokens with a label, by label, as rows of the chunk
+                    _fl._add_run(d_weight, run_of[t0], resid[t_c, None] * h_c[t_c].float())
             if d_bias is not None:
                 d_bias.add_(dz.sum(0, dtype=torch.float32))
                 if low:
-                    _fl._add_at_labels(d_bias, safe, resid)
+                    _fl._add_run(d_bias, run_of[t0], resid[run_of[t0][0] - t0])
 
         return None, apply
 

@@ -1406,11 +1406,13 @@ def test_zero_hidden_size_is_refused_naming_it():
         linear_logprobs(torch.randn(3, 0), torch.randn(7, 0), torch.tensor([1, 2, 3]))
 
 
-def test_vocabulary_outer_backward_reads_the_device_a_fixed_number_of_times(monkeypatch):
+@pytest.mark.parametrize("order", ["vocabulary", "tokens"])
+def test_backward_reads_the_device_a_fixed_number_of_times(order, monkeypatch):
     """On a GPU every read of a device result by the host (a size that depends on the data, a value) waits for
-    everything queued before it. The vocabulary-outer backward (16-bit, with a bias) plans its label rows for every
-    chunk at once: the host reads of a backward over 8 vocabulary chunks are those over 2 (counted here on the CPU:
-    nonzero, unique_consecutive, tolist, item, and segment_reduce without unsafe=True, which checks its lengths)."""
+    everything queued before it. The 16-bit backward (with a bias) plans its label sums for every chunk at once,
+    in both loop orders: the host reads of a backward over several chunks are those over two (counted here on the
+    CPU: nonzero, unique_consecutive, tolist, item, and segment_reduce without unsafe=True, which checks its
+    lengths)."""
     pytest.importorskip("triton")
     reads = []
 
@@ -1425,16 +1427,19 @@ def test_vocabulary_outer_backward_reads_the_device_a_fixed_number_of_times(monk
         monkeypatch.setattr(torch, name, counted(name, getattr(torch, name)))
     for name in ("nonzero", "tolist", "item"):
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
-    hidden, weight, b, labels, g_logp, g_ent = _inputs(40, 32, 1024, bias=True, seed=9)
-    counts = {}
-    for chunks in (2, 8):
-        monkeypatch.setattr(fl_module, "_DZ_BUDGET_BYTES", 40 * (1024 // chunks) * 2)  # [40, 1024 / chunks] bf16
+    N, V = (40, 1024) if order == "vocabulary" else (320, 200)
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, 32, V, bias=True, seed=9)
+    launches = _record_dz_launches(monkeypatch)
+    counts, chunks = {}, {}
+    for parts in (2, 5):  # a dz workspace of about 1 / parts of [N, V] in bf16 (the chunks end on whole tiles)
+        monkeypatch.setattr(fl_module, "_DZ_BUDGET_BYTES", N * V * 2 // parts)
         h, w, bb = (_leaf(x, torch.bfloat16) for x in (hidden, weight, b))
         with forced_backend("triton"):
             logp, ent = linear_logprobs(h, w, labels, bias=bb, return_entropy=True)
             loss = (logp * g_logp).sum() + (ent * g_ent).sum()
             reads.clear()
+            launches.clear()
             torch.autograd.grad(loss, (h, w, bb))
-        assert fl_module._vocab_chunk(40, 1024, torch.bfloat16, fl_module._tiles(torch.bfloat16, backward=True)) * chunks == 1024
-        counts[chunks] = sorted(reads)
-    assert counts[8] == counts[2], counts
+        chunks[parts], counts[parts] = len(launches), sorted(reads)
+    assert 2 <= chunks[2] < chunks[5], chunks  # more chunks, ...
+    assert counts[5] == counts[2], counts  # ... the same host reads
