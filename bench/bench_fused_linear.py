@@ -110,8 +110,10 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
     }
     if device.type == "cuda":  # the whole step (forward and backward) with each forward kernel named (the default:
         # "tma" on sm_90, else "split"); the backward takes the dz kernel that pairs with it (fused_linear._bwd_tiles)
+        from rlkernels.fused_linear import FWD_KERNEL_ENV
+
         for name in ("split", "tma"):
-            providers[f"rlkernels fwd {name}"] = _whole_step(name)
+            providers[f"rlkernels fwd {name}"] = harness.with_env(FWD_KERNEL_ENV, name, _step(_rlkernels))
     providers.update(_peers(device))
     return Case(
         op="linear_logprobs fwd+bwd",
@@ -122,20 +124,6 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
         make_inputs=make_inputs,
         providers=providers,
     )
-
-
-def _whole_step(name: str):
-    """fwd+bwd with ``$RLKERNELS_LINEAR_FWD`` set to ``name`` through the backward too (which reads it again)."""
-    from bench.harness import env_set
-    from rlkernels import fused_linear
-
-    inner = _step(_rlkernels)
-
-    def step(hidden, weight, labels, g_logp, g_ent):
-        with env_set(fused_linear.FWD_KERNEL_ENV, name):
-            return inner(hidden, weight, labels, g_logp, g_ent)
-
-    return step
 
 
 def _forward_kernel(name: str):

@@ -71,14 +71,6 @@ def _step(fn):
     return step
 
 
-def _with_env(name: str, value: str, step):
-    def run(*args):
-        with harness.env_set(name, value):
-            return step(*args)
-
-    return run
-
-
 def _peers(device: torch.device) -> dict:
     def liger():
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -117,7 +109,8 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
     if device.type == "cuda":  # the three-GEMM op with its kernel 1 named (the default on sm_90: "tma", storing
         # the tile by TMA; else "split", _fwd_kernel): RLKERNELS_LINEAR_FWD held through the step
         for name in ("split", "tma"):
-            providers[f"rlkernels kernel 1 {name}"] = _with_env("RLKERNELS_LINEAR_FWD", name, providers["rlkernels"])
+            providers[f"rlkernels kernel 1 {name}"] = harness.with_env("RLKERNELS_LINEAR_FWD", name,
+                                                                          providers["rlkernels"])
     providers.update(_peers(device))
     if only:  # a case that measures some providers only (its shape says which were left out)
         providers = {k: v for k, v in providers.items() if k in only}

@@ -262,6 +262,16 @@ def env_set(name: str, value: str):
             os.environ[name] = old
 
 
+def with_env(name: str, value: str, step: Callable) -> Callable:
+    """``step`` with the environment variable ``name`` set to ``value`` for each call (:func:`env_set`)."""
+
+    def run(*args):
+        with env_set(name, value):
+            return step(*args)
+
+    return run
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     old = torch.get_num_threads()

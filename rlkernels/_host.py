@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers  # Function.apply's step
 
 # Triton's names for the tensor dtypes the kernels load (ahead-of-time signatures use them).
 TRITON_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -199,9 +200,6 @@ def call(op, *args):
         with torch.no_grad():
             return _BODIES[op](*args)
     return _BODIES[op](*args)
-
-
-from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers  # noqa: E402  (Function.apply's step)
 
 
 def autograd_function(name: str, op, setup_context, backward) -> type:

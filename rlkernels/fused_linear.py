@@ -612,12 +612,12 @@ def aot_configs() -> list[KernelConfig]:
     return configs
 
 
-def fwd_tma_config(ty: str, has_bias: bool, store_z: bool, t: _PersistentTiles | None = None) -> KernelConfig:
-    """``_fwd_kernel_tma``'s configuration for ``ty`` ("bf16"/"fp16") inputs with tiles ``t`` (default
-    ``_TMA_TILES``); ``store_z``: the float32 logits stored too (rlkernels.fused_policy's kernel 1)."""
+def fwd_tma_config(ty: str, has_bias: bool, store_z: bool) -> KernelConfig:
+    """``_fwd_kernel_tma``'s configuration for ``ty`` ("bf16"/"fp16") inputs with ``_TMA_TILES``; ``store_z``: the
+    float32 logits stored too (rlkernels.fused_policy's kernel 1)."""
     from rlkernels.testing.aot import KernelConfig
 
-    t = t or _TMA_TILES
+    t = _TMA_TILES
     consts = {"HAS_BIAS": has_bias, "DOT_F32": False, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v,
               "BLOCK_K": t.block_k, "SPLIT_TILES": t.split_tiles, "GROUP_N": t.group_n, "FLATTEN": t.flatten,
               "STORE_Z": store_z}
@@ -730,15 +730,14 @@ def _persistent_launch(hidden: torch.Tensor, weight: torch.Tensor, items: int, t
     return (min(items, programs),), h_desc, w_desc
 
 
-def _launch_fwd_tma(hidden, weight, labels, bias, part, temperature: float, z: torch.Tensor | None = None,
-                    t: _PersistentTiles | None = None) -> None:
-    """``_fwd_kernel_tma`` with ``t`` (default ``_TMA_TILES``) on a persistent grid (``ctas_per_sm`` programs per
-    SM, at most one per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does, and with
+def _launch_fwd_tma(hidden, weight, labels, bias, part, temperature: float, z: torch.Tensor | None = None) -> None:
+    """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
+    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does, and with
     ``z`` (a contiguous float32 ``[N, V]``, 16-byte aligned rows: :func:`_tma_store_ok`) the logits / T there too.
     ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned rows), ``labels`` [N] int64, ``bias`` [V] or None."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    t = t or _TMA_TILES
+    t = _TMA_TILES
     N, V = hidden.shape[0], weight.shape[0]
     items = cdiv(N, t.block_n) * cdiv(V, t.split_tiles * t.block_v)
     grid, h_desc, w_desc = _persistent_launch(hidden, weight, items, t)
@@ -1072,13 +1071,13 @@ def _label_runs(group: torch.Tensor, labels: torch.Tensor, tok: torch.Tensor, n_
     return runs
 
 
-def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor, offset: int = 0) -> None:
-    """``acc[label - offset] += rows[i]`` for the tokens of one group's ``run`` (:func:`_label_runs`), ``rows``
+def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor) -> None:
+    """``acc[label] += rows[i]`` for the tokens of one group's ``run`` (:func:`_label_runs`), ``rows``
     [k, ...] float32 in the run's token order, each label's rows summed in token order first (one write per
     label, deterministic, no host read). ``acc`` [labels, ...] float32."""
     _, uniq, counts = run
     if uniq.numel():
-        acc[uniq - offset] += torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
+        acc[uniq] += torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
 
 
 # Label rows of a 16-bit d_weight slice re-formed at a time by _label_rows_exact: [this, N] of dz gathered and a

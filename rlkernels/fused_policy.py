@@ -510,7 +510,7 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
 
 
 class _LogprobsTile:
-    """The engine of ``logits_policy_loss`` for :func:`_run_chunks`, on both rows, over ONE chunk of all ``N``
+    """The engine of ``logits_policy_loss`` for :func:`_run_chunks` (its torch row), over ONE chunk of all ``N``
     tokens: the logprobs op's own forward (:mod:`rlkernels.softmax`, ``forward``) gives the statistics, and its
     backward (``backward_into``) writes ``d_logits`` in place, so :func:`_run_chunks`' apply step has nothing to do.
     The logits go in as their ``[O, I, V]`` view (:func:`rlkernels.softmax._as_rows`: no copy unless their strides
@@ -714,7 +714,8 @@ class _TritonTile:
         self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if self.low else self.z  # [n, V]
         self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
         self.part = torch.empty(4, self.S, n_max, dtype=torch.float32, device=dev)  # m, s, u, zy per split
-        self.flags = _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden), self.t)
+        self.flags = None if self.tma else _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden),
+                                                             self.t)  # _fwd_kernel's
         self.opt = opt
 
     def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
@@ -967,9 +968,6 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
             empty if d_logits is None else d_logits.reshape(B, T, V))
 
 
-_logits_triton_chunked = _logits_with(_sm._triton_forward, _sm._triton_backward_into)
-
-
 def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     """The "pair" Triton row: the logprobs forward kernel over all ``N = B·T`` tokens (the statistics: one read of
     the logits), the policy loss's own kernels on the ``[B, T]`` log-probs (its per-token terms and coefficients,
@@ -981,8 +979,6 @@ def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, op
     token is passed to the backward kernel as ignored: its ``d_logits`` row is exactly 0 without its logits being
     read, where 0 times their NaN/inf would reach the gradient. Same outputs as :func:`_logits_torch`."""
     B, T, V = logits.shape
-    if B * T == 0:
-        return _logits_triton_chunked(logits, labels, old_logp, advantages, mask, ref_logp, opt)
     sopt = _sm.LogprobsOptions(opt.temperature, opt.with_entropy, opt.ignore_index)
     logp, ent, stats = _sm._triton_forward(logits, labels, sopt)  # [B, T] float32 each (entropy 0 unless asked), [B, T, 2]
     old = logp if old_logp is None else old_logp  # on-policy: the ratio is 1
