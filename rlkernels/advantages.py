@@ -659,11 +659,13 @@ def _group_triton(scores, group_size, index, mode, eps):
     out = torch.empty_like(s)  # [N]
     if N == 0:
         return out
-    perm, starts, counts = _group_layout(s, group_size, index)  # [N] or [0], [G + 1], [G] or None
-    G = starts.numel() - 1
-    if counts is None:
+    if index is None:  # contiguous groups: no permutation or starts to build (the kernels compute the positions)
+        G = N // group_size
+        perm = starts = torch.empty(1, dtype=torch.int64, device=s.device)  # [1]: placeholders, never read
         smallest = largest = group_size
     else:  # one read of both on the host (torch.unique has synchronised already)
+        perm, starts, counts = _group_layout(s, group_size, index)  # [N], [G + 1], [G]
+        G = starts.numel() - 1
         smallest, largest = (int(c) for c in torch.stack(torch.aminmax(counts)).tolist())
     if smallest == largest <= _GROUP_TILE_GS[-1]:  # groups of one size: contiguous, or equal runs of perm
         gs = next(c for c in _GROUP_TILE_GS if c >= largest)
@@ -677,7 +679,7 @@ def _group_triton(scores, group_size, index, mode, eps):
         return out
     kwargs = {"num_warps": _GROUP_WARPS} if s.is_cuda else {}
     _group_kernel.launch(
-        (G,), s, out, perm if index is not None else starts, starts, group_size or 0, float(eps),
+        (G,), s, out, perm, starts, group_size or 0, float(eps),
         MODE=GROUP_MODES.index(mode), HAS_INDEX=index is not None, BLOCK=_GROUP_BLOCK, **kwargs,
     )
     return out

@@ -107,14 +107,23 @@ def alias_bundled_trainer() -> None:
         rlkernels.__path__.append(root)
 
 
-def on_device(device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def on_device(device, *tensors: torch.Tensor, keep_offset: bool = False) -> tuple[torch.Tensor, ...]:
     """``tensors`` on ``device`` with their strides kept (``Tensor.to`` makes a sliced or strided view
-    contiguous on another device, which would test another layout); the same objects when already there."""
+    contiguous on another device, which would test another layout); the same objects when already there.
+    ``keep_offset``: each also starts as far into a fresh storage as it does into its own (a slice ``x[1:]`` of
+    float32 stays 4 bytes past a 16-byte boundary), for tests of the kernels' misaligned paths."""
     device = torch.device(device)
-    return tuple(
-        t if t.device == device else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
-        for t in tensors
-    )
+
+    def moved(t):
+        if t.device == device:
+            return t
+        if not keep_offset or t.storage_offset() == 0:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+        span = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1  # elements
+        storage = torch.empty(span, dtype=t.dtype, device=device)  # [span]
+        return storage.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(t)
+
+    return tuple(moved(t) for t in tensors)
 
 
 def recording_head(rows: list):

@@ -62,10 +62,11 @@ def run(backend, fn, *args, **kwargs):
 
 
 def run_on(device, backend, fn, *args, **kwargs):
-    """``run`` with every tensor argument moved to ``device`` (strides kept) and the outputs brought back to
-    the CPU, where the tests compare them with the float64 truth."""
-    args = [on_device(device, a)[0] if isinstance(a, torch.Tensor) else a for a in args]
-    kwargs = {k: on_device(device, v)[0] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    """``run`` with every tensor argument moved to ``device`` (strides and storage offsets kept) and the outputs
+    brought back to the CPU, where the tests compare them with the float64 truth."""
+    args = [on_device(device, a, keep_offset=True)[0] if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = {k: on_device(device, v, keep_offset=True)[0] if isinstance(v, torch.Tensor) else v
+              for k, v in kwargs.items()}
     out = run(backend, fn, *args, **kwargs)
     return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
 
@@ -253,11 +254,16 @@ def check_group(backend, scores, group_size=None, index=None, mode="grpo", devic
 def test_group_contiguous(device, backend, mode, csrc_ops):
     gen = torch.Generator().manual_seed(7)
     # 1-1100: Triton's tile kernel (many groups per program, padded columns, a partial last tile; one group of
-    # 1100 per program); 5000: one program per group, in a loop. CUDA kernel: up to 32 a warp's lane segments of
-    # 1-32 lanes (3, 5, 31: segments with idle lanes), past 32 a warp per group; 3 x 1000 groups span many blocks
-    for group_size, groups in ((1, 6), (2, 6), (3, 1000), (5, 6), (16, 6), (31, 6), (32, 6), (33, 6), (64, 6),
-                               (1100, 6), (5000, 6)):
-        scores = torch.randn(group_size * groups, generator=gen) * 3 + 1
+    # 1100 per program); 5000: one program per group, in a loop. CUDA kernel: up to 256 a warp's lane segments of
+    # 1-32 lanes holding 8 scores each -- 16-byte loads where the size is a multiple of 4 (12, 16, 32, 64, 100, 256;
+    # 100: a lane half-full), scalar ones otherwise (3, 5, 31, 33, 129, 255: lanes and segments with idle slots) --,
+    # past 256 a warp per group (257); 3 x 1000 groups span many blocks. `offset`: the scores start one float into
+    # their storage, so the CUDA kernel's 16-byte path is refused for a misaligned pointer
+    for group_size, groups, offset in ((1, 6, 0), (2, 6, 0), (3, 1000, 0), (5, 6, 0), (12, 6, 0), (12, 6, 1),
+                                       (16, 6, 0), (16, 300, 1), (31, 6, 0), (32, 6, 0), (33, 6, 0), (64, 6, 0),
+                                       (100, 6, 0), (129, 6, 0), (255, 6, 0), (256, 6, 0), (257, 6, 0), (1100, 6, 0),
+                                       (5000, 6, 0)):
+        scores = (torch.randn(offset + group_size * groups, generator=gen) * 3 + 1)[offset:]  # [group_size * groups]
         scores[group_size : 2 * group_size] = 0.7  # a constant group
         out = check_group(backend, scores, group_size, mode=mode, device=device)
         assert torch.all(out[group_size : 2 * group_size] == 0)
