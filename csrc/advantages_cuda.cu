@@ -211,17 +211,7 @@ __device__ __forceinline__ double warp_sum(double x) {
   return x;
 }
 
-// The statistics in double, as the CPU kernel keeps them (the op is memory bound): exact to float32 rounding
-// for any group size, and scores up to float32's 3.4e38 neither overflow the sum nor the squared deviations.
-// (They were float32 with power-of-two scaling past 2^32: on an H100, groups of 6000 huge scores came out with
-// 18 float32 ulps of error, from the float32 sum of ~190 scores per lane.)
-// The scale of (s - mean) for n scores: grpo 1/(std + eps) with the unbiased std, dr_grpo 1, rloo n/(n-1)
-// (s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)).
-__device__ __forceinline__ double group_scale(int mode, double n, double ssq, float eps) {
-  if (mode == 0) return 1.0 / (sqrt(ssq / fmax(n - 1.0, 1.0)) + static_cast<double>(eps));
-  if (mode == 1) return 1.0;
-  return n / fmax(n - 1.0, 1.0);
-}
+#include "group_segment_kernel.h"  // group_scale, group_segment_kernel, plan_group_segments
 
 __global__ void __launch_bounds__(kGroupWarps * 32)
     group_kernel(const float* __restrict__ s, float* __restrict__ out, const int64_t* __restrict__ perm,
@@ -253,79 +243,6 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
   for (int64_t i = lo + lane; i < hi; i += 32) {
     const int64_t j = at(i);
     out[j] = zero ? 0.f : static_cast<float>((static_cast<double>(s[j]) - mean) * scale);
-  }
-}
-
-constexpr int kSegmentThreads = 256;
-constexpr int kSegmentItems = 8;  // consecutive scores per lane: two 16-byte loads where aligned
-
-// Contiguous groups of group_size <= 32 * kSegmentItems = 256 scores: a group takes a segment of `width` lanes
-// (the power of two >= ceil(group_size / 8)); segment k of a warp holds group warp * (32 / width) + k, and lane p
-// of it the group's scores [8p, 8p + 8) (those past group_size: nothing). The same statistics as group_kernel, in
-// double, summed over the lane's scores, then over the segment's lanes by shuffles.
-// Why 8 per lane: with one score per lane (before), each thread's double shuffles, divide and square root cost
-// ~250 SASS instructions per score (2^20 scores in groups of 16 took 15.2 us on an H200 against a 2 us memory
-// bound); 8 per lane pays them once per 8 scores, and 2^20 scores take 2^17 threads (under one wave on 132 SMs).
-// kVec: 16-byte loads and stores (the caller checks group_size % 4 == 0 and 16-byte aligned pointers, so each
-// half of a lane's 8 scores is wholly inside its group or wholly past it).
-template <bool kVec>
-__global__ void __launch_bounds__(kSegmentThreads, 5)  // 48 registers, no spills (6: 40, spilled)
-    group_segment_kernel(const float* __restrict__ s, float* __restrict__ out, int64_t G, int group_size, int width,
-                         int mode, float eps) {
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kSegmentThreads + threadIdx.x;
-  const int lane = threadIdx.x & 31;
-  const int pos = (lane & (width - 1)) * kSegmentItems;  // the lane's first score within its group
-  const int64_t g = (thread >> 5) * (32 / width) + lane / width;
-  const bool group_ok = g < G;
-  const int64_t i = g * group_size + pos;
-  float x[kSegmentItems];
-  bool in[kSegmentItems];
-#pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) in[k] = group_ok && pos + k < group_size;
-  if (kVec) {
-#pragma unroll
-    for (int h = 0; h < kSegmentItems; h += 4) {
-      const float4 v = in[h] ? *reinterpret_cast<const float4*>(s + i + h) : make_float4(0.f, 0.f, 0.f, 0.f);
-      x[h] = v.x, x[h + 1] = v.y, x[h + 2] = v.z, x[h + 3] = v.w;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kSegmentItems; ++k) x[k] = in[k] ? s[i + k] : 0.f;
-  }
-  const float first = __shfl_sync(0xffffffffu, x[0], 0, width);  // the segment's lane 0: the group's first score
-  double sum = 0.0;
-  int differ = 0;
-#pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) {
-    sum += in[k] ? static_cast<double>(x[k]) : 0.0;
-    differ += in[k] && (x[k] != first);  // NaN != NaN: a group with NaN is never constant
-  }
-  for (int d = width >> 1; d > 0; d >>= 1) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, d, width);
-    differ += __shfl_xor_sync(0xffffffffu, differ, d, width);
-  }
-  const double n = static_cast<double>(group_size);
-  const double mean = sum / n;
-  double ssq = 0.0;
-#pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) {
-    const double dev = in[k] ? static_cast<double>(x[k]) - mean : 0.0;
-    ssq += dev * dev;
-  }
-  for (int d = width >> 1; d > 0; d >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, d, width);
-  const bool zero = differ == 0 || group_size < 2;
-  const double scale = group_scale(mode, n, ssq, eps);
-  float y[kSegmentItems];
-#pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) y[k] = zero ? 0.f : static_cast<float>((static_cast<double>(x[k]) - mean) * scale);
-  if (kVec) {
-#pragma unroll
-    for (int h = 0; h < kSegmentItems; h += 4)
-      if (in[h]) *reinterpret_cast<float4*>(out + i + h) = make_float4(y[h], y[h + 1], y[h + 2], y[h + 3]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kSegmentItems; ++k)
-      if (in[k]) out[i + k] = y[k];
   }
 }
 
@@ -524,22 +441,11 @@ int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask,
 int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G,
                      int64_t group_size, int mode, float eps, cudaStream_t stream) {
   if (G == 0) return 0;
-  if (starts == nullptr && perm == nullptr && group_size >= 1 && group_size <= 32 * kSegmentItems) {
-    const int lanes = static_cast<int>((group_size + kSegmentItems - 1) / kSegmentItems);
-    int width = 1;
-    while (width < lanes) width <<= 1;
-    const int64_t groups_per_block = (kSegmentThreads / 32) * (32 / width);
-    const unsigned blocks = static_cast<unsigned>((G + groups_per_block - 1) / groups_per_block);
-    const bool vec = group_size % kSegmentItems == 0 && reinterpret_cast<uintptr_t>(scores) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    if (vec) {
-      group_segment_kernel<true><<<blocks, kSegmentThreads, 0, stream>>>(scores, out, G, static_cast<int>(group_size),
-                                                                          width, mode, eps);
-    } else {
-      group_segment_kernel<false><<<blocks, kSegmentThreads, 0, stream>>>(scores, out, G,
-                                                                           static_cast<int>(group_size), width, mode,
-                                                                           eps);
-    }
+  const SegmentPlan plan = plan_group_segments(G, group_size, scores, out);
+  if (starts == nullptr && perm == nullptr && plan.usable) {
+    auto kernel = plan.vec ? group_segment_kernel<true> : group_segment_kernel<false>;
+    kernel<<<plan.blocks, kSegmentThreads, 0, stream>>>(scores, out, G, static_cast<int>(group_size), plan.width, mode,
+                                                        eps);
     return static_cast<int>(cudaGetLastError());
   }
   const int64_t blocks = (G + kGroupWarps - 1) / kGroupWarps;

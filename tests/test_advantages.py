@@ -962,3 +962,79 @@ def test_cuda_default_is_the_measured_kernel(monkeypatch):
     monkeypatch.setattr(adv_mod.backends, "resolve", spy)
     rlkernels.gae(torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool))
     assert seen["cpu"] == "csrc"
+
+
+# ---------------------------------------------------------------- the CUDA group kernel's source, emulated on the CPU
+
+EMULATED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulated")
+
+
+@pytest.fixture(scope="module")
+def emulated_group_kernel(tmp_path_factory):
+    """``csrc/group_segment_kernel.h`` (the CUDA kernel for contiguous groups of up to 256 scores and its launch
+    plan) built with the host compiler under ``tests/cuda_emulated/cuda_warp_emulator.h`` (a warp's 32 lanes as 32
+    threads, shuffles through barriers) and AddressSanitizer where the compiler has it: a runner ``(scores, group_size,
+    mode, offset) -> (outputs, plan)``."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = str(tmp_path_factory.mktemp("emulated") / "group_segment")
+    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
+            os.path.join(EMULATED_DIR, "group_segment_main.cpp"), "-o", exe]
+    built = subprocess.run(base[:1] + ["-fsanitize=address"] + base[1:], capture_output=True, text=True)
+    if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
+        built = subprocess.run(base, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+
+    def run(scores: torch.Tensor, group_size: int, mode: str, offset: int = 0):
+        G = scores.numel() // group_size
+        done = subprocess.run([exe, str(G), str(group_size), str(reference.GROUP_MODES.index(mode)), "1e-6", str(offset)],
+                              input=scores.float().numpy().tobytes(), capture_output=True)
+        assert done.returncode in (0, 4), done.stderr.decode()[-3000:]  # 4: the plan refused the group size
+        usable, vec, width, blocks = (int(v) for v in done.stderr.decode().split()[:4])
+        plan = dict(usable=usable, vec=vec, width=width, blocks=blocks)
+        if done.returncode == 4:
+            return None, plan
+        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), plan  # [N]
+
+    return run
+
+
+@pytest.mark.parametrize("mode", reference.GROUP_MODES)
+def test_cuda_group_kernel_source_matches_float64_truth_under_a_warp_emulator(emulated_group_kernel, mode):
+    """The CUDA kernel's own source on the CPU: every group size it takes (1..256: segments of 1-32 lanes of 8
+    scores, idle lanes and slots, the 16-byte path for sizes that are multiples of 4 on aligned memory and the scalar
+    one otherwise or when misaligned), group counts that leave the last block part-filled, a constant group (exactly
+    0), a NaN group (NaN there only) and scores near 3e38 (the float64 statistics). AddressSanitizer fails the run on
+    any access outside the scores and outputs."""
+    gen = torch.Generator().manual_seed(21)
+    for group_size in (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 32, 33, 63, 64, 100, 127, 128, 129, 200, 255, 256):
+        G = 37 if group_size <= 64 else 11
+        scores = torch.randn(G * group_size, generator=gen) * 3 + 1  # [N]
+        scores[group_size:2 * group_size] = 0.7  # a constant group
+        if group_size > 1:
+            scores[5 * group_size + 1] = float("nan")  # group 5 is NaN throughout
+        scores[-group_size:] *= 1e38 / scores[-group_size:].abs().max()  # the last group near float32's largest
+        truth = reference.group_advantages(scores.double(), group_size, mode=mode)  # [N]
+        for offset in (0, 1):
+            out, plan = emulated_group_kernel(scores, group_size, mode, offset)
+            assert plan["usable"] == 1 and plan["vec"] == (group_size % 4 == 0 and offset == 0), (group_size, offset, plan)
+            assert plan["width"] == 1 << max(0, (group_size + 7) // 8 - 1).bit_length(), (group_size, plan)
+            assert torch.equal(torch.isnan(out), torch.isnan(truth)), (group_size, offset)
+            assert torch.all(out[group_size:2 * group_size] == 0), (group_size, offset)
+            finite = torch.isfinite(truth)
+            assert torch.equal(torch.isfinite(out), finite), (group_size, offset)
+            body = slice(0, (G - 1) * group_size)  # all but the huge group: the float32 tolerance
+            assert rel_error(out[body][finite[body]], truth[body][finite[body]]) <= REL_TOL[torch.float32], (group_size, offset)
+            last = slice((G - 1) * group_size, None)  # the huge group: within float32 rounding of its own scale
+            scale = truth[last].abs().max().clamp(min=1.0)
+            assert ((out[last].double() - truth[last]).abs() <= 4e-7 * scale).all(), (group_size, offset)
+
+
+def test_cuda_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kernel):
+    """Past 256 scores per group the plan refuses (group_advantages then takes the one-warp-per-group kernel)."""
+    for group_size in (257, 300):
+        out, plan = emulated_group_kernel(torch.randn(2 * group_size), group_size, "grpo")
+        assert out is None and plan["usable"] == 0, plan
+    out, plan = emulated_group_kernel(torch.randn(2 * 256), 256, "grpo")
+    assert out is not None and plan == dict(usable=1, vec=1, width=32, blocks=1)
