@@ -969,22 +969,28 @@ def test_cuda_default_is_the_measured_kernel(monkeypatch):
 EMULATED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulated")
 
 
-@pytest.fixture(scope="module")
-def emulated_group_kernel(tmp_path_factory):
-    """``csrc/group_segment_kernel.h`` (the CUDA kernel for contiguous groups of up to 256 scores and its launch
-    plan) built with the host compiler under ``tests/cuda_emulated/cuda_warp_emulator.h`` (a warp's 32 lanes as 32
-    threads, shuffles through barriers) and AddressSanitizer where the compiler has it: a runner ``(scores, group_size,
-    mode, offset) -> (outputs, plan)``."""
+def _build_emulated(tmp_path_factory, main: str) -> str:
+    """``tests/cuda_emulated/<main>`` built with the host compiler against ``csrc/`` and the warp emulator, with
+    AddressSanitizer where the compiler has it; the executable's path."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = str(tmp_path_factory.mktemp("emulated") / "group_segment")
+    exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
     base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
-            os.path.join(EMULATED_DIR, "group_segment_main.cpp"), "-o", exe]
+            os.path.join(EMULATED_DIR, main), "-o", exe]
     built = subprocess.run(base[:1] + ["-fsanitize=address"] + base[1:], capture_output=True, text=True)
     if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
         built = subprocess.run(base, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
+    return exe
+
+
+@pytest.fixture(scope="module")
+def emulated_group_kernel(tmp_path_factory):
+    """``csrc/group_segment_kernel.h`` (the CUDA kernel for contiguous groups of up to 256 scores and its launch
+    plan) under ``tests/cuda_emulated/cuda_warp_emulator.h`` (a block's threads as host threads, shuffles and
+    __syncthreads through barriers): a runner ``(scores, group_size, mode, offset) -> (outputs, plan)``."""
+    exe = _build_emulated(tmp_path_factory, "group_segment_main.cpp")
 
     def run(scores: torch.Tensor, group_size: int, mode: str, offset: int = 0):
         G = scores.numel() // group_size
@@ -1038,3 +1044,67 @@ def test_cuda_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kerne
         assert out is None and plan["usable"] == 0, plan
     out, plan = emulated_group_kernel(torch.randn(2 * 256), 256, "grpo")
     assert out is not None and plan == dict(usable=1, vec=1, width=32, blocks=1)
+
+
+@pytest.fixture(scope="module")
+def emulated_whiten_kernels(tmp_path_factory):
+    """``csrc/whiten_kernels.h`` (masked_whiten's three CUDA passes, float32 x) under the warp emulator: a runner
+    ``(x, mask, shift_mean, offset) -> (outputs, blocks)``."""
+    exe = _build_emulated(tmp_path_factory, "whiten_main.cpp")
+
+    def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, offset: int = 0):
+        data = x.float().numpy().tobytes() + mask.numpy().astype(np.uint8).tobytes()
+        done = subprocess.run([exe, str(x.numel()), str(int(shift_mean)), "1e-8", str(offset)], input=data,
+                              capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), int(done.stderr.split()[0])
+
+    return run
+
+
+def test_cuda_whiten_kernels_source_matches_float64_truth_under_a_warp_emulator(emulated_whiten_kernels):
+    """masked_whiten's CUDA kernels from their own source on the CPU: sizes from one element to past the 1024-block
+    cap (grid-stride loops taking their unrolled and remainder paths), shifted data (1e6 + noise: the pivots), an
+    empty and a one-entry mask, scores whose squares overflow float32 (the merge kernel's rescue pass), a masked-in
+    NaN (NaN throughout) and masked-out NaN/inf (reaching no other output), misaligned memory. AddressSanitizer fails
+    the run on any access outside x, the mask and the outputs."""
+    gen = torch.Generator().manual_seed(23)
+    cases = []
+    for N in (1, 2, 5, 1023, 1025, 4099, 70001):
+        x = torch.randn(N, generator=gen) * 3 + 1  # [N]
+        cases.append((f"N={N}", x, torch.rand(N, generator=gen) < 0.7))
+    x = 1e6 + torch.randn(5000, generator=gen)  # shifted data
+    cases.append(("shifted", x, torch.rand(5000, generator=gen) < 0.7))
+    cases.append(("empty mask", torch.randn(300, generator=gen), torch.zeros(300, dtype=torch.bool)))
+    one = torch.zeros(300, dtype=torch.bool)
+    one[17] = True
+    cases.append(("one entry", torch.randn(300, generator=gen), one))
+    huge = torch.randn(3000, generator=gen) * 3e37  # deviations whose float32 squares overflow
+    cases.append(("huge", huge, torch.rand(3000, generator=gen) < 0.7))
+    bad = torch.randn(2000, generator=gen)
+    bad_mask = torch.rand(2000, generator=gen) < 0.7
+    bad[~bad_mask] = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(2000)[: int((~bad_mask).sum())]
+    cases.append(("masked-out NaN/inf", bad, bad_mask))
+    nan_in = torch.randn(2000, generator=gen)
+    nan_in[3] = float("nan")
+    cases.append(("masked-in NaN", nan_in, torch.ones(2000, dtype=torch.bool)))
+    for name, x, mask in cases:
+        for shift_mean in (True, False):
+            truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [N]
+            for offset in (0, 1):
+                out, blocks = emulated_whiten_kernels(x, mask, shift_mean, offset)
+                assert blocks == min(1024, max(1, -(-x.numel() // 1024))), (name, blocks)
+                assert torch.equal(torch.isnan(out), torch.isnan(truth)), (name, shift_mean, offset)
+                fin = torch.isfinite(truth)
+                assert torch.equal(torch.isfinite(out), fin), (name, shift_mean, offset)
+                if fin.any():
+                    err = rel_error(out[fin], truth[fin])
+                    assert err <= REL_TOL[torch.float32], (name, shift_mean, offset, err)
+    # past the cap: 1024 blocks, every thread more than 4 strides (the unrolled loop and the remainder loop)
+    N = 1100000
+    x = torch.randn(N, generator=gen) * 2 - 5
+    mask = torch.rand(N, generator=gen) < 0.6
+    out, blocks = emulated_whiten_kernels(x, mask, True)
+    assert blocks == 1024
+    assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
+

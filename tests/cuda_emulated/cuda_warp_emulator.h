@@ -1,13 +1,16 @@
-// A host-compiler stand-in for the CUDA features a warp-synchronous kernel without shared memory uses, so that
-// such a kernel's own source (csrc/group_segment_kernel.h) can be run and checked on a CPU: each warp's 32 lanes
-// run as 32 threads, and every shuffle is an exchange through the warp's slots between two barriers (all 32 lanes
-// reach every shuffle, as the full-mask shuffles require on a GPU). Blocks and warps run one after another.
-// Memory is plain host memory, so AddressSanitizer (-fsanitize=address) sees any read or write out of bounds.
+// A host-compiler stand-in for the CUDA features the csrc kernels use, so that a kernel's own source
+// (csrc/group_segment_kernel.h, csrc/whiten_kernels.h) can be run and checked on a CPU: every thread of a block runs
+// as a host thread, all of the block's at once; a shuffle is an exchange through the warp's slots between two
+// barriers of its 32 lanes (all 32 reach every shuffle, as the full-mask shuffles require on a GPU);
+// __syncthreads is a barrier of the block's threads; __shared__ variables are function-local statics (shared by
+// the block's threads; blocks run one after another). Memory is plain host memory, so AddressSanitizer
+// (-fsanitize=address) sees any read or write out of bounds.
 #pragma once
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -16,18 +19,21 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
+#define __shared__ static
 
 struct EmulatedIndex {
   unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local EmulatedIndex threadIdx, blockIdx;
+inline thread_local EmulatedIndex threadIdx, blockIdx, blockDim, gridDim;
 
 struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 using std::fmax;
+using std::isfinite;
 using std::sqrt;
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 namespace emulated {
 struct Warp {
@@ -36,6 +42,7 @@ struct Warp {
 };
 inline thread_local Warp* warp = nullptr;
 inline thread_local int lane = 0;
+inline thread_local std::barrier<>* block = nullptr;
 
 template <typename T>
 T exchange(T value, int source) {  // every lane offers `value` and takes lane `source`'s
@@ -51,25 +58,39 @@ T exchange(T value, int source) {  // every lane offers `value` and takes lane `
   return out;
 }
 
-// kernel<<<blocks, threads>>>(args...): threads a multiple of 32
+struct Block {  // one block's barriers, fresh for each block (a finished thread drops out of them)
+  explicit Block(unsigned threads) : sync(threads), warps(threads / 32) {}
+  std::barrier<> sync;
+  std::vector<Warp> warps;
+};
+
+// kernel<<<blocks, threads>>>(args...): threads a multiple of 32. One host thread per thread of a block, kept for
+// every block; a block starts when every thread has finished the one before (its __shared__ statics are reused).
 template <typename Kernel, typename... Args>
 void launch(unsigned blocks, unsigned threads, Kernel kernel, Args... args) {
-  for (unsigned b = 0; b < blocks; ++b) {
-    for (unsigned w = 0; w < threads / 32; ++w) {
-      Warp shared_warp;
-      std::vector<std::thread> lanes;
-      for (int l = 0; l < 32; ++l) {
-        lanes.emplace_back([&, l] {
-          blockIdx.x = b;
-          threadIdx.x = w * 32 + l;
-          warp = &shared_warp;
-          lane = l;
-          kernel(args...);
-        });
+  std::vector<std::unique_ptr<Block>> state;
+  for (unsigned b = 0; b < blocks; ++b) state.push_back(std::make_unique<Block>(threads));
+  std::barrier<> between(threads);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (unsigned b = 0; b < blocks; ++b) {
+        Block& here = *state[b];
+        blockIdx.x = b;
+        threadIdx.x = t;
+        blockDim.x = threads;
+        gridDim.x = blocks;
+        warp = &here.warps[t / 32];
+        lane = static_cast<int>(t % 32);
+        block = &here.sync;
+        kernel(args...);
+        here.sync.arrive_and_drop();  // a finished thread no longer holds back the barriers (as on a GPU)
+        here.warps[t / 32].sync.arrive_and_drop();
+        between.arrive_and_wait();
       }
-      for (auto& t : lanes) t.join();
-    }
+    });
   }
+  for (auto& t : pool) t.join();
 }
 }  // namespace emulated
 
@@ -85,3 +106,5 @@ T __shfl_xor_sync(unsigned, T value, int mask, int width = 32) {
   const bool inside = (target & ~(width - 1)) == (emulated::lane & ~(width - 1));
   return emulated::exchange(value, inside ? target : emulated::lane);
 }
+
+inline void __syncthreads() { emulated::block->arrive_and_wait(); }
