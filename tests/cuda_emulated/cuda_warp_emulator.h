@@ -1,5 +1,5 @@
 // A host-compiler stand-in for the CUDA features the csrc kernels use, so that a kernel's own source
-// (csrc/group_segment_kernel.h, csrc/whiten_kernels.h) can be run and checked on a CPU: every thread of a block runs
+// (csrc/group_segment_kernel.h, csrc/whiten_kernels.h, csrc/gae_kernel.h) can be run and checked on a CPU: every thread of a block runs
 // as a host thread, all of the block's at once; a shuffle is an exchange through the warp's slots between two
 // barriers of its 32 lanes (all 32 reach every shuffle, as the full-mask shuffles require on a GPU);
 // __syncthreads is a barrier of the block's threads; __shared__ variables are function-local statics (shared by
@@ -30,6 +30,12 @@ struct alignas(16) float4 {
   float x, y, z, w;
 };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 using std::fmax;
 using std::isfinite;
 using std::sqrt;
@@ -98,6 +104,13 @@ void launch(unsigned blocks, unsigned threads, Kernel kernel, Args... args) {
 template <typename T>
 T __shfl_sync(unsigned, T value, int source, int width = 32) {
   return emulated::exchange(value, (emulated::lane & ~(width - 1)) + (source & (width - 1)));
+}
+
+template <typename T>
+T __shfl_down_sync(unsigned, T value, unsigned delta, int width = 32) {
+  const int target = emulated::lane + static_cast<int>(delta);  // past the segment: the lane's own value
+  const bool inside = (target & ~(width - 1)) == (emulated::lane & ~(width - 1));
+  return emulated::exchange(value, inside ? target : emulated::lane);
 }
 
 template <typename T>
