@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import sys
 import threading
@@ -88,15 +89,31 @@ def build_directory() -> str:
     return path
 
 
-def _needs_compile(directory: str) -> bool:
-    """Whether the JIT build will compile (ninja's own rule): no library in ``directory`` yet, or a file of
-    ``csrc/`` (sources and headers) newer than it."""
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _build_inputs(sources: list[str]) -> set[str]:
+    """``sources`` and the ``csrc/`` headers they include (``#include "..."``, followed through headers)."""
+    seen, todo = set(), list(sources)
+    while todo:
+        path = todo.pop()
+        if path in seen or not os.path.isfile(path):
+            continue
+        seen.add(path)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            todo += [os.path.join(os.path.dirname(path), name) for name in _INCLUDE.findall(f.read())]
+    return seen
+
+
+def _needs_compile(directory: str, sources: list[str]) -> bool:
+    """Whether the JIT build will compile (ninja's own rule): no library in ``directory`` yet, or one of the
+    build's inputs (``sources`` and the headers they include) newer than it. Files the build does not read (the
+    CUDA sources of a CPU-only build) do not count: ninja leaves the library alone for them."""
     library = os.path.join(directory, f"{NAMESPACE}{'.pyd' if os.name == 'nt' else '.so'}")
     if not os.path.exists(library):
         return True
     built = os.path.getmtime(library)
-    inputs = [os.path.join(CSRC_DIR, f) for f in os.listdir(CSRC_DIR)] if os.path.isdir(CSRC_DIR) else []
-    return any(os.path.getmtime(f) > built for f in inputs if os.path.isfile(f))
+    return any(os.path.getmtime(f) > built for f in _build_inputs(sources))
 
 
 def _prebuilt() -> str | None:
@@ -126,7 +143,7 @@ def _build() -> None:
     if shutil.which("ninja") is None and not cpp_extension.is_ninja_available():
         raise ExtensionUnavailable("ninja is not installed (pip install ninja)")
     directory = build_directory()
-    if _needs_compile(directory) and not _state.get("announced"):
+    if _needs_compile(directory, sources) and not _state.get("announced"):
         # a silent ~40 s compile looks like a hang (a progress bar at 0 with an ETA of hours): say it once
         _state["announced"] = True
         print(BUILD_NOTICE, file=sys.stderr, flush=True)

@@ -592,13 +592,20 @@ def test_extension_build_is_announced_only_when_it_compiles(tmp_path, monkeypatc
     _extension._build()  # the library is newer than every source: ninja has nothing to do
     assert notice not in capsys.readouterr().err
     future = time.time() + 3600  # later than the library just written
-    os.utime(csrc / "advantages_cuda.h", (future, future))  # an edited header: ninja recompiles...
+    for cuda_only in ("advantages_cuda.cu", "gae_kernel.h"):  # read only by a CUDA build: ninja leaves a CPU one
+        os.utime(csrc / cuda_only, (future, future))
+    monkeypatch.setitem(_extension._state, "announced", False)
     _extension._build()
+    assert notice not in capsys.readouterr().err
+    os.utime(csrc / "gae_tile.h", (future, future))  # a header advantages.cpp includes (through gae_tile_sse.h too)
+    _extension._build()  # ninja recompiles
+    assert capsys.readouterr().err.count(notice) == 1
+    _extension._build()  # still older than the header: ninja would recompile again...
     assert notice not in capsys.readouterr().err  # ...but the notice is printed once per process
     monkeypatch.setitem(_extension._state, "announced", False)
     _extension._build()
     assert capsys.readouterr().err.count(notice) == 1
-    assert len(calls) == 4  # ninja itself always runs: it decides what to rebuild
+    assert len(calls) == 6  # ninja itself always runs: it decides what to rebuild
 
 
 def test_fused_trainer_loads_the_extension_before_the_loop(tmp_path, monkeypatch):
