@@ -1007,7 +1007,7 @@ def emulated_group_kernel(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", reference.GROUP_MODES)
-def test_cuda_group_kernel_source_matches_float64_truth_under_a_warp_emulator(emulated_group_kernel, mode):
+def test_csrc_group_kernel_source_runs_on_the_cpu_under_a_warp_emulator(emulated_group_kernel, mode):
     """The CUDA kernel's own source on the CPU: every group size it takes (1..256: segments of 1-32 lanes of 8
     scores, idle lanes and slots, the 16-byte path for sizes that are multiples of 4 on aligned memory and the scalar
     one otherwise or when misaligned), group counts that leave the last block part-filled, a constant group (exactly
@@ -1037,7 +1037,7 @@ def test_cuda_group_kernel_source_matches_float64_truth_under_a_warp_emulator(em
             assert ((out[last].double() - truth[last]).abs() <= 4e-7 * scale).all(), (group_size, offset)
 
 
-def test_cuda_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kernel):
+def test_csrc_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kernel):
     """Past 256 scores per group the plan refuses (group_advantages then takes the one-warp-per-group kernel)."""
     for group_size in (257, 300):
         out, plan = emulated_group_kernel(torch.randn(2 * group_size), group_size, "grpo")
@@ -1062,7 +1062,7 @@ def emulated_whiten_kernels(tmp_path_factory):
     return run
 
 
-def test_cuda_whiten_kernels_source_matches_float64_truth_under_a_warp_emulator(emulated_whiten_kernels):
+def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulated_whiten_kernels):
     """masked_whiten's CUDA kernels from their own source on the CPU: sizes from one element to past the 1024-block
     cap (grid-stride loops taking their unrolled and remainder paths), shifted data (1e6 + noise: the pivots), an
     empty and a one-entry mask, scores whose squares overflow float32 (the merge kernel's rescue pass), a masked-in
@@ -1127,7 +1127,7 @@ def emulated_gae_kernel(tmp_path_factory):
     return run
 
 
-def test_cuda_gae_kernel_source_matches_float64_truth_under_a_warp_emulator(emulated_gae_kernel):
+def test_csrc_gae_kernel_source_runs_on_the_cpu_under_a_warp_emulator(emulated_gae_kernel):
     """gae's CUDA kernel from its own source on the CPU: rows shorter than a tile, of exactly one and two tiles (2048
     tokens each), a partial last tile, right padding, interior gaps (multi-turn), an all-masked row, gamma and lam
     below 1, the 16-byte path (rows of a multiple of 8 tokens, aligned) and the scalar one (odd lengths, misaligned
