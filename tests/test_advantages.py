@@ -939,9 +939,10 @@ def test_group_size_takes_numpy_integers_and_int16_masks_are_masks():
 
 
 def test_cuda_default_is_the_measured_kernel(monkeypatch):
-    """On CUDA, gae defaults to its csrc kernel when the extension has CUDA kernels (the H100 measurement chose
-    it), to Triton otherwise; the other advantage ops default to Triton; RLKERNELS_BACKEND still wins. (The
-    device is only named: the choice is made before any tensor exists.)"""
+    """On CUDA, gae, group_advantages and masked_whiten default to their csrc kernels when the extension has CUDA
+    kernels (the H100 and H200 measurements chose them), to Triton otherwise; process_advantages (no csrc kernel)
+    to Triton; RLKERNELS_BACKEND still wins. (The device is only named: the choice is made before any tensor
+    exists.)"""
     cuda = torch.device("cuda")
     monkeypatch.delenv("RLKERNELS_BACKEND", raising=False)
     for has_kernels in (True, False):
@@ -951,17 +952,22 @@ def test_cuda_default_is_the_measured_kernel(monkeypatch):
         assert _backend.resolve(cuda, adv_mod._SUPPORTED, torch.float32) == "triton"
         with forced_backend("torch"):
             assert _backend.resolve(cuda, adv_mod._SUPPORTED, torch.float32, cuda_default="csrc") == "torch"
-    # the gae op asks for it: its own resolution on CUDA goes through cuda_default="csrc"
-    seen = {}
+    # each op asks for it: its own resolution goes through cuda_default="csrc" (process_advantages: "triton")
+    seen = []
     real = _backend.resolve
 
     def spy(device, supported, dtype=None, **kwargs):
-        seen[device.type] = kwargs.get("cuda_default", "triton")
+        seen.append(kwargs.get("cuda_default", "triton"))
         return real(device, supported, dtype, **kwargs)
 
     monkeypatch.setattr(adv_mod.backends, "resolve", spy)
-    rlkernels.gae(torch.randn(2, 5), torch.randn(2, 5), torch.ones(2, 5, dtype=torch.bool))
-    assert seen["cpu"] == "csrc"
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    rlkernels.gae(torch.randn(2, 5), torch.randn(2, 5), mask)
+    rlkernels.group_advantages(torch.randn(8), 4)
+    rlkernels.masked_whiten(torch.randn(2, 5), mask)
+    assert seen == ["csrc"] * 3
+    rlkernels.process_advantages(torch.randn(2, 1), torch.full((2, 1), 4), 5, group_size=2)
+    assert seen[3:] == ["triton"]
 
 
 # ---------------------------------------------------------------- the CUDA group kernel's source, emulated on the CPU
