@@ -38,16 +38,19 @@ Order: Triton kernels -> launchers (validate, allocate, launch) -> torch.library
 with autograd -> public function.
 
 The ``torch`` backend is the CPU default, so its pass count is its speed: per
-chunk of rows the forward is a max, one fused multiply-add (scale by
-``log2(e)/T``, shift by the max), ``exp2`` (several times faster than ``exp``
-in PyTorch's CPU kernels), a sum, and for the entropy one multiply and a sum;
-the backward is the same multiply-add, ``exp2``, and a multiply into ``dlogits``
-(plus a multiply-add for the entropy term, which it skips when the entropy's
-upstream gradient is None or zero). It keeps each row's shift and sum rather
-than their log-sum-exp, so ``log p`` keeps the relative precision of ``z - max``.
-Chunks with ``|logits/T|`` past ~1e7 subtract the max before scaling (one more
-pass), where the fused multiply-add's rounding residual at the max, or the
-overflow of ``max·log2(e)`` itself past 2.4e38, would no longer cancel.
+chunk of rows the forward is a max, a subtraction of it and a scale by
+``log2(e)/T``, ``exp2`` (several times faster than ``exp`` in PyTorch's CPU
+kernels), a sum, and for the entropy one multiply and a sum; the backward is the
+same subtraction and scale, ``exp2``, and a multiply into ``dlogits`` (plus a
+multiply-add for the entropy term, which it skips when the entropy's upstream
+gradient is None or zero). It keeps each row's max and shifted sum rather than
+their log-sum-exp, and the max is subtracted before anything rounds: the
+exponent is exactly 0 at the max at any magnitude (a confident row's ``log p``
+and ``H`` come out exactly 0, as eager's), and the label's ``log p`` is
+``(x_y - max)/T - log s`` from its raw logit, as eager's ``log_softmax`` forms it.
+(One fused multiply-add ``x·log2e/T - max·log2e/T`` would save a pass, ~3 % of a
+chunk's time, but leaves its rounding residual in every exponent: errors of
+~1e-8 where eager's are 0, and ulp(|x·log2e/T|) in ``log p`` at large logits.)
 """
 from __future__ import annotations
 
@@ -365,12 +368,9 @@ _LOG_P_FLOOR = -1.0e4
 _CHUNK_BYTES = 2 << 20
 
 # The torch backend works in base 2: exp2 is several times faster than exp in PyTorch's CPU
-# kernels, and the conversion folds into the one fused multiply-add that scales and shifts a row.
+# kernels, and the conversion folds into the scale by 1/T.
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Below this |max logit·log2e/T| the fused multiply-add's rounding residual at the max (<= ulp/2 <= 1)
-# only scales every 2^u of the row by the same factor in [1/2, 2], which p = 2^u / s cancels.
-_FUSED_SHIFT_LIMIT = 2.0**24
 
 
 def _launch_config(V: int) -> _LaunchConfig:
@@ -453,24 +453,26 @@ def _chunk_rows(V: int, dtype: torch.dtype) -> int:
     return max(1, _CHUNK_BYTES // (V * dtype.itemsize))
 
 
-def _base2_exponents(x, m, temperature: float, out, on_cpu: bool):
+def _base2_exponents(x, m, temperature: float, out):
     """``out = (x - m)·log2(e)/T`` [c, V]: each logit's base-2 exponent ``u`` (``p = 2^u / s``), from the rows
     ``x`` [c, V] in the compute dtype (``out`` itself may hold them) and each row's max logit ``m`` [c, 1].
 
-    Usually one fused multiply-add ``x·(log2e/T) - m·log2e/T``. Its rounding residual at the max is up to
-    ``ulp(m·log2e/T)/2``, the same for the whole row, so ``2^u / s`` cancels it while it is small; past
-    ``_FUSED_SHIFT_LIMIT`` (|logits/T| > ~1e7) it is not (2^u overflows past ~1e9, and ``m·log2e``
-    itself overflows float32 past 2.4e38, where bf16 logits still reach 3.4e38). Such chunks subtract
-    the max first (an extra pass): ``u`` is then exactly 0 at the max and exact near it, as eager's
-    ``z - max``, and a difference that overflows is a probability that is exactly 0. The forward and the
-    backward call this one function on the same chunks, so both see the same exponents bit for bit."""
-    scale = _LOG2E / temperature
-    shift = m * scale  # [c, 1]
-    # on the CPU the check costs no device sync; elsewhere (a forced torch backend) always the exact path
-    if on_cpu and bool((shift.abs() <= _FUSED_SHIFT_LIMIT).all()):
-        return torch.add(shift.neg(), x, alpha=scale, out=out)  # [c, V]
+    The max is subtracted before the scale rounds anything: ``u`` is exactly 0 at the max and exact near it
+    at any magnitude, as eager's ``z - max``, and a difference that overflows (bf16 logits reach ±3.4e38) is
+    a probability that is exactly 0. The forward and the backward call this one function on the same chunks,
+    so both see the same exponents bit for bit."""
     torch.sub(x, m, out=out)  # [c, V] <= 0
-    return out.mul_(scale)
+    return out.mul_(_LOG2E / temperature)
+
+
+def _label_logp(rows, safe, m, log_s, temperature: float):
+    """``log p_y = (x_y - m)/T - log s`` [N] from each row's raw label logit, as eager's ``log_softmax`` forms
+    it (exact where ``x_y - m`` and the division are, e.g. 16-bit logits at T = 1), never through the rounded
+    base-2 exponent. ``rows`` [O, I, V] the logits, ``safe`` [N] a column per row, ``m`` [N] the rows' max
+    (the saved shift), ``log_s`` [N]. The forward and the backward both form it here, bit for bit."""
+    O, I, _ = rows.shape
+    x_y = rows.gather(-1, safe.view(O, I, 1)).reshape(-1).to(log_s.dtype)  # [N]
+    return (x_y - m) / temperature - log_s
 
 
 def _finish(logp, entropy, stats, valid, bad):
@@ -488,7 +490,7 @@ def _finish(logp, entropy, stats, valid, bad):
 
 def _torch_forward(logits, labels, opt: LogprobsOptions):
     """Chunked over rows; a chunk's workspace is two [c, V] buffers of <= _CHUNK_BYTES each,
-    allocated once. Per chunk: max, one fused scale-and-shift, exp2, sum (+ multiply, sum for H).
+    allocated once. Per chunk: max, shift and scale, exp2, sum (+ multiply, sum for H).
 
     Returns ``(logp, entropy, stats)``: ``stats`` [..., 2] holds each row's max logit ``m`` and shifted
     sum ``s = Σ e^((x - m)/T)``, which the backward uses as they are: it shifts by ``m`` and divides by
@@ -505,7 +507,6 @@ def _torch_forward(logits, labels, opt: LogprobsOptions):
     valid = lab != opt.ignore_index  # [N]
     in_range = (lab >= 0) & (lab < V)  # [N]
     safe = torch.where(valid & in_range, lab, torch.zeros_like(lab))  # [N]
-    logp = torch.empty(N, dtype=cdt, device=dev)  # [N]
     entropy = torch.empty(N, dtype=cdt, device=dev) if opt.return_entropy else torch.zeros(N, dtype=cdt, device=dev)  # [N]
     stats = torch.empty(N, 2, dtype=cdt, device=dev)  # [N, 2] (m, s)
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
@@ -518,14 +519,12 @@ def _torch_forward(logits, labels, opt: LogprobsOptions):
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] one upcast; everything below reads the compute dtype
         m = x.amax(dim=-1, keepdim=True)  # [c, 1] the max logit
         # the shift the backward will read from stats: 0 for an all -inf row (no -inf - -inf) and for an
-        # ignored row (its values are discarded), so both passes pick the same path in _base2_exponents
+        # ignored row (its values are discarded; its logits may be NaN or huge)
         m = torch.where((m == float("-inf")) | ~valid[r0:r1, None], torch.zeros_like(m), m)
-        _base2_exponents(x, m, opt.temperature, z, on_cpu)  # [c, V] u = (x - m)·log2e/T, <= ~0
+        _base2_exponents(x, m, opt.temperature, z)  # [c, V] u = (x - m)·log2e/T, <= 0
         torch.exp2(z, out=e)  # [c, V] unnormalized probabilities
         s = e.sum(-1)  # [c]
         log_s = torch.log(s)  # [c]
-        # log p_y = (z_y - max) - log s: the backward forms it the same way (_torch_backward)
-        logp[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1).mul_(_LN2).sub_(log_s)
         stats[r0:r1, 0] = m.squeeze(-1)
         stats[r0:r1, 1] = s
         if not opt.return_entropy:
@@ -538,6 +537,7 @@ def _torch_forward(logits, labels, opt: LogprobsOptions):
             zf = z[zero_p].clamp_(min=_LOG_P_FLOOR)  # [k, V] only the rows that need it, recomputed
             w[zero_p] = torch.exp2(zf).mul_(zf).sum(-1)
         entropy[r0:r1] = log_s - w.div_(s).mul_(_LN2)  # H = log s - Σ p (z - max)
+    logp = _label_logp(rows, safe, stats[:, 0], torch.log(stats[:, 1]), opt.temperature)  # [N]
     logp, entropy, stats = _finish(logp, entropy, stats, valid, valid & ~in_range)
     shape = labels.shape
     return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
@@ -557,7 +557,7 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
 
     With u = (x - m)·log2e/T (the forward's :func:`_base2_exponents`), p = 2^u / s and log p = u ln 2 - log s,
     so dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: one fused
-    scale-and-shift to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
+    shift and scale to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -584,7 +584,6 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
     else:
         a = (g_l + g_h * (ent - log_s)) / (-opt.temperature * s)  # [N] a' = (a - b log s)/s
         b = g_h * (_LN2 / -opt.temperature) / s  # [N] b'
-    u_y = torch.empty(N, dtype=cdt, device=dev)  # [N] the label's exponent, as the forward had it
     chunk = min(_chunk_rows(V, cdt), max(I, 1))
     z_ws = torch.empty(chunk, V, dtype=cdt, device=dev)  # [chunk, V]
     e_ws = torch.empty(chunk, V, dtype=cdt, device=dev) if dlogits.dtype != cdt and b is not None else None
@@ -594,8 +593,7 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
         out = d_rows[r0:r1]  # [c, V]
         z = z_ws[:c]  # [c, V]
         x = x_in if x_in.dtype == cdt else z.copy_(x_in)  # [c, V] as in the forward (a vectorized upcast)
-        _base2_exponents(x, m[r0:r1], opt.temperature, z, on_cpu)  # [c, V] u
-        u_y[r0:r1] = z.gather(-1, safe[r0:r1, None]).squeeze(-1)
+        _base2_exponents(x, m[r0:r1], opt.temperature, z)  # [c, V] u
         if b is None:
             torch.mul(z.exp2_(), a[r0:r1, None], out=out)  # [c, V] -g p / T, cast once into dlogits
             continue
@@ -605,7 +603,7 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
         z.mul_(b[r0:r1, None]).add_(a[r0:r1, None])  # [c, V] a' + b' u
         torch.mul(z, e, out=out)  # [c, V] cast once into dlogits
     # the label entries: log p_y bit for bit as the forward formed it (before its clamp to <= 0)
-    lp = u_y.mul_(_LN2).sub_(log_s)  # [N]
+    lp = _label_logp(rows, safe, m.squeeze(-1), log_s, opt.temperature)  # [N]
     d_y = g_l * -torch.expm1(lp)  # [N] g (1 - p_y), without cancellation when p_y ≈ 1
     if g_h is not None:
         p_y = torch.exp(lp)  # [N]

@@ -117,7 +117,7 @@ def on_device(device, *tensors: torch.Tensor, keep_offset: bool = False) -> tupl
     def moved(t):
         if t.device == device:
             return t
-        if not keep_offset or t.storage_offset() == 0:
+        if not keep_offset or t.storage_offset() == 0 or t.numel() == 0:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
         span = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1  # elements
         storage = torch.empty(span, dtype=t.dtype, device=device)  # [span]

@@ -351,12 +351,42 @@ def test_large_logit_offset_is_as_precise_as_eager(device, backend, temperature,
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 3.0e4), (torch.float16, 1.0e3)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_log_probs_are_as_exact_as_eager_per_token(device, backend, dtype, scale, temperature):
+    """16-bit logits of large spread at a power-of-two temperature: eager's ``z/T - max`` is exact, so its log p
+    is the truth rounded once. Every token's log p must be within eager's error (x1.5) plus the output's own
+    rounding, 2^-24·|truth| (a norm over the batch would hide one token's error, and a relative tolerance a
+    confident row's 1e-8 where the truth is ~1e-80: the torch backend's fused x·log2e/T - max·log2e once left
+    its rounding residual there, and 1 ulp of |x·log2e/T| in the other rows). Where eager's log p or entropy
+    is exactly 0 (a label that is the max by far more than the float32 range of e^x), so is ours."""
+    V = 1000
+    gen = torch.Generator().manual_seed(7)
+    logits = (scale * torch.randn(6, V, generator=gen, dtype=torch.float64)).to(dtype)  # [6, V]
+    labels = torch.randint(0, V, (6,), generator=gen)
+    labels[:3] = logits[:3].float().argmax(-1)  # confident rows: the label is the max
+    g_logp = torch.randn(6, generator=gen, dtype=torch.float64).float()
+    g_ent = torch.randn(6, generator=gen, dtype=torch.float64).float()
+    truth = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=temperature)
+    eager = _run(reference.logprobs, logits, labels, g_logp, g_ent, temperature=temperature)
+    with forced_backend(backend):
+        out = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=temperature)
+    err, eager_err = (out[0].double() - truth[0]).abs(), (eager[0].double() - truth[0]).abs()  # [6]
+    bound = EAGER_SLACK * eager_err + 2.0**-24 * truth[0].abs()  # [6]
+    assert bool((err <= bound).all()), f"{backend} logp: errors {err.tolist()} against eager's {eager_err.tolist()}"
+    for name, o, e in zip(("logp", "entropy"), out, eager):
+        exact = e == 0  # [6]
+        assert bool(exact[:3].any()), "the case lost its point: no confident row where eager is exactly 0"
+        assert torch.equal(o[exact], e[exact]), f"{backend} {name}: {o[exact].tolist()} where eager's is 0"
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("ignored_value", [float("nan"), 1.0e30])
 def test_ignored_rows_do_not_change_how_their_neighbours_are_computed(device, backend, ignored_value):
-    """An ignored row holding NaN or huge logits shares a chunk with rows of large logits (~1.1e7, where the
-    torch backend's fused shift leaves a rounding residual of up to 1/2 in every exponent): the forward and
-    the backward must still form the same exponents for the other rows (the forward once chose its path
-    from the ignored row's own max, the backward from its saved 0), so their gradients stay exact."""
+    """An ignored row holding NaN or huge logits shares a chunk with rows of large logits (~1.1e7, where an
+    exponent formed with any rounding before the max is subtracted is off by up to 1/2): the forward and the
+    backward must still form the same exponents for the other rows (the torch backend's forward once chose its
+    path from the ignored row's own max, the backward from its saved 0), so their gradients stay exact."""
     V = 1000
     gen = torch.Generator().manual_seed(30)
     logits = (1.1e7 + 10.0 * torch.randn(4, V, generator=gen, dtype=torch.float64)).float()  # [4, V]
