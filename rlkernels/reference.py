@@ -186,7 +186,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,  # [B, T]
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
-    norm_length: int | None = None,
+    norm_length: float | None = None,
     cu_seqlens: torch.Tensor | None = None,  # [S + 1]
 ):
     """PPO/GRPO clipped surrogate with optional dual clip, GSPO sequence ratio, KL and entropy terms.
