@@ -240,3 +240,11 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
                                                    "setup_context": staticmethod(setup_context),
                                                    "backward": staticmethod(backward_every_input),
                                                    "generate_vmap_rule": True, "apply": classmethod(apply)})
+
+
+def float32_outputs(logp: torch.Tensor, entropy: torch.Tensor, return_entropy: bool):
+    """What ``logprobs`` and ``linear_logprobs`` return: float32 whatever the input dtype (float64 inputs compute
+    in float64 and are rounded once here; autograd carries the cast, so their gradients stay float64), ``logp``
+    alone without ``return_entropy``. ``logp``, ``entropy`` [...]."""
+    logp = logp.float()  # [...] no-op for float32
+    return (logp, entropy.float()) if return_entropy else logp

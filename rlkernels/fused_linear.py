@@ -84,9 +84,8 @@ import torch
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, lse_merge, op_schema, option_values, options_from,
-    refuse_double_backward,
-    unit_stride,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, lse_merge, op_schema, option_values,
+    options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 
@@ -1617,7 +1616,7 @@ def linear_logprobs(
             without it).
 
     Returns:
-        ``logp`` ``[...]`` float32 (float64 for float64 inputs), and with
+        ``logp`` ``[...]`` float32 (also for float64 inputs, which compute in float64), and with
         ``return_entropy`` also ``entropy`` of the same shape. Differentiable in
         ``hidden``, ``weight`` and ``bias``; their gradients keep their dtypes.
 
@@ -1635,17 +1634,17 @@ def linear_logprobs(
 
         vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         logp, entropy = vocab_parallel.linear_logprobs(hidden, weight, labels, bias, opt, process_group, vocab_start)
-        return (logp, entropy) if opt.return_entropy else logp
+        return float32_outputs(logp, entropy, opt.return_entropy)
     if _backend.serves_reference(_FWD_IMPLS, hidden):  # outside float32_compute: it sees the caller's autocast
-        return _reference_linear_logprobs(hidden, weight, labels, bias, opt)
+        out = _reference_linear_logprobs(hidden, weight, labels, bias, opt)  # logp, or (logp, entropy)
+        return float32_outputs(*(out if opt.return_entropy else (out, out)), opt.return_entropy)
     with _backend.float32_compute(hidden.device):
         lead = hidden.shape[:-1]
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         y = labels.reshape(-1).long()  # [N]
         logp, entropy, _ = _LinearLogprobs.apply(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
-    logp = logp.reshape(lead)  # [...]
-    return (logp, entropy.reshape(lead)) if opt.return_entropy else logp
+    return float32_outputs(logp.reshape(lead), entropy.reshape(lead), opt.return_entropy)  # [...] x2
 
 
 def __getattr__(name: str):

@@ -25,7 +25,8 @@ Returned values lie in their valid range (``log p <= 0``, ``H >= 0``; round-off
 on confident rows could leave them a few ulps outside); the backward uses the
 unclamped formulas. Ignored positions give 0 and zero gradient whatever their
 logits hold; a label out of ``[0, V)`` raises on the CPU and gives NaN on a GPU.
-Everything computes in float32 (float64 for float64 logits) under any autocast.
+Everything computes in float32 (float64 for float64 logits, whose outputs are still returned in float32)
+under any autocast.
 
 Backends: ``triton`` (CUDA; Triton's interpreter on CPU tensors), ``torch``
 (chunked over rows so a chunk's float32 workspace stays small), ``reference``
@@ -61,7 +62,7 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, op_schema, option_values, options_from,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, op_schema, option_values, options_from,
     refuse_double_backward,
 )
 from rlkernels._triton import HAS_TRITON, jit, tl
@@ -771,7 +772,7 @@ def logprobs(
 
     Args:
         logits: ``[..., V]`` float32, bfloat16 or float16 (float64 computes in
-            float64). Any leading shape; rows may be strided (``logits[:, :-1]``
+            float64, returned in float32). Any leading shape; rows may be strided (``logits[:, :-1]``
             costs no copy); a last dim with stride != 1 is copied first.
         labels: ``[...]`` integer token ids in ``[0, V)``, or ``ignore_index``; any integer dtype.
         temperature: divides the logits before the softmax; must be > 0.
@@ -779,7 +780,7 @@ def logprobs(
         ignore_index: label value whose positions give 0 in both outputs and no gradient.
 
     Returns:
-        ``logp`` ``[...]`` float32 (float64 for float64 logits), or ``(logp, entropy)``
+        ``logp`` ``[...]`` float32 (also for float64 logits), or ``(logp, entropy)``
         with ``return_entropy=True``. Both are differentiable in ``logits``; the
         gradient has the dtype of ``logits``.
 
@@ -800,7 +801,8 @@ def logprobs(
                     ignore_index=ignore_index)
     with _backend.float32_compute(logits.device):
         if _backend.serves_reference(_FWD_IMPLS, logits):
-            return _reference_logprobs(logits, labels, opt)
+            out = _reference_logprobs(logits, labels, opt)  # logp, or (logp, entropy)
+            return float32_outputs(*(out if opt.return_entropy else (out, out)), opt.return_entropy)
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         logp, entropy, _ = _Logprobs.apply(logits, labels.long(), *option_values(opt))  # [...] x2, [..., 2]
-    return (logp, entropy) if opt.return_entropy else logp
+    return float32_outputs(logp, entropy, opt.return_entropy)

@@ -240,7 +240,7 @@ def logprobs_from_logits(
     :func:`linear_logprobs` (the partials here are eager PyTorch on the ``[N, V_r]`` slice, which is already held;
     the gradient is autograd's through them and the merge, whose collective's backward keeps each rank's own part).
 
-    Returns ``logp`` ``[...]`` float32 (float64 for float64 logits), and with ``return_entropy`` also
+    Returns ``logp`` ``[...]`` float32 (float64 logits compute in float64), and with ``return_entropy`` also
     ``entropy``; with ``labels=None`` only the entropy. Differentiable in ``logits``; every rank must call it
     (the same ``labels``, the same upstream gradients).
     """
@@ -289,7 +289,7 @@ def logprobs_from_logits(
     if keep is not None:
         logp = torch.zeros(y.shape[0], dtype=cdt, device=logits.device).index_put((keep,), logp)  # [N]
         entropy = torch.zeros(y.shape[0], dtype=cdt, device=logits.device).index_put((keep,), entropy)  # [N]
-    logp, entropy = logp.reshape(lead), entropy.reshape(lead)
+    logp, entropy = logp.reshape(lead).float(), entropy.reshape(lead).float()  # float32 also for float64 logits
     if entropy_only:
         return entropy
     return (logp, entropy) if return_entropy else logp

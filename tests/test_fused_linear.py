@@ -65,6 +65,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "reference"])
+def test_float64_returns_float32_computed_in_float64(backend):
+    """DESIGN: log-probabilities come back in float32 whatever the input dtype. float64 inputs still compute in
+    float64 (the chunked torch row serves them on every backend that can), so the outputs are the truth rounded
+    once to float32, and the gradients keep their leaves' dtype, float64."""
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(23, 40, 1000, bias=True, seed=5)
+    leaves = [x.clone().requires_grad_() for x in (hidden, weight, b)]
+    truth = _run(reference.linear_logprobs, *leaves[:2], leaves[2], labels, g_logp, g_ent, 0.7)
+    with forced_backend(backend):
+        out = _run(linear_logprobs, *leaves[:2], leaves[2], labels, g_logp, g_ent, 0.7)
+        assert linear_logprobs(hidden, weight, labels).dtype == torch.float32  # without the entropy too
+    for name, o, t in zip(("logp", "entropy"), out[:2], truth[:2]):
+        assert o.dtype == torch.float32, f"{name}: {o.dtype}"
+        assert_close_to_truth(o, t.float(), torch.float64, name=name, tol=1e-7)
+    for name, o, t in zip(("d_hidden", "d_weight", "d_bias"), out[2], truth[2]):
+        assert o.dtype == torch.float64, f"{name}: {o.dtype}"
+        assert_close_to_truth(o, t, torch.float64, name=name, tol=1e-7)  # the upstream gradients went through float32
+
+
 @pytest.mark.parametrize("device,backend", [pytest.param(d, b, id=f"{d}-{b}") for d in devices() for b in backends(d)])
 @pytest.mark.parametrize("N,H,V,bias,temperature,dtype,noncontig", CASES)
 def test_matches_float64_truth(device, backend, N, H, V, bias, temperature, dtype, noncontig):

@@ -2,7 +2,8 @@
 processes on the CPU: every rank holds an uneven slice of an odd vocabulary (V = 1001 = 600 + 401, and
 400 + 101 + 500 with the ranks in permuted order), and the merged results equal the single-process op on the full
 weight to float32 rounding, forward and backward (d_hidden summed over the ranks, d_weight / d_bias the rank's
-slice); in float64 they equal the float64 reference to 1e-12 (the merge is exact); bfloat16 stays within its
+slice); in float64 the gradients equal the float64 reference to 1e-12 (the merge is exact) and log p and H,
+returned in float32, its rounding; bfloat16 stays within its
 tolerance of the float64 truth. Also ignore_index rows,
 temperature != 1, the verl adapter's tensor-parallel functions, and the errors.
 
@@ -78,8 +79,10 @@ def _inputs(dtype, seed=0, B=2, T=7):
     edges = torch.tensor([0, 399, 400, 500, 501, 599, 600, 1000])
     labels.view(-1)[: edges.numel()] = edges
     labels[1, 3] = labels[0, 6] = -100
-    g_logp = torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T] upstream gradients
-    g_ent = torch.randn(B, T, generator=g, dtype=torch.float64)  # [B, T]
+    # upstream gradients, float32 values: the ops' outputs are float32 (also for float64 inputs), so autograd hands
+    # them the upstream rounded to float32; values that round exactly keep the float64 gradients exact
+    g_logp = torch.randn(B, T, generator=g).double()  # [B, T]
+    g_ent = torch.randn(B, T, generator=g).double()  # [B, T]
     return [x.to(dtype) if x.is_floating_point() else x for x in (hidden, weight, bias, labels, g_logp, g_ent)]
 
 
@@ -120,7 +123,11 @@ def _check_linear_logprobs(rank, P, dtype, backend):
     truth = dict(logp=lp64, entropy=ent64, d_hidden=dh64, d_weight=dw64[sl], d_bias=db64[sl])
     for name, value in got.items():
         if dtype == torch.float64:  # the merge is exact: float64 agrees with the float64 truth to its rounding
-            torch.testing.assert_close(value, truth[name], rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+            if value.dtype == torch.float32:  # log p and H come back in float32: the truth rounded once (1 ulp)
+                torch.testing.assert_close(value.double(), truth[name], rtol=2.0**-23, atol=1e-30,
+                                           msg=lambda m: f"{name}: {m}")
+            else:
+                torch.testing.assert_close(value, truth[name], rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
         elif dtype == torch.bfloat16:  # 16-bit gradients: the dtype's tolerance against the float64 truth
             assert_close_to_truth(value, truth[name], dtype, name=name)
         else:
@@ -128,7 +135,7 @@ def _check_linear_logprobs(rank, P, dtype, backend):
             _close(value.double(), truth[name], name + " vs float64")
     ignored = labels == -100  # [B, T]
     assert (lp[ignored] == 0).all() and (ent[ignored] == 0).all() and (dh[ignored] == 0).all()
-    assert lp.dtype == ent.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lp.dtype == ent.dtype == torch.float32  # whatever the input dtype
 
     if dtype != torch.float32:
         return
