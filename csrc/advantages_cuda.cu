@@ -19,6 +19,8 @@
 // masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, one block merges
 // them (and rescues an overflow, see whiten_merge_kernel), then every block of a third kernel
 // normalizes its share; both passes keep kUnroll loads per thread in flight.
+#include <atomic>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -139,7 +141,43 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
   return static_cast<int>(cudaGetLastError());
 }
 
-int whiten_partials(int64_t N) { return whiten_parts(N); }
+namespace {
+
+// Blocks of whiten_partial_kernel<T> one wave of the current device holds (SMs x resident blocks per SM), from
+// the occupancy calculator, once per device and dtype; kMaxWhitenParts if the runtime cannot say.
+template <typename T>
+int whiten_resident_blocks() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return kMaxWhitenParts;
+  int blocks = cached[device].load(std::memory_order_relaxed);
+  if (blocks > 0) return blocks;
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, whiten_partial_kernel<T>, kWhitenThreads, 0) !=
+          cudaSuccess ||
+      sms < 1 || per_sm < 1) {
+    cudaGetLastError();  // clear the failed query's error: it must not surface as a later launch's
+    return kMaxWhitenParts;
+  }
+  blocks = sms * per_sm;
+  cached[device].store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+}  // namespace
+
+int whiten_partials(int dtype, int64_t N) {
+  switch (dtype) {
+    case kFloat16:
+      return whiten_parts(N, whiten_resident_blocks<__half>());
+    case kBFloat16:
+      return whiten_parts(N, whiten_resident_blocks<__nv_bfloat16>());
+    default:
+      return whiten_parts(N, whiten_resident_blocks<float>());
+  }
+}
 
 int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,
                   float eps, bool shift_mean, cudaStream_t stream) {

@@ -76,7 +76,7 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), mc = mask.contiguous();
   const int64_t N = xc.numel();
-  const int parts = rlkernels_cuda::whiten_partials(N);
+  const int parts = rlkernels_cuda::whiten_partials(dtype_code(xc), N);
   // [parts, 4]: count, pivot, mean - pivot, M2 per block; then [5] the merged statistics and their scale
   at::Tensor part = at::empty({4 * parts + 5}, xc.options().dtype(at::kFloat));
   at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));

@@ -11,10 +11,15 @@
 constexpr int kWhitenThreads = 256;
 
 // Blocks of the statistics and apply passes for N elements: one per 4 strides of the block, at most
-// kMaxWhitenParts (the size of `part` is 4 * that + 5)
-inline int whiten_parts(int64_t N) {
+// kMaxWhitenParts (the size of `part` is 4 * that + 5) and at most `resident`, the blocks of the statistics
+// kernel the device holds at once (SMs x blocks per SM; the apply kernel holds at least as many). Both passes are
+// grid-stride loops, so a grid past one wave gains nothing and loses much: its last blocks ran in a second round
+// on a fraction of the SMs (1024 blocks where an H100/H200 holds 6 x 132 = 792 of the 36-register statistics
+// kernel: 232 blocks, each with a full share, on under a third of the machine).
+inline int whiten_parts(int64_t N, int resident = kMaxWhitenParts) {
+  const int cap = resident < 1 ? 1 : (resident < kMaxWhitenParts ? resident : kMaxWhitenParts);
   const int64_t blocks = (N + kWhitenThreads * 4 - 1) / (kWhitenThreads * 4);
-  return static_cast<int>(blocks < 1 ? 1 : (blocks > kMaxWhitenParts ? kMaxWhitenParts : blocks));
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
 
 // Moments of a share of the masked-in values, relative to a pivot k (a masked-in value of

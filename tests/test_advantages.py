@@ -1058,9 +1058,10 @@ def emulated_whiten_kernels(tmp_path_factory):
     ``(x, mask, shift_mean, offset) -> (outputs, blocks)``."""
     exe = _build_emulated(tmp_path_factory, "whiten_main.cpp")
 
-    def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, offset: int = 0):
+    def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, offset: int = 0, resident: int | None = None):
         data = x.float().numpy().tobytes() + mask.numpy().astype(np.uint8).tobytes()
-        done = subprocess.run([exe, str(x.numel()), str(int(shift_mean)), "1e-8", str(offset)], input=data,
+        wave = [] if resident is None else [str(resident)]
+        done = subprocess.run([exe, str(x.numel()), str(int(shift_mean)), "1e-8", str(offset), *wave], input=data,
                               capture_output=True)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), int(done.stderr.split()[0])
@@ -1113,6 +1114,12 @@ def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulate
     out, blocks = emulated_whiten_kernels(x, mask, True)
     assert blocks == 8
     assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
+    # a device that holds fewer blocks than the cap (the extension passes SMs x blocks per SM): the grid is one wave
+    # of them, each thread taking more strides; nonsense (0) still gives one block
+    for resident, want in ((3, 3), (1, 1), (0, 1), (100, 8)):
+        out, blocks = emulated_whiten_kernels(x, mask, False, resident=resident)
+        assert blocks == want, (resident, blocks)
+        assert rel_error(out, reference.masked_whiten(x.double(), mask, shift_mean=False)) <= REL_TOL[torch.float32]
 
 
 
