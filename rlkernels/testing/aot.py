@@ -280,3 +280,56 @@ def _compile(config: KernelConfig, arch: int, aligned: bool) -> CompileReport:
         epilogue_instructions=epilogue_instructions(sass),
     )
     return report
+
+
+# ---------------------------------------------------------------- csrc CUDA kernels (nvcc)
+
+
+@dataclass(frozen=True)
+class CudaKernelFacts:
+    """One kernel of an nvcc-built cubin: its (mangled) name, registers, static shared memory and spills in
+    bytes, and its SASS (``nvdisasm -c``)."""
+
+    name: str
+    registers: int
+    shared_bytes: int
+    spill_bytes: int
+    sass: str
+
+    def largest_loop_instructions(self) -> int:
+        """SASS instructions of the kernel's largest loop (by instruction count; 0 without a loop): the
+        unrolled grid-stride or tile loop of a memory-bound kernel, whose remainder and reduction loops are
+        smaller."""
+        rows = sass_instructions(self.sass)
+        counts = [sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in _loops(rows)]
+        return max(counts, default=0)
+
+    def instructions_to_exit(self) -> int:
+        """SASS instructions from the first to the kernel's last ``EXIT``: a kernel whose threads each handle a
+        fixed number of elements once, every branch's code counted."""
+        rows = sass_instructions(self.sass)
+        return sum(1 for a, _, _ in rows if a <= _last_exit(rows))
+
+
+def nvcc_kernel_facts(source: str, arch: int, nvcc: str, *, flags: tuple[str, ...] = ("-O3", "-std=c++17")) -> list[CudaKernelFacts]:
+    """Every kernel of ``source`` (a ``.cu`` file) built by ``nvcc`` into an ``sm_<arch>`` cubin, with no GPU:
+    registers and memory from ``cuobjdump --dump-resource-usage``, SASS from ``nvdisasm -c``, split per
+    kernel at its ``.text`` section. Raises if it does not build."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernels.cubin")
+        subprocess.run([nvcc, "-cubin", *flags, f"-gencode=arch=compute_{arch},code=sm_{arch}", source, "-o", cubin],
+                       capture_output=True, text=True, check=True)
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+        text = subprocess.run([_nvidia_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    resources = {
+        name: (int(reg), int(stack) + int(local), int(shared))
+        for name, reg, stack, shared, local in re.findall(
+            r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    }
+    pieces = re.split(r"//-+ \.text\.(\S+) -+\n", text)
+    facts = []
+    for name, sass in zip(pieces[1::2], pieces[2::2]):
+        registers, spills, shared = resources[name]
+        facts.append(CudaKernelFacts(name=name, registers=registers, shared_bytes=shared, spill_bytes=spills, sass=sass))
+    return facts

@@ -40,6 +40,8 @@ using std::fmax;
 using std::isfinite;
 using std::sqrt;
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float approx_rcp(float x) { return 1.f / x; }  // the device's (advantages_cuda.cu) is rcp.approx: ~1 ulp
 
 namespace emulated {
 struct Warp {
