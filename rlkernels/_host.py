@@ -242,9 +242,8 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
                                                    "generate_vmap_rule": True, "apply": classmethod(apply)})
 
 
-def float32_outputs(logp: torch.Tensor, entropy: torch.Tensor, return_entropy: bool):
-    """What ``logprobs`` and ``linear_logprobs`` return: float32 whatever the input dtype (float64 inputs compute
-    in float64 and are rounded once here; autograd carries the cast, so their gradients stay float64), ``logp``
-    alone without ``return_entropy``. ``logp``, ``entropy`` [...]."""
-    logp = logp.float()  # [...] no-op for float32
-    return (logp, entropy.float()) if return_entropy else logp
+def float32_outputs(out):
+    """What ``logprobs`` and ``linear_logprobs`` return, ``out`` (``logp`` or ``(logp, entropy)``, [...] each) in
+    float32 whatever the input dtype: float64 inputs compute in float64 and are rounded once here (autograd carries
+    the cast, so their gradients stay float64); a no-op for float32."""
+    return tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()

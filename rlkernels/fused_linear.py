@@ -1634,17 +1634,17 @@ def linear_logprobs(
 
         vocab_start = vocab_parallel.check_group(process_group, vocab_start, weight.shape[0])
         logp, entropy = vocab_parallel.linear_logprobs(hidden, weight, labels, bias, opt, process_group, vocab_start)
-        return float32_outputs(logp, entropy, opt.return_entropy)
+        return float32_outputs((logp, entropy) if opt.return_entropy else logp)
     if _backend.serves_reference(_FWD_IMPLS, hidden):  # outside float32_compute: it sees the caller's autocast
-        out = _reference_linear_logprobs(hidden, weight, labels, bias, opt)  # logp, or (logp, entropy)
-        return float32_outputs(*(out if opt.return_entropy else (out, out)), opt.return_entropy)
+        return float32_outputs(_reference_linear_logprobs(hidden, weight, labels, bias, opt))
     with _backend.float32_compute(hidden.device):
         lead = hidden.shape[:-1]
         h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         # int64 labels whatever their dtype (the op checks their range on the CPU, also when compiled)
         y = labels.reshape(-1).long()  # [N]
         logp, entropy, _ = _LinearLogprobs.apply(h2, weight, y, bias, *option_values(opt))  # [N], [N], [2, N]
-    return float32_outputs(logp.reshape(lead), entropy.reshape(lead), opt.return_entropy)  # [...] x2
+    logp = logp.reshape(lead)  # [...]
+    return float32_outputs((logp, entropy.reshape(lead)) if opt.return_entropy else logp)
 
 
 def __getattr__(name: str):

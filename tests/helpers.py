@@ -107,6 +107,19 @@ def alias_bundled_trainer() -> None:
         rlkernels.__path__.append(root)
 
 
+def nvcc_or_skip() -> str:
+    """The CUDA compiler's path (``PATH``, else ``/usr/local/bin/nvcc``); without one the calling test is skipped:
+    the CUDA sources can only be compiled where the toolkit is installed (CI's machines have it)."""
+    import shutil
+
+    import pytest
+
+    found = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+    if found is None:
+        pytest.skip("nvcc (the CUDA toolkit) is not installed: the csrc CUDA sources cannot be compiled here")
+    return found
+
+
 def on_device(device, *tensors: torch.Tensor, keep_offset: bool = False) -> tuple[torch.Tensor, ...]:
     """``tensors`` on ``device`` with their strides kept (``Tensor.to`` makes a sliced or strided view
     contiguous on another device, which would test another layout); the same objects when already there.

@@ -16,7 +16,8 @@ import torch
 import rlkernels
 from rlkernels import _backend, _extension, reference
 from rlkernels import advantages as adv_mod
-from tests.helpers import REL_TOL, assert_close_to_truth, backends, devices, forced_backend, on_device, rel_error
+from tests.helpers import (REL_TOL, assert_close_to_truth, backends, devices, forced_backend, nvcc_or_skip, on_device,
+                           rel_error)
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
@@ -754,9 +755,7 @@ def test_triton_aot_compile(arch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_nvcc_compiles_cuda_sources(arch, tmp_path):
-    nvcc = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
-    if nvcc is None:
-        pytest.skip("nvcc not found")
+    nvcc = nvcc_or_skip()
     sources = sorted(f for f in os.listdir(CSRC_DIR) if f.endswith(".cu"))
     assert sources
     for src in sources:

@@ -153,15 +153,12 @@ CSRC_OVER = {
 
 def _csrc_facts():
     import os
-    import shutil
 
-    nvcc = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
-    if nvcc is None:
-        pytest.skip("nvcc not found")
     from rlkernels.testing.aot import nvcc_kernel_facts
+    from tests.helpers import nvcc_or_skip
 
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "advantages_cuda.cu")
-    return nvcc_kernel_facts(source, 90, nvcc)
+    return nvcc_kernel_facts(source, 90, nvcc_or_skip())
 
 
 def _element_size(mangled: str) -> int:
