@@ -16,9 +16,9 @@
 // eighth of the group size), eight consecutive scores per lane (a 16-byte load where aligned), the statistics by
 // shuffles within each W-lane segment (one coalesced read, one write); otherwise one warp per group, three passes
 // over the (L1-resident) group.
-// masked_whiten: per-block (count, pivot, mean - pivot, M2) by Chan merges, one block merges
-// them (and rescues an overflow, see whiten_merge_kernel), then every block of a third kernel
-// normalizes its share; both passes keep kUnroll loads per thread in flight.
+// masked_whiten: per-block (count, pivot, mean - pivot, M2) from chunks of 8 consecutive values a thread (16-byte
+// loads where aligned) by Chan merges, one block merges them (and rescues an overflow, see whiten_merge_kernel),
+// then every block of a third kernel normalizes its share, kUnroll loads per thread in flight.
 #include <atomic>
 
 #include <cuda_bf16.h>
@@ -35,6 +35,7 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+#include "vector_loads.h"  // kItems, load8, load8_mask
 #include "gae_kernel.h"  // Affine, gae_kernel, gae_passes
 
 __device__ __forceinline__ int warp_sum(int x) {
@@ -137,8 +138,8 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
   const SegmentPlan plan = plan_group_segments(G, group_size, scores, out);
   if (starts == nullptr && perm == nullptr && plan.usable) {
     auto kernel = plan.vec ? group_segment_kernel<true> : group_segment_kernel<false>;
-    kernel<<<plan.blocks, kSegmentThreads, 0, stream>>>(scores, out, G, static_cast<int>(group_size), plan.width, mode,
-                                                        eps);
+    kernel<<<plan.blocks, kSegmentThreads, 0, stream>>>(scores, out, G, static_cast<int>(group_size), plan.width,
+                                                        group_constants(mode, group_size, eps));
     return static_cast<int>(cudaGetLastError());
   }
   const int64_t blocks = (G + kGroupWarps - 1) / kGroupWarps;
@@ -149,8 +150,9 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
 
 namespace {
 
-// Blocks of whiten_partial_kernel<T> one wave of the current device holds (SMs x resident blocks per SM), from
-// the occupancy calculator, once per device and dtype; kMaxWhitenParts if the runtime cannot say.
+// Blocks of whiten_partial_kernel<T, *> one wave of the current device holds (SMs x resident blocks per SM, the
+// fewer of its two variants), from the occupancy calculator, once per device and dtype; kMaxWhitenParts if the
+// runtime cannot say.
 template <typename T>
 int whiten_resident_blocks() {
   constexpr int kMaxDevices = 64;
@@ -159,15 +161,17 @@ int whiten_resident_blocks() {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return kMaxWhitenParts;
   int blocks = cached[device].load(std::memory_order_relaxed);
   if (blocks > 0) return blocks;
-  int sms = 0, per_sm = 0;
+  int sms = 0, per_sm = 0, per_sm_scalar = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, whiten_partial_kernel<T>, kWhitenThreads, 0) !=
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, whiten_partial_kernel<T, true>, kWhitenThreads, 0) !=
           cudaSuccess ||
-      sms < 1 || per_sm < 1) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_scalar, whiten_partial_kernel<T, false>, kWhitenThreads,
+                                                    0) != cudaSuccess ||
+      sms < 1 || per_sm < 1 || per_sm_scalar < 1) {
     cudaGetLastError();  // clear the failed query's error: it must not surface as a later launch's
     return kMaxWhitenParts;
   }
-  blocks = sms * per_sm;
+  blocks = sms * (per_sm < per_sm_scalar ? per_sm : per_sm_scalar);
   cached[device].store(blocks, std::memory_order_relaxed);
   return blocks;
 }

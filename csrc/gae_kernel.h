@@ -1,14 +1,13 @@
 // gae's CUDA kernel (see advantages_cuda.cu's opening comment) and its launch. A header of its own, included by
 // advantages_cuda.cu inside its namespace, so that the tests can also compile the kernel with the host compiler
 // under a warp emulator (tests/cuda_emulated/) and check it on the CPU against the float64 truth. It includes
-// nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / uint2 / uint4 / make_float4, to_float(T),
-// __shfl_down_sync, __syncthreads, __shared__, blockIdx / threadIdx and the CUDA keywords (nvcc's own, or the
-// emulator's).
+// nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / make_float4, kItems, load8 and load8_mask
+// (vector_loads.h), __shfl_down_sync, __syncthreads, __shared__, blockIdx / threadIdx and the CUDA keywords
+// (nvcc's own, or the emulator's).
 #pragma once
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kItems = 8;
 
 // A' = a*A + b*V + c, V' = z*V + e
 struct Affine {
@@ -26,44 +25,6 @@ __device__ __forceinline__ Affine shfl_down(const Affine& x, int delta) {
   return {__shfl_down_sync(0xffffffffu, x.a, delta), __shfl_down_sync(0xffffffffu, x.b, delta),
           __shfl_down_sync(0xffffffffu, x.c, delta), __shfl_down_sync(0xffffffffu, x.z, delta),
           __shfl_down_sync(0xffffffffu, x.e, delta)};
-}
-
-// kItems consecutive tokens t0..t0+7 as float: one 16-byte load per 4 floats or per 8 halves, when
-// kVec (the row base and t0 16-byte aligned and the 8 tokens inside the row); else one element at a time.
-template <bool kVec>
-__device__ __forceinline__ void load8(const float* p, int64_t t0, int64_t n, float (&out)[kItems]) {
-  if (kVec) {
-    const float4 a = *reinterpret_cast<const float4*>(p + t0), b = *reinterpret_cast<const float4*>(p + t0 + 4);
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-  } else {
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? p[t0 + k] : 0.f;
-  }
-}
-
-template <bool kVec, typename H>  // H: __half or __nv_bfloat16
-__device__ __forceinline__ void load8(const H* p, int64_t t0, int64_t n, float (&out)[kItems]) {
-  if (kVec) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p + t0);
-    const H* h = reinterpret_cast<const H*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = to_float(h[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? to_float(p[t0 + k]) : 0.f;
-  }
-}
-
-template <bool kVec>
-__device__ __forceinline__ void load8_mask(const uint8_t* p, int64_t t0, int64_t n, bool (&out)[kItems]) {
-  if (kVec) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p + t0);
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = ((k < 4 ? raw.x >> (8 * k) : raw.y >> (8 * (k - 4))) & 0xffu) != 0;
-  } else {
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n && p[t0 + k] != 0;
-  }
 }
 
 // Each thread holds kItems consecutive outputs of the tile; they go out through shared memory so that one

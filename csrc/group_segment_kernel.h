@@ -2,8 +2,8 @@
 // shares. A header of its own, included by advantages_cuda.cu inside its namespace, so that the tests can also
 // compile it with the host compiler under a warp emulator (tests/cuda_emulated/) and check the kernel and its
 // launch plan on the CPU against the float64 truth (tests/test_advantages.py). It includes nothing: the includer
-// provides int64_t, uintptr_t, float4 / make_float4, __shfl_sync / __shfl_xor_sync, sqrt, fmax, blockIdx / threadIdx and the
-// CUDA keywords (nvcc's own, or the emulator's).
+// provides int64_t, uintptr_t, float4 / make_float4, __shfl_sync / __shfl_xor_sync, sqrt, fmax, fma,
+// blockIdx / threadIdx and the CUDA keywords (nvcc's own, or the emulator's).
 #pragma once
 
 // The statistics in double, as the CPU kernel keeps them (the op is memory bound): exact to float32 rounding
@@ -16,6 +16,20 @@ __device__ __forceinline__ double group_scale(int mode, double n, double ssq, fl
   if (mode == 0) return 1.0 / (sqrt(ssq / fmax(n - 1.0, 1.0)) + static_cast<double>(eps));
   if (mode == 1) return 1.0;
   return n / fmax(n - 1.0, 1.0);
+}
+
+// What group_segment_kernel needs of the mode and the group size, formed once on the host: 1/n and 1/max(n - 1, 1)
+// (multiplied, where a double division costs each thread ~20 instructions and a slow-path call), and the scale
+// itself where it does not depend on the group (dr_grpo 1, rloo n/(n-1)); mode 0 (grpo) forms its own.
+struct GroupConstants {
+  int mode;
+  float eps;
+  double inv_n, inv_dof, fixed_scale;
+};
+
+inline GroupConstants group_constants(int mode, int64_t group_size, float eps) {
+  const double n = static_cast<double>(group_size), dof = n > 1.0 ? n - 1.0 : 1.0;
+  return {mode, eps, 1.0 / n, 1.0 / dof, mode == 1 ? 1.0 : n / dof};
 }
 
 constexpr int kSegmentThreads = 256;
@@ -31,19 +45,21 @@ constexpr int kSegmentItems = 8;  // consecutive scores per lane: two 16-byte lo
 // kVec: 16-byte loads and stores (the caller checks group_size % 4 == 0 and 16-byte aligned pointers, so each
 // half of a lane's 8 scores is wholly inside its group or wholly past it).
 template <bool kVec>
-__global__ void __launch_bounds__(kSegmentThreads, 5)  // 48 registers, no spills (6: 40, spilled)
+__global__ void __launch_bounds__(kSegmentThreads, 5)  // sm_90: 42 / 38 registers (kVec false / true), no spills
     group_segment_kernel(const float* __restrict__ s, float* __restrict__ out, int64_t G, int group_size, int width,
-                         int mode, float eps) {
+                         GroupConstants c) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kSegmentThreads + threadIdx.x;
   const int lane = threadIdx.x & 31;
   const int pos = (lane & (width - 1)) * kSegmentItems;  // the lane's first score within its group
   const int64_t g = (thread >> 5) * (32 / width) + lane / width;
   const bool group_ok = g < G;
   const int64_t i = g * group_size + pos;
-  float x[kSegmentItems];
+  float x[kSegmentItems];  // 0 where not in the group
+  // in[k]: score k of the lane is in its group (kVec: group_size % 4 == 0, so each half is wholly in or out)
+  const int inside = group_ok ? group_size - pos : 0;
   bool in[kSegmentItems];
 #pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) in[k] = group_ok && pos + k < group_size;
+  for (int k = 0; k < kSegmentItems; ++k) in[k] = (kVec ? k & ~3 : k) < inside;
   if (kVec) {
 #pragma unroll
     for (int h = 0; h < kSegmentItems; h += 4) {
@@ -55,31 +71,31 @@ __global__ void __launch_bounds__(kSegmentThreads, 5)  // 48 registers, no spill
     for (int k = 0; k < kSegmentItems; ++k) x[k] = in[k] ? s[i + k] : 0.f;
   }
   const float first = __shfl_sync(0xffffffffu, x[0], 0, width);  // the segment's lane 0: the group's first score
-  double sum = 0.0;
+  double xd[kSegmentItems], sum = 0.0;
   int differ = 0;
 #pragma unroll
   for (int k = 0; k < kSegmentItems; ++k) {
-    sum += in[k] ? static_cast<double>(x[k]) : 0.0;
-    differ += in[k] && (x[k] != first);  // NaN != NaN: a group with NaN is never constant
+    xd[k] = static_cast<double>(x[k]);
+    sum += xd[k];  // 0 where not in the group
+    differ |= in[k] && (x[k] != first);  // NaN != NaN: a group with NaN is never constant
   }
   for (int d = width >> 1; d > 0; d >>= 1) {
     sum += __shfl_xor_sync(0xffffffffu, sum, d, width);
-    differ += __shfl_xor_sync(0xffffffffu, differ, d, width);
+    differ |= __shfl_xor_sync(0xffffffffu, differ, d, width);
   }
-  const double n = static_cast<double>(group_size);
-  const double mean = sum / n;
+  const double mean = sum * c.inv_n;
   double ssq = 0.0;
 #pragma unroll
   for (int k = 0; k < kSegmentItems; ++k) {
-    const double dev = in[k] ? static_cast<double>(x[k]) - mean : 0.0;
-    ssq += dev * dev;
+    const double dev = in[k] ? xd[k] - mean : 0.0;
+    ssq = fma(dev, dev, ssq);
   }
   for (int d = width >> 1; d > 0; d >>= 1) ssq += __shfl_xor_sync(0xffffffffu, ssq, d, width);
   const bool zero = differ == 0 || group_size < 2;
-  const double scale = group_scale(mode, n, ssq, eps);
+  const double scale = c.mode == 0 ? 1.0 / (sqrt(ssq * c.inv_dof) + static_cast<double>(c.eps)) : c.fixed_scale;
   float y[kSegmentItems];
 #pragma unroll
-  for (int k = 0; k < kSegmentItems; ++k) y[k] = zero ? 0.f : static_cast<float>((static_cast<double>(x[k]) - mean) * scale);
+  for (int k = 0; k < kSegmentItems; ++k) y[k] = zero ? 0.f : static_cast<float>((xd[k] - mean) * scale);
   if (kVec) {
 #pragma unroll
     for (int h = 0; h < kSegmentItems; h += 4)

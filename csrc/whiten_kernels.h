@@ -3,7 +3,8 @@
 // advantages_cuda.cu's whiten_launch with whiten_parts(N) blocks. A header of its own, included by
 // advantages_cuda.cu inside its namespace, so that the tests can also compile the kernels with the host compiler
 // under a warp emulator (tests/cuda_emulated/) and check them on the CPU against the float64 truth. It includes
-// nothing: the includer provides int64_t, uint8_t, to_float(T), isfinite, rsqrtf, fmaxf, approx_rcp, __shfl_xor_sync,
+// nothing: the includer provides int64_t, uint8_t, uintptr_t, kItems / load8 / load8_mask (vector_loads.h),
+// to_float(T), isfinite, rsqrtf, fmaxf, fmaf, approx_rcp, __shfl_xor_sync,
 // __syncthreads, __shared__, blockIdx / threadIdx / blockDim / gridDim and the CUDA keywords (nvcc's own, or the
 // emulator's), and kMaxWhitenParts (advantages_cuda.h).
 #pragma once
@@ -24,8 +25,8 @@ inline int whiten_parts(int64_t N, int resident = kMaxWhitenParts) {
 
 // Moments of a share of the masked-in values, relative to a pivot k (a masked-in value of
 // the share): mean = k + mu, m2 = sum of squared deviations. Shifted data (1e6 + noise)
-// would otherwise keep its mean as a float32 near 1e6, rounded to ~0.03 at every Welford
-// step and merge, and every deviation and output would inherit that error; x - k is exact
+// would otherwise keep its mean as a float32 near 1e6, rounded to ~0.03 at every chunk
+// and merge, and every deviation and output would inherit that error; x - k is exact
 // (Sterbenz) for data near k, and a shift of all data only moves k.
 struct Moments {
   float n, k, mu, m2;
@@ -58,57 +59,124 @@ __device__ Moments block_merge(Moments mo) {
   return total;
 }
 
-// Welford's update of a thread's moments by one value xi, on xi - k (k: the thread's first masked-in one), when
-// `in` (masked in). Branch-free: a masked-out value is replaced by the running mean, so its delta is exactly 0 and
-// every field keeps its value (NaN/inf there never reach them). delta / n is delta times the hardware's approximate
-// reciprocal of the count (one MUFU.RCP, ~1 ulp; the count is >= 1) rather than IEEE's division (~10 instructions
-// with its slow-path call): Welford's stability does not rest on the mean update's last bit. With IEEE division
-// and a branch per mask the unrolled loop took 148 SASS instructions per 4 values on sm_90 (37 per value, against
-// the 25 that 2x headroom under a float32 value's 5 bytes allows).
-__device__ __forceinline__ void welford(Moments& mo, float xi, bool in) {
-  const bool first = in && mo.n == 0.f;
-  mo.k = first ? xi : mo.k;
-  const float n = in ? mo.n + 1.f : mo.n;
-  const float yi = in ? xi - mo.k : mo.mu;
-  const float delta = yi - mo.mu;
-  mo.mu += delta * approx_rcp(fmaxf(n, 1.f));
-  mo.m2 += delta * (yi - mo.mu);
+// One chunk of kItems consecutive values v (in[u]: masked in; in_count of them) added to a thread's moments `mo`,
+// relative to its pivot mo.k: kPivoted, when mo.k already is one (a masked-in value of the thread's); else, while
+// mo.n is 0, the chunk's first masked-in value becomes it. Two passes
+// over registers -- the chunk's count and sum of v - k, its mean (the sum times the hardware's approximate reciprocal
+// of the count: one MUFU.RCP, ~1 ulp, where IEEE division costs ~10 instructions and a slow-path call), then its
+// squared deviations from that mean -- and one Chan merge into `mo` per chunk. Branch-free: a masked-out value is
+// selected away (0 in the sum and the deviations), so NaN/inf there never reach any field. Welford's update per
+// value (a reciprocal and a merge for every value) cost 21.25 SASS instructions per value on sm_90 whatever the
+// dtype: over the 15 that 2x headroom under a 16-bit value's 3 bytes (value and mask) allows.
+template <bool kPivoted>
+__device__ __forceinline__ void add_chunk(Moments& mo, const float (&v)[kItems], const bool (&in)[kItems],
+                                          int in_count) {
+  float k = mo.k;
+  if (!kPivoted) {
+    float first = 0.f;
+#pragma unroll
+    for (int u = kItems - 1; u >= 0; --u) first = in[u] ? v[u] : first;
+    k = mo.n == 0.f ? first : mo.k;
+  }
+  float y[kItems], sum = 0.f;
+#pragma unroll
+  for (int u = 0; u < kItems; ++u) {
+    y[u] = in[u] ? v[u] - k : 0.f;
+    sum += y[u];
+  }
+  const float count = static_cast<float>(in_count);
+  const float mean = sum * approx_rcp(fmaxf(count, 1.f));  // relative to k; an empty chunk's: 0, with no weight
+  float m2 = 0.f;
+#pragma unroll
+  for (int u = 0; u < kItems; ++u) {
+    const float d = in[u] ? y[u] - mean : 0.f;
+    m2 = fmaf(d, d, m2);
+  }
+  const float n = mo.n + count;
+  const float delta = mean - mo.mu;
+  mo.mu += delta * (count * approx_rcp(fmaxf(n, 1.f)));
+  mo.m2 += m2 + delta * (mean - mo.mu) * count;  // delta^2 * n_old * count / n: mean - new mu = delta * n_old / n
   mo.n = n;
+  mo.k = k;
 }
 
-// Grid-stride loops take kUnroll strides per iteration: every load of the group is issued before the first value
-// is used (the mask and x unconditionally), so a thread has kUnroll of each in flight. With one stride per
-// iteration the x load waited for its mask (a conditional load) and each iteration for the last: on an H200 the
-// statistics pass moved its bytes at 38 % of the DRAM bandwidth (Nsight Compute, B=1024 T=4096 float32). The values
-// are consumed in the same order as before, so the results are the same bits.
-constexpr int kUnroll = 4;
-
-// The moments of the masked-in x·scale at i = first, first + stride, ... below N, merged over the block.
+// x·scale and the mask at elements t0 .. t0 + kItems - 1 that lie in [0, N), element by element (a partial chunk:
+// zeros, masked out, outside); returns how many are masked in.
 template <typename T>
-__device__ Moments block_moments(const T* __restrict__ x, const uint8_t* __restrict__ mask, int64_t first,
-                                 int64_t stride, int64_t N, float scale) {
-  Moments mo{0.f, 0.f, 0.f, 0.f};
-  int64_t i = first;
-  for (; i + (kUnroll - 1) * stride < N; i += kUnroll * stride) {
-    uint8_t m[kUnroll];
-    float v[kUnroll];
+__device__ __forceinline__ int load_partial(const T* __restrict__ x, const uint8_t* __restrict__ mask, int64_t t0,
+                                            int64_t N, float scale, float (&v)[kItems], bool (&in)[kItems]) {
+  int count = 0;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      m[u] = mask[i + u * stride];
-      v[u] = to_float(x[i + u * stride]) * scale;  // read whether masked in or not: not used where it is not
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) welford(mo, v[u], m[u] != 0);
+  for (int u = 0; u < kItems; ++u) {
+    const int64_t i = t0 + u;
+    const bool inside = i >= 0 && i < N;
+    v[u] = inside ? to_float(x[i]) * scale : 0.f;
+    in[u] = inside && mask[i] != 0;
+    count += in[u];
   }
-  for (; i < N; i += stride) welford(mo, to_float(x[i]) * scale, mask[i] != 0);
+  return count;
+}
+
+// The moments of the masked-in x·scale, merged over the block. The elements from `head` on (mask + head is 8-byte
+// aligned) are cut into whole chunks of kItems (chunk c: elements head + kItems·c ..), taken by the block's threads
+// at c = first, first + stride, ...: a whole chunk's mask is one 8-byte load, its x one or two 16-byte loads with
+// kVec (x + head 16-byte aligned), else kItems loads (a warp reads 32 consecutive chunks). The partial chunks -- the
+// `head` elements before the first whole one (first == 0 takes them) and the last < kItems after the last (the
+// thread whose c reaches the count of whole chunks) -- are read element by element. A thread's chunks up to its
+// first masked-in value (its pivot) are read by a loop of their own that only looks for it, so that the main loop
+// does not.
+template <bool kVec, typename T>
+__device__ Moments block_moments(const T* __restrict__ x, const uint8_t* __restrict__ mask, int64_t head,
+                                 int64_t first, int64_t stride, int64_t N, float scale) {
+  Moments mo{0.f, 0.f, 0.f, 0.f};
+  float v[kItems];
+  bool in[kItems];
+  const int64_t whole = N > head ? (N - head) / kItems : 0;
+  int64_t c = first;
+  const T* xc = x + head + first * kItems;  // chunk c's elements
+  const uint8_t* mc = mask + head + first * kItems;
+  const int64_t step = stride * kItems;
+  auto load_whole = [&]() {
+    const int count = load8_mask<true>(mc, 0, kItems, in);  // n = kItems: all inside (no bounds checks)
+    load8<kVec>(xc, 0, kItems, v);
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) v[u] *= scale;  // read whether masked in or not: selected away where not
+    return count;
+  };
+  for (; c < whole; c += stride, xc += step, mc += step) {  // the pivot
+    if (load_whole() > 0) {
+#pragma unroll
+      for (int u = kItems - 1; u >= 0; --u) mo.k = in[u] ? v[u] : mo.k;
+      break;  // its chunk is read again below (from L1) and added with the rest
+    }
+  }
+  for (; c < whole; c += stride, xc += step, mc += step) {
+    const int count = load_whole();
+    add_chunk<true>(mo, v, in, count);
+  }
+  if (c == whole && head + whole * kItems < N) {
+    const int count = load_partial(x, mask, head + whole * kItems, N, scale, v, in);
+    add_chunk<false>(mo, v, in, count);
+  }
+  if (first == 0 && head > 0) {
+    const int count = load_partial(x, mask, head - kItems, N, scale, v, in);
+    add_chunk<false>(mo, v, in, count);
+  }
   return block_merge(mo);
 }
 
-template <typename T>
+// Where the statistics pass's whole chunks start: the first element at which the mask is 8-byte aligned.
+inline int whiten_head(const uint8_t* mask) {
+  return static_cast<int>((8 - reinterpret_cast<uintptr_t>(mask) % 8) % 8);
+}
+
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kWhitenThreads)
-    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part, int64_t N) {
+    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part,
+                          int64_t N, int head) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const Moments mo = block_moments(x, mask, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, stride, N, 1.f);
+  const Moments mo =
+      block_moments<kVec>(x, mask, head, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, stride, N, 1.f);
   if (threadIdx.x == 0) {
     part[4 * blockIdx.x + 0] = mo.n;
     part[4 * blockIdx.x + 1] = mo.k;
@@ -127,14 +195,14 @@ constexpr float kRescueDown = 0x1p-100f, kRescueUp = 0x1p100f;
 template <typename T>
 __global__ void __launch_bounds__(kWhitenThreads)
     whiten_merge_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, const float* __restrict__ part,
-                        float* __restrict__ stats, int num_parts, int64_t N) {
+                        float* __restrict__ stats, int num_parts, int64_t N, int head) {
   Moments mo{0.f, 0.f, 0.f, 0.f};
   for (int j = threadIdx.x; j < num_parts; j += blockDim.x)
     mo = merge(mo, Moments{part[4 * j], part[4 * j + 1], part[4 * j + 2], part[4 * j + 3]});
   mo = block_merge(mo);
   float scale = 1.f;
   if (!isfinite(mo.k + mo.mu) || !isfinite(mo.m2)) {  // the same on every thread: block_merge's result is shared
-    mo = block_moments(x, mask, threadIdx.x, blockDim.x, N, kRescueDown);
+    mo = block_moments<false>(x, mask, head, threadIdx.x, blockDim.x, N, kRescueDown);
     scale = kRescueDown;
   }
   if (threadIdx.x == 0) {
@@ -145,6 +213,12 @@ __global__ void __launch_bounds__(kWhitenThreads)
     stats[4] = scale;
   }
 }
+
+// The apply pass's grid-stride loop takes kUnroll strides per iteration: every load of the group is issued before
+// the first value is used, so a thread has kUnroll in flight. With one stride per iteration each iteration waited
+// for the last: on an H200 the statistics pass, written that way then, moved its bytes at 38 % of the DRAM bandwidth
+// (Nsight Compute, B=1024 T=4096 float32).
+constexpr int kUnroll = 4;
 
 template <typename T>
 __global__ void __launch_bounds__(kWhitenThreads)
@@ -178,7 +252,9 @@ template <typename T, typename Launch>
 void whiten_passes(const T* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
                    bool shift_mean, Launch launch) {
   float* stats = part + 4 * num_parts;
-  launch(whiten_partial_kernel<T>, num_parts, x, mask, part, N);
-  launch(whiten_merge_kernel<T>, 1, x, mask, static_cast<const float*>(part), stats, num_parts, N);
+  const int head = whiten_head(mask);
+  const bool vec = reinterpret_cast<uintptr_t>(x + head) % 16 == 0;  // x and mask offset alike from aligned bases
+  launch(vec ? whiten_partial_kernel<T, true> : whiten_partial_kernel<T, false>, num_parts, x, mask, part, N, head);
+  launch(whiten_merge_kernel<T>, 1, x, mask, static_cast<const float*>(part), stats, num_parts, N, head);
   launch(whiten_apply_kernel<T>, num_parts, x, out, static_cast<const float*>(stats), N, eps, shift_mean);
 }

@@ -1114,6 +1114,13 @@ def masked_whiten(
     the variance is taken as 0. Any finite float32 values (up to ±3.4e38) are handled
     on every backend: the statistics never overflow. No gradient.
 
+    Precision: the torch backend (the CPU default) forms the statistics in float64; the
+    Triton and CUDA kernels in float32 (relative to a pivot, so shifted data such as
+    1e6 + noise keeps its variance), where ``μ`` carries an absolute error of order
+    1e-7 of the standard deviation. With ``shift_mean=False`` and a mean far smaller
+    than the spread (|μ| ≈ 1e-3·σ) that is ~1e-4 of ``μ`` itself, so the re-added
+    mean is the output's least exact part there.
+
     With ``process_group``, ``μ`` and the variance are those of the masked entries of
     every rank of the group together: each rank gets its own part of
     ``masked_whiten`` over the concatenation of all ranks' entries (a data-parallel

@@ -1053,27 +1053,35 @@ def test_csrc_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kerne
 
 @pytest.fixture(scope="module")
 def emulated_whiten_kernels(tmp_path_factory):
-    """``csrc/whiten_kernels.h`` (masked_whiten's three CUDA passes, float32 x) under the warp emulator: a runner
-    ``(x, mask, shift_mean, offset) -> (outputs, blocks)``."""
+    """``csrc/whiten_kernels.h`` (masked_whiten's three CUDA passes) under the warp emulator: a runner
+    ``(x, mask, shift_mean, x_offset, mask_offset, resident) -> (outputs, blocks, vec, head)`` for float32, bfloat16
+    or float16 x (its own dtype's bytes go in)."""
     exe = _build_emulated(tmp_path_factory, "whiten_main.cpp")
+    names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-    def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, offset: int = 0, resident: int | None = None):
-        data = x.float().numpy().tobytes() + mask.numpy().astype(np.uint8).tobytes()
+    def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, x_offset: int = 0, mask_offset: int | None = None,
+            resident: int | None = None):
+        raw = x.view(torch.int32 if x.dtype == torch.float32 else torch.int16).numpy().tobytes()
+        data = raw + mask.numpy().astype(np.uint8).tobytes()
+        mask_offset = x_offset if mask_offset is None else mask_offset
         wave = [] if resident is None else [str(resident)]
-        done = subprocess.run([exe, str(x.numel()), str(int(shift_mean)), "1e-8", str(offset), *wave], input=data,
-                              capture_output=True)
+        done = subprocess.run([exe, names[x.dtype], str(x.numel()), str(int(shift_mean)), "1e-8", str(x_offset),
+                               str(mask_offset), *wave], input=data, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
-        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), int(done.stderr.split()[0])
+        blocks, vec, head = (int(v) for v in done.stderr.split()[:3])
+        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), blocks, vec, head
 
     return run
 
 
 def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulated_whiten_kernels):
     """masked_whiten's CUDA kernels from their own source on the CPU: sizes from one element to far past the block
-    cap (8 in the driver, 1024 in the extension; grid-stride loops taking their unrolled and remainder paths), shifted data (1e6 + noise: the pivots), an
-    empty and a one-entry mask, scores whose squares overflow float32 (the merge kernel's rescue pass), a masked-in
-    NaN (NaN throughout) and masked-out NaN/inf (reaching no other output), misaligned memory. AddressSanitizer fails
-    the run on any access outside x, the mask and the outputs."""
+    cap (8 in the driver, 1024 in the extension; the pivot search, whole chunks of 8 and the partial chunks at both
+    ends), shifted data (1e6 + noise: the pivots), an empty and a one-entry mask, scores whose squares overflow
+    float32 (the merge kernel's rescue pass), a masked-in NaN (NaN throughout) and masked-out NaN/inf (reaching no
+    other output), memory offset alike (the 16-byte path after a head) and differently (x element by element), and
+    bfloat16 / float16 x (their 16-byte widening). AddressSanitizer fails the run on any access outside x, the mask
+    and the outputs."""
     gen = torch.Generator().manual_seed(23)
     cases = []
     for N in (1, 2, 5, 1023, 1025, 4099, 70001):
@@ -1094,32 +1102,54 @@ def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulate
     nan_in = torch.randn(2000, generator=gen)
     nan_in[3] = float("nan")
     cases.append(("masked-in NaN", nan_in, torch.ones(2000, dtype=torch.bool)))
+    late = torch.zeros(3000, dtype=torch.bool)
+    late[2500:] = torch.rand(500, generator=gen) < 0.5  # most threads find no pivot; the rest find it late
+    cases.append(("late pivots", torch.randn(3000, generator=gen) * 5 + 40, late))
+    cases.append(("N=9", torch.randn(9, generator=gen), torch.rand(9, generator=gen) < 0.7))  # head and tail only
+    # mask bytes other than 0/1 (a uint8 mask; the extension passes bool): nonzero is masked in, counted once
+    byte_values = torch.tensor([0, 0, 1, 2, 127, 128, 255], dtype=torch.uint8)
+    byte_mask = byte_values[torch.randint(0, 7, (2000,), generator=gen)]  # [2000]
+    cases.append(("mask bytes", torch.randn(2000, generator=gen), byte_mask))
+    # (x offset, mask offset) in elements -> (16-byte loads of x, head): the driver's allocations are 16-byte aligned
+    layouts = {torch.float32: {(0, 0): (1, 0), (1, 1): (1, 7), (3, 1): (0, 7)},
+               torch.bfloat16: {(0, 0): (1, 0), (3, 3): (1, 5), (2, 1): (0, 7)}}
     for name, x, mask in cases:
-        for shift_mean in (True, False):
-            truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [N]
-            for offset in (0, 1):
-                out, blocks = emulated_whiten_kernels(x, mask, shift_mean, offset)
-                assert blocks == min(8, max(1, -(-x.numel() // 1024))), (name, blocks)  # the driver's cap: 8
-                assert torch.equal(torch.isnan(out), torch.isnan(truth)), (name, shift_mean, offset)
-                fin = torch.isfinite(truth)
-                assert torch.equal(torch.isfinite(out), fin), (name, shift_mean, offset)
-                if fin.any():
-                    err = rel_error(out[fin], truth[fin])
-                    assert err <= REL_TOL[torch.float32], (name, shift_mean, offset, err)
-    # far past the cap: 8 blocks, ~20 strides per thread (the unrolled loop several times, then the remainder loop)
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.bfloat16 and name == "huge":
+                continue  # bfloat16 holds 3e37 as well; the float32 rows already take the rescue
+            xd = x.to(dtype)  # [N]
+            for shift_mean in (True, False):
+                truth = reference.masked_whiten(xd.double(), mask, shift_mean=shift_mean)  # [N]
+                for (x_offset, mask_offset), (want_vec, want_head) in layouts[dtype].items():
+                    out, blocks, vec, head = emulated_whiten_kernels(xd, mask, shift_mean, x_offset, mask_offset)
+                    where = (name, dtype, shift_mean, x_offset, mask_offset)
+                    assert blocks == min(8, max(1, -(-x.numel() // 1024))), (where, blocks)  # the driver's cap: 8
+                    assert (vec, head) == (want_vec, want_head), where
+                    assert torch.equal(torch.isnan(out), torch.isnan(truth)), where
+                    fin = torch.isfinite(truth)
+                    assert torch.equal(torch.isfinite(out), fin), where
+                    if fin.any():
+                        err = rel_error(out[fin], truth[fin])
+                        assert err <= REL_TOL[torch.float32], (where, err)
+    half = (torch.randn(3001, generator=gen) * 4 - 2).half()  # float16's widening (no 16-byte path differs)
+    half_mask = torch.rand(3001, generator=gen) < 0.6
+    for x_offset, mask_offset in ((0, 0), (5, 5), (1, 6)):
+        out, *_ = emulated_whiten_kernels(half, half_mask, False, x_offset, mask_offset)
+        truth = reference.masked_whiten(half.double(), half_mask, shift_mean=False)  # [3001]
+        assert rel_error(out, truth) <= REL_TOL[torch.float32], (x_offset, mask_offset)
+    # far past the cap: 8 blocks, ~20 chunks per thread
     N = 40003
     x = torch.randn(N, generator=gen) * 2 - 5
     mask = torch.rand(N, generator=gen) < 0.6
-    out, blocks = emulated_whiten_kernels(x, mask, True)
+    out, blocks, _, _ = emulated_whiten_kernels(x, mask, True)
     assert blocks == 8
     assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
     # a device that holds fewer blocks than the cap (the extension passes SMs x blocks per SM): the grid is one wave
-    # of them, each thread taking more strides; nonsense (0) still gives one block
+    # of them, each thread taking more chunks; nonsense (0) still gives one block
     for resident, want in ((3, 3), (1, 1), (0, 1), (100, 8)):
-        out, blocks = emulated_whiten_kernels(x, mask, False, resident=resident)
+        out, blocks, _, _ = emulated_whiten_kernels(x, mask, False, resident=resident)
         assert blocks == want, (resident, blocks)
         assert rel_error(out, reference.masked_whiten(x.double(), mask, shift_mean=False)) <= REL_TOL[torch.float32]
-
 
 
 @pytest.fixture(scope="module")

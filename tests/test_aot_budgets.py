@@ -127,27 +127,24 @@ def test_the_epilogue_reader_subtracts_the_k_loop_from_the_tile_loop():
 
 
 # ---------------------------------------------------------------- csrc CUDA kernels (nvcc, sm_90)
-# The CUDA defaults of gae, group_advantages and masked_whiten (csrc/advantages_cuda.cu), held to the same rule:
-# at most 5 instructions per byte an element moves (2x headroom under the 10·b line above), counted on the loop
-# that handles the elements (the grid-stride loop of the whitening passes, kUnroll = 4 values a thread; GAE's
-# tile loop, kItems = 8 tokens a thread) or, for the group kernel (8 scores a lane, once), the whole kernel up to
-# EXIT with every mode's branch. Bytes per element: whitening statistics x + mask (T + 1), apply x + float32 out
-# (T + 4), GAE rewards, values, mask and two float32 outputs (2T + 9), groups a float32 score in and out (8).
+# The CUDA defaults of gae, group_advantages and masked_whiten (csrc/advantages_cuda.cu), held to the same rule: at
+# most 5 instructions per byte an element moves (2x headroom under the 10·b line above), counted on the loop that
+# handles the elements (the whitening statistics' chunk loop, 8 values a thread; the apply pass's grid-stride loop,
+# kUnroll = 4 values a thread; GAE's tile loop, kItems = 8 tokens a thread) or, for the group kernel (8 scores a lane,
+# once), the whole kernel up to EXIT with every mode's branch. Bytes per element: whitening statistics x + mask (T +
+# 1), apply x + float32 out (T + 4), GAE rewards, values, mask and two float32 outputs (2T + 9), groups a float32
+# score in and out (8).
 CSRC_KERNELS = {  # name in the mangled symbol -> (elements per counted block, bytes per element given T's size)
-    "whiten_partial_kernel": (4, lambda t: t + 1),
+    "whiten_partial_kernel": (8, lambda t: t + 1),
     "whiten_apply_kernel": (4, lambda t: t + 4),
     "gae_kernel": (8, lambda t: 2 * t + 9),
     "group_segment_kernel": (8, lambda t: 8),
 }
-# Over the rule today (sm_90, nvcc 13.0), each with its figure: tested not to grow. The 16-bit whitening statistics
-# (21.25-21.75 per value against 15: Welford's update costs ~12 per value whatever the dtype, 2-byte loads save
-# bytes, not instructions); the 16-bit GAE tile loop (65.25-65.75 per token aligned, 80.9 unaligned, against 65;
-# the count includes thread 0's chaining of the 8 warps, which one warp issues); the group segment kernel
-# (48.6 / 55.6 per score against 40, every mode's branch counted: a thread runs one).
+# Over the rule today (sm_90, nvcc 13.0), each with its figure: tested not to grow. The 16-bit GAE tile loop
+# (65.25-65.75 per token aligned, 80.9 unaligned, against 65; the count includes thread 0's chaining of the 8 warps,
+# which one warp issues).
 CSRC_OVER = {
-    ("whiten_partial_kernel", 2): 22.0,
     ("gae_kernel", 2): 81.0,
-    ("group_segment_kernel", 4): 56.0,
 }
 
 

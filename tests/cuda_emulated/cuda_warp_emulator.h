@@ -7,6 +7,7 @@
 // (-fsanitize=address) sees any read or write out of bounds.
 #pragma once
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +43,33 @@ using std::sqrt;
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float approx_rcp(float x) { return 1.f / x; }  // the device's (advantages_cuda.cu) is rcp.approx: ~1 ulp
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline int __popc(unsigned x) { return std::popcount(x); }
+
+// The two 16-bit float types as their bits, with the device's exact widening to float (advantages_cuda.cu's
+// to_float: __half2float, __bfloat162float).
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct __half {
+  uint16_t bits;
+};
+inline float to_float(__nv_bfloat16 h) { return __uint_as_float(static_cast<unsigned>(h.bits) << 16); }
+inline float to_float(__half h) {
+  const unsigned sign = (h.bits >> 15) & 1u, exponent = (h.bits >> 10) & 0x1fu, mantissa = h.bits & 0x3ffu;
+  float magnitude;
+  if (exponent == 0x1fu)
+    magnitude = mantissa != 0 ? std::nanf("") : INFINITY;
+  else if (exponent == 0)
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);  // subnormal (or zero)
+  else
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
+  return sign ? -magnitude : magnitude;
+}
 
 namespace emulated {
 struct Warp {

@@ -9,6 +9,7 @@
 #include "cuda_warp_emulator.h"
 
 inline float to_float(float x) { return x; }
+#include "vector_loads.h"
 #include "gae_kernel.h"
 
 int main(int argc, char** argv) {

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
   if (!plan.usable) return 4;
   auto kernel = plan.vec ? group_segment_kernel<true> : group_segment_kernel<false>;
   emulated::launch(plan.blocks, kSegmentThreads, kernel, static_cast<const float*>(scores.data() + offset),
-                   out.data() + offset, G, static_cast<int>(group_size), plan.width, mode, eps);
+                   out.data() + offset, G, static_cast<int>(group_size), plan.width,
+                   group_constants(mode, group_size, eps));
   std::fwrite(out.data() + offset, sizeof(float), N, stdout);
   return 0;
 }

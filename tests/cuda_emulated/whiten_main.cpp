@@ -1,10 +1,16 @@
 // Runs csrc/whiten_kernels.h's three passes (whiten_passes, whiten_parts blocks) under the warp emulator:
-//   whiten_emulated N shift_mean eps offset [resident] < x (N float32) mask (N bytes) > outputs (N float32)
-// `offset`: x, mask and the outputs start that many elements into their allocations; `resident`: the blocks one
-// wave holds (the extension asks the occupancy calculator; default: no limit below the cap). Prints the blocks
-// used on stderr. Used by tests/test_advantages.py.
+//   whiten_emulated DTYPE N shift_mean eps x_offset mask_offset [resident]
+//     < x (N elements of DTYPE: f32, bf16 or f16, as their bytes) mask (N bytes) > outputs (N float32)
+// `x_offset` / `mask_offset`: x (and the outputs) and the mask start that many elements into their allocations
+// (alike: the 16-byte path after a head of elements; different: x element by element); `resident`: the blocks one
+// wave holds (the extension asks the occupancy calculator; default: no limit below the cap). Prints the blocks, the
+// statistics kernel's variant (1: 16-byte loads of x) and its head on stderr. Used by tests/test_advantages.py.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <type_traits>
 
 #include "cuda_warp_emulator.h"
 
@@ -12,24 +18,50 @@
 // of many strides per thread, at sizes the emulator runs in seconds (a block is 256 host threads)
 constexpr int kMaxWhitenParts = 8;
 inline float to_float(float x) { return x; }
+#include "vector_loads.h"
 #include "whiten_kernels.h"
 
-int main(int argc, char** argv) {
-  if (argc != 5 && argc != 6) return 2;
-  const int64_t N = std::atoll(argv[1]);
-  const bool shift_mean = std::atoi(argv[2]) != 0;
-  const float eps = static_cast<float>(std::atof(argv[3]));
-  const int offset = std::atoi(argv[4]);
-  std::vector<float> x(offset + N), out(offset + N, -7.f);  // exactly the memory the passes may touch
-  std::vector<uint8_t> mask(offset + N);
-  if (std::fread(x.data() + offset, sizeof(float), N, stdin) != static_cast<size_t>(N)) return 3;
-  if (std::fread(mask.data() + offset, 1, N, stdin) != static_cast<size_t>(N)) return 3;
-  const int parts = argc == 6 ? whiten_parts(N, std::atoi(argv[5])) : whiten_parts(N);
+template <typename T>
+int run(int64_t N, bool shift_mean, float eps, int x_offset, int mask_offset, int resident) {
+  // 16-byte aligned allocations of exactly the memory the passes may touch (AddressSanitizer sees any access past
+  // it), so that the offsets alone decide the alignment the kernels see
+  auto alloc = [](size_t bytes) {
+    return std::unique_ptr<void, void (*)(void*)>(::operator new(bytes, std::align_val_t{16}),
+                                                  [](void* p) { ::operator delete(p, std::align_val_t{16}); });
+  };
+  auto x_store = alloc(sizeof(T) * (x_offset + N)), mask_store = alloc(mask_offset + N),
+       out_store = alloc(sizeof(float) * (x_offset + N));
+  T* x = static_cast<T*>(x_store.get()) + x_offset;
+  uint8_t* mask = static_cast<uint8_t*>(mask_store.get()) + mask_offset;
+  float* out = static_cast<float*>(out_store.get()) + x_offset;
+  for (int64_t i = 0; i < N; ++i) out[i] = -7.f;
+  if (std::fread(x, sizeof(T), N, stdin) != static_cast<size_t>(N)) return 3;
+  if (std::fread(mask, 1, N, stdin) != static_cast<size_t>(N)) return 3;
+  const int parts = resident >= 0 ? whiten_parts(N, resident) : whiten_parts(N);
   std::vector<float> part(4 * parts + 5);
-  whiten_passes(static_cast<const float*>(x.data() + offset), static_cast<const uint8_t*>(mask.data() + offset),
-                out.data() + offset, part.data(), parts, N, eps, shift_mean,
-                [](auto kernel, int blocks, auto... args) { emulated::launch(blocks, kWhitenThreads, kernel, args...); });
-  std::fprintf(stderr, "%d\n", parts);
-  std::fwrite(out.data() + offset, sizeof(float), N, stdout);
+  int vec = -1;
+  whiten_passes(static_cast<const T*>(x), static_cast<const uint8_t*>(mask), out, part.data(), parts, N, eps,
+                shift_mean, [&vec](auto kernel, int blocks, auto... args) {
+                  if constexpr (std::is_same_v<decltype(kernel), decltype(&whiten_partial_kernel<T, true>)>)
+                    if (kernel == &whiten_partial_kernel<T, true> || kernel == &whiten_partial_kernel<T, false>)
+                      vec = kernel == &whiten_partial_kernel<T, true>;
+                  emulated::launch(blocks, kWhitenThreads, kernel, args...);
+                });
+  std::fprintf(stderr, "%d %d %d\n", parts, vec, whiten_head(static_cast<const uint8_t*>(mask)));
+  std::fwrite(out, sizeof(float), N, stdout);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 7 && argc != 8) return 2;
+  const char* dtype = argv[1];
+  const int64_t N = std::atoll(argv[2]);
+  const bool shift_mean = std::atoi(argv[3]) != 0;
+  const float eps = static_cast<float>(std::atof(argv[4]));
+  const int x_offset = std::atoi(argv[5]), mask_offset = std::atoi(argv[6]);
+  const int resident = argc == 8 ? std::atoi(argv[7]) : -1;
+  if (std::strcmp(dtype, "f32") == 0) return run<float>(N, shift_mean, eps, x_offset, mask_offset, resident);
+  if (std::strcmp(dtype, "bf16") == 0) return run<__nv_bfloat16>(N, shift_mean, eps, x_offset, mask_offset, resident);
+  if (std::strcmp(dtype, "f16") == 0) return run<__half>(N, shift_mean, eps, x_offset, mask_offset, resident);
+  return 2;
 }
