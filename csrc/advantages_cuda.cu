@@ -4,14 +4,13 @@
 // whiten_kernels.h) that include nothing, so that tests/test_advantages.py also compiles them with the host
 // compiler under a warp emulator (tests/cuda_emulated/) and checks them on a CPU, AddressSanitizer watching.
 //
-// gae: one block per sequence walks its row backwards in tiles of
-// kThreads * kItems tokens (aligned to the row start). Each thread loads its kItems
-// consecutive tokens (16-byte vector loads when the rows are aligned) and composes their
-// affine maps, a warp-shuffle suffix scan composes them across the warp, the warps'
-// boundary states are chained in shared memory, and each thread then replays its
-// tokens from its incoming state; the outputs go out through shared memory so that a warp's
-// stores are contiguous. The state (A, V) = (advantage, value) of the next valid token carries
-// from tile to tile.
+// gae: one block per sequence walks its row backwards in tiles of kThreads * kItems tokens (aligned to the row
+// start). Each thread loads its kItems consecutive tokens (16-byte vector loads when the rows are aligned); every
+// valid token's "next value" (that of the next valid token, found by a warp ballot and one shuffle, across warps
+// through shared memory) gives its TD error; the advantage chain's two-component affine maps are composed over the
+// thread's tokens, suffix-scanned across the warp by shuffles and chained across the warps from the state carried
+// from the tile to the right; each thread then replays its tokens from its incoming advantage; the outputs go out
+// through shared memory so that a warp's stores are contiguous.
 // group_advantages: contiguous groups of up to 256 scores: a warp holds 32 / W of them (W the power of two >= an
 // eighth of the group size), eight consecutive scores per lane (a 16-byte load where aligned), the statistics by
 // shuffles within each W-lane segment (one coalesced read, one write); otherwise one warp per group, three passes

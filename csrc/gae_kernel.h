@@ -2,29 +2,23 @@
 // advantages_cuda.cu inside its namespace, so that the tests can also compile the kernel with the host compiler
 // under a warp emulator (tests/cuda_emulated/) and check it on the CPU against the float64 truth. It includes
 // nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / make_float4, kItems, load8 and load8_mask
-// (vector_loads.h), __shfl_down_sync, __syncthreads, __shared__, blockIdx / threadIdx and the CUDA keywords
-// (nvcc's own, or the emulator's).
+// (vector_loads.h), __shfl_sync, __shfl_down_sync, __ballot_sync, __ffs, fmaf,
+// __syncthreads, __shared__, blockIdx / threadIdx and the CUDA keywords (nvcc's own, or the emulator's).
 #pragma once
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// A' = a*A + b*V + c, V' = z*V + e
-struct Affine {
-  float a, b, c, z, e;
+// The advantage chain of a run of tokens as one affine map of the advantage entering it from the right (that of
+// the next valid token after the run): A_first = a·A_in + c. A valid token maps A to gl·A + delta, a masked one
+// passes it through (a = 1, c = 0).
+struct Chain {
+  float a, c;
 };
 
-__device__ __forceinline__ Affine identity() { return {1.f, 0.f, 0.f, 1.f, 0.f}; }
-
-// first `p` (later tokens), then `q` (earlier tokens)
-__device__ __forceinline__ Affine then(const Affine& p, const Affine& q) {
-  return {q.a * p.a, q.a * p.b + q.b * p.z, q.a * p.c + q.b * p.e + q.c, q.z * p.z, q.z * p.e + q.e};
-}
-
-__device__ __forceinline__ Affine shfl_down(const Affine& x, int delta) {
-  return {__shfl_down_sync(0xffffffffu, x.a, delta), __shfl_down_sync(0xffffffffu, x.b, delta),
-          __shfl_down_sync(0xffffffffu, x.c, delta), __shfl_down_sync(0xffffffffu, x.z, delta),
-          __shfl_down_sync(0xffffffffu, x.e, delta)};
+// `left` (earlier tokens) after `right` (later ones): A = left.a·(right.a·A_in + right.c) + left.c
+__device__ __forceinline__ Chain then(const Chain& left, const Chain& right) {
+  return {left.a * right.a, fmaf(left.a, right.c, left.c)};
 }
 
 // Each thread holds kItems consecutive outputs of the tile; they go out through shared memory so that one
@@ -44,22 +38,34 @@ __device__ __forceinline__ void store_tile(float* out, int64_t tile_start, int64
     }
   } else {
     const float* flat = reinterpret_cast<const float*>(stage);
+    const int64_t left = n - tile_start;  // > 0
+    const int below = left < kThreads * kItems ? static_cast<int>(left) : kThreads * kItems;  // 32-bit compares
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = j * kThreads + threadIdx.x;
-      if (tile_start + i < n) out[tile_start + i] = flat[i];
+      if (i < below) out[tile_start + i] = flat[i];
     }
   }
   __syncthreads();  // the stage is rewritten by the next store
 }
 
+// Tile by tile from the row's end, in two steps. (1) Each token's "next value" (the value of the next valid token
+// after it, or of the state carried from the tiles to the right, 0 past the row's end): within a thread by a sweep
+// of its 8 tokens; across lanes by a ballot of the lanes holding a valid token and one shuffle from the nearest such
+// lane to the right; across warps through shared memory. Then every valid token's TD error delta = r + gamma·next -
+// v is known. (2) The advantages, A = delta + gl·A_next over valid tokens (masked ones transparent), as a suffix
+// scan of two-component affine maps (Chain): composed over a thread's 8 tokens, across the warp by shuffles, across
+// warps through shared memory from the carried advantage; each thread then replays its tokens from its incoming
+// advantage. Before (one five-component map (A, V) per token, composed by every shuffle step), the tile loop took
+// 63-81 SASS instructions per token on sm_90; the 16-bit ones were over their 5-per-byte budget.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rewards, const T* __restrict__ values,
                                                        const uint8_t* __restrict__ mask, float* __restrict__ adv,
                                                        float* __restrict__ ret, int64_t T_len, float gamma, float lam) {
-  __shared__ float warp_a[kWarps], warp_v[kWarps];  // state entering each warp (from its right)
-  __shared__ Affine warp_map[kWarps];
-  __shared__ float carry[2];
+  __shared__ float warp_value[kWarps];  // value of each warp's earliest valid token
+  __shared__ bool warp_any[kWarps];     // whether the warp holds a valid token
+  __shared__ Chain warp_chain[kWarps];  // each warp's composed map
+  __shared__ float carry[2][2];  // (advantage, value) entering a tile from the right; double-buffered by tile parity
   __shared__ float4 stage[kThreads * kItems / 4];  // one tile of outputs, for coalesced stores
   const int64_t row = blockIdx.x;
   const T* r = rewards + row * T_len;
@@ -68,12 +74,15 @@ __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rew
   float* a_out = adv + row * T_len;
   float* r_out = ret + row * T_len;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned later_lanes = ~((2u << lane) - 1u);  // lanes lane+1..31 (none for lane 31: 2u << 31 wraps to 0)
+  const unsigned later_warps = ~((2u << warp) - 1u) & ((1u << kWarps) - 1u);
   const float gl = gamma * lam;
-  if (threadIdx.x == 0) carry[0] = carry[1] = 0.f;
+  if (threadIdx.x == 0) carry[0][0] = carry[0][1] = 0.f;
   constexpr int kTile = kThreads * kItems;
+  int parity = 0;
   // tiles start at multiples of kTile from the row start (aligned vector loads), walked from the last one;
-  // tokens past the row end are identities
-  for (int64_t tile_start = (T_len - 1) / kTile * kTile; tile_start >= 0; tile_start -= kTile) {
+  // tokens past the row end are masked out
+  for (int64_t tile_start = (T_len - 1) / kTile * kTile; tile_start >= 0; tile_start -= kTile, parity ^= 1) {
     const int64_t first = tile_start + static_cast<int64_t>(threadIdx.x) * kItems;
     float rv[kItems], vv[kItems];
     bool ok[kItems];
@@ -85,52 +94,63 @@ __global__ void __launch_bounds__(kThreads) gae_kernel(const T* __restrict__ rew
 #pragma unroll
       for (int k = 0; k < kItems; ++k) rv[k] = vv[k] = 0.f, ok[k] = false;
     }
-    Affine mine = identity();
+    // (1) next values
+    float earliest = 0.f;  // value of the thread's earliest valid token
+    bool any = false;
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
-      if (ok[k]) mine = then(mine, Affine{gl, gamma, rv[k] - vv[k], 0.f, vv[k]});
+      earliest = ok[k] ? vv[k] : earliest;
+      any = any || ok[k];
     }
-    // inclusive suffix scan inside the warp: lane l composes lanes l..31
-    Affine suffix = mine;
+    const unsigned valid_lanes = __ballot_sync(0xffffffffu, any);
+    const unsigned right = valid_lanes & later_lanes;
+    const float from_lane = __shfl_sync(0xffffffffu, earliest, right != 0u ? __ffs(right) - 1 : lane);
+    const float warp_earliest = __shfl_sync(0xffffffffu, earliest, valid_lanes != 0u ? __ffs(valid_lanes) - 1 : 0);
+    if (lane == 0) warp_value[warp] = warp_earliest, warp_any[warp] = valid_lanes != 0u;
+    __syncthreads();
+    const unsigned valid_warps = __ballot_sync(0xffffffffu, lane < kWarps && warp_any[lane]);  // bit w: warp w
+    const unsigned right_warps = valid_warps & later_warps;
+    const float tile_value = carry[parity][1];
+    float next = right != 0u ? from_lane : (right_warps != 0u ? warp_value[__ffs(right_warps) - 1] : tile_value);
+    float delta[kItems];
+    Chain mine{1.f, 0.f};
+#pragma unroll
+    for (int k = kItems - 1; k >= 0; --k) {
+      delta[k] = rv[k] + gamma * next - vv[k];
+      next = ok[k] ? vv[k] : next;
+      mine = ok[k] ? Chain{gl * mine.a, fmaf(gl, mine.c, delta[k])} : mine;
+    }
+    // (2) advantages: inclusive suffix scan inside the warp (lane l composes lanes l..31)
+    Chain suffix = mine;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      Affine other = shfl_down(suffix, d);
-      if (lane + d < 32) suffix = then(other, suffix);
+      const Chain other{__shfl_down_sync(0xffffffffu, suffix.a, d), __shfl_down_sync(0xffffffffu, suffix.c, d)};
+      if (lane + d < 32) suffix = then(suffix, other);
     }
-    Affine after = shfl_down(suffix, 1);  // lanes l+1..31
-    if (lane == 31) after = identity();
-    if (lane == 0) warp_map[warp] = suffix;
+    Chain after{__shfl_down_sync(0xffffffffu, suffix.a, 1), __shfl_down_sync(0xffffffffu, suffix.c, 1)};
+    if (lane == 31) after = Chain{1.f, 0.f};  // lanes l+1..31
+    if (lane == 0) warp_chain[warp] = suffix;
     __syncthreads();
-    if (threadIdx.x == 0) {  // chain the warps from the right, starting at the carried state
-      float A = carry[0], V = carry[1];
-      for (int w = kWarps - 1; w >= 0; --w) {
-        warp_a[w] = A;
-        warp_v[w] = V;
-        const Affine& f = warp_map[w];
-        const float A2 = f.a * A + f.b * V + f.c;
-        V = f.z * V + f.e;
-        A = A2;
-      }
-      carry[0] = A;
-      carry[1] = V;
+    float A = carry[parity][0];  // entering the warps to the right of this one, from the right
+#pragma unroll
+    for (int w = kWarps - 1; w > 0; --w)  // unrolled (a loop of `warp`-dependent length, nvcc unrolls 4x + 2x + 1x)
+      if (w > warp) A = fmaf(warp_chain[w].a, A, warp_chain[w].c);
+    if (threadIdx.x == 0) {  // the state entering the next tile (to the left): this whole tile applied
+      const Chain& whole = warp_chain[0];
+      carry[parity ^ 1][0] = fmaf(whole.a, A, whole.c);
+      carry[parity ^ 1][1] = valid_warps != 0u ? warp_value[__ffs(valid_warps) - 1] : tile_value;
     }
-    __syncthreads();
-    float A = after.a * warp_a[warp] + after.b * warp_v[warp] + after.c;
-    float V = after.z * warp_v[warp] + after.e;
+    A = fmaf(after.a, A, after.c);  // entering this thread's tokens
     float out[kItems];
 #pragma unroll
     for (int k = kItems - 1; k >= 0; --k) {
-      out[k] = 0.f;
-      if (ok[k]) {
-        out[k] = rv[k] + gamma * V - vv[k] + gl * A;
-        A = out[k];
-        V = vv[k];
-      }
+      out[k] = ok[k] ? fmaf(gl, A, delta[k]) : 0.f;
+      A = ok[k] ? out[k] : A;
     }
     store_tile<kVec>(a_out, tile_start, T_len, out, stage);
 #pragma unroll
     for (int k = 0; k < kItems; ++k) out[k] += vv[k];
-    store_tile<kVec>(r_out, tile_start, T_len, out, stage);  // its trailing barrier also guards carry/warp_*
+    store_tile<kVec>(r_out, tile_start, T_len, out, stage);  // its barriers also order the next tile's shared use
   }
 }
 

@@ -6,6 +6,13 @@
 
 constexpr int kItems = 8;
 
+// How many of elements t0..t0+kItems-1 lie below n, as an int (0..kItems): the element-by-element paths compare
+// each k against it in 32 bits instead of t0 + k against n in 64 (two instructions each).
+__device__ __forceinline__ int items_below(int64_t t0, int64_t n) {
+  const int64_t left = n - t0;
+  return left < 0 ? 0 : (left < kItems ? static_cast<int>(left) : kItems);
+}
+
 // Elements t0..t0+7 of p as float: one 16-byte load per 4 floats or per 8 halves when kVec (p + t0 16-byte
 // aligned and all 8 below n: the caller's promise); else one element at a time, 0 at and past n.
 template <bool kVec>
@@ -14,8 +21,9 @@ __device__ __forceinline__ void load8(const float* p, int64_t t0, int64_t n, flo
     const float4 a = *reinterpret_cast<const float4*>(p + t0), b = *reinterpret_cast<const float4*>(p + t0 + 4);
     out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
   } else {
+    const int below = items_below(t0, n);
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? p[t0 + k] : 0.f;
+    for (int k = 0; k < kItems; ++k) out[k] = k < below ? p[t0 + k] : 0.f;
   }
 }
 
@@ -41,8 +49,9 @@ __device__ __forceinline__ void load8(const H* p, int64_t t0, int64_t n, float (
     widen2(raw.z, p, out[4], out[5]);
     widen2(raw.w, p, out[6], out[7]);
   } else {
+    const int below = items_below(t0, n);
 #pragma unroll
-    for (int k = 0; k < kItems; ++k) out[k] = t0 + k < n ? to_float(p[t0 + k]) : 0.f;
+    for (int k = 0; k < kItems; ++k) out[k] = k < below ? to_float(p[t0 + k]) : 0.f;
   }
 }
 
@@ -61,10 +70,11 @@ __device__ __forceinline__ int load8_mask(const uint8_t* p, int64_t t0, int64_t 
     for (int k = 0; k < kItems; ++k) out[k] = ((k < 4 ? raw.x >> (8 * k) : raw.y >> (8 * (k - 4))) & 0xffu) != 0;
     return nonzero_bytes(raw.x) + nonzero_bytes(raw.y);
   } else {
+    const int below = items_below(t0, n);
     int count = 0;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
-      out[k] = t0 + k < n && p[t0 + k] != 0;
+      out[k] = k < below && p[t0 + k] != 0;
       count += out[k];
     }
     return count;

@@ -1190,3 +1190,23 @@ def test_csrc_gae_kernel_source_runs_on_the_cpu_under_a_warp_emulator(emulated_g
                 assert rel_error(adv, adv_t) <= REL_TOL[torch.float32], (T, gamma, offset)
                 assert rel_error(ret, ret_t) <= REL_TOL[torch.float32], (T, gamma, offset)
                 assert torch.all(adv[~mask] == 0), (T, offset)
+    # NaN and inf: at masked-out positions they reach no advantage (returns there are the values themselves, as in
+    # the truth); a NaN reward at a valid token makes it and the valid tokens before it NaN, no later one
+    T = 2100  # two tiles: the NaN crosses the tile boundary and the warps
+    rewards = torch.randn(2, T, generator=gen)  # [2, T]
+    values = torch.randn(2, T, generator=gen)  # [2, T]
+    mask = torch.rand(2, T, generator=gen) < 0.7  # [2, T]
+    out_pos = (~mask).nonzero()
+    rewards[out_pos[::2, 0], out_pos[::2, 1]] = float("nan")
+    values[out_pos[1::2, 0], out_pos[1::2, 1]] = float("inf")
+    valid1 = mask[1].nonzero().flatten()
+    rewards[1, valid1[len(valid1) // 2]] = float("nan")  # a valid NaN in row 1 only
+    adv_t, ret_t = reference.gae(rewards.double(), values.double(), mask, gamma=0.99, lam=0.95)
+    assert adv_t[0].isfinite().all() and adv_t[1].isnan().any()
+    for offset in (0, 1):
+        adv, ret, _ = emulated_gae_kernel(rewards, values, mask, 0.99, 0.95, offset)
+        for got, want in ((adv, adv_t), (ret, ret_t)):
+            assert torch.equal(got.isnan(), want.isnan()), offset
+            assert torch.equal(got.isinf(), want.isinf()), offset
+            fin = want.isfinite()
+            assert rel_error(got[fin], want[fin]) <= REL_TOL[torch.float32], offset

@@ -150,4 +150,15 @@ T __shfl_xor_sync(unsigned, T value, int mask, int width = 32) {
   return emulated::exchange(value, inside ? target : emulated::lane);
 }
 
+// Bit l: lane l's predicate (every lane takes part, as the full-mask ballot requires on a GPU)
+inline unsigned __ballot_sync(unsigned, bool predicate) {
+  emulated::warp->slot[emulated::lane] = predicate ? 1u : 0u;
+  emulated::warp->sync.arrive_and_wait();
+  unsigned bits = 0;
+  for (int l = 0; l < 32; ++l) bits |= static_cast<unsigned>(emulated::warp->slot[l] != 0) << l;
+  emulated::warp->sync.arrive_and_wait();  // no lane overwrites a slot before every lane has read
+  return bits;
+}
+inline int __ffs(unsigned x) { return x == 0 ? 0 : std::countr_zero(x) + 1; }  // 1 + the lowest set bit; 0 for 0
+
 inline void __syncthreads() { emulated::block->arrive_and_wait(); }
