@@ -151,3 +151,30 @@ def recording_head(rows: list):
         return rlkernels.linear_logprobs(hidden, weight, labels, **kwargs)
 
     return recording
+
+
+def in_gloo_group(rank: int | None, world: int | None, init_method: str | None, work, *args,
+                  timeout_s: float | None = 120.0):
+    """``work(*args)`` in a spawned test worker, inside a gloo process group (``init_method=None``: torchrun's
+    environment gives rank and world size). One intra-op thread per process (the machine has few cores) and a
+    ``timeout_s`` timeout (None: torch's 30 minutes): a rank that died fails its peers instead of holding them. When ``work``
+    has returned, its objects are gone (its locals; then a collection, for cycles: DDP's reducer holds the group)
+    and every rank meets at a barrier, so no rank tears the group down while a peer still talks on it; the group is
+    destroyed whatever happened. Returns what ``work`` returned."""
+    import datetime
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    where = {} if init_method is None else dict(init_method=init_method, rank=rank, world_size=world)
+    if timeout_s is not None:
+        where["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", **where)
+    try:
+        result = work(*args)
+        gc.collect()
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ import torch
 import rlkernels
 from rlkernels import _backend, _extension, reference
 from rlkernels import advantages as adv_mod
-from tests.helpers import (REL_TOL, assert_close_to_truth, backends, devices, forced_backend, nvcc_or_skip, on_device,
+from tests.helpers import (REL_TOL, assert_close_to_truth, backends, devices, forced_backend, in_gloo_group, nvcc_or_skip,
+                           on_device,
                            rel_error)
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
@@ -413,20 +414,19 @@ def _global_whiten_cases():
 
 
 def _global_whiten_worker(rank, world, init_file, out_dir):
+    in_gloo_group(rank, world, f"file://{init_file}", _global_whiten_work, rank, out_dir)
+
+
+def _global_whiten_work(rank, out_dir):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        outs = {}
-        for name, xs, ms, _ in _global_whiten_cases():
-            for shift_mean in (True, False):
-                outs[name, shift_mean] = rlkernels.masked_whiten(
-                    xs[rank], ms[rank], shift_mean=shift_mean, process_group=dist.group.WORLD
-                )
-        torch.save(outs, os.path.join(out_dir, f"whiten{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    outs = {}
+    for name, xs, ms, _ in _global_whiten_cases():
+        for shift_mean in (True, False):
+            outs[name, shift_mean] = rlkernels.masked_whiten(
+                xs[rank], ms[rank], shift_mean=shift_mean, process_group=dist.group.WORLD
+            )
+    torch.save(outs, os.path.join(out_dir, f"whiten{rank}.pt"))
 
 
 def test_masked_whiten_process_group_matches_concatenation(tmp_path, csrc_ops):

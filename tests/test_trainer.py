@@ -13,6 +13,7 @@ from rlkernels.trainer import checkpoint
 from rlkernels.trainer.__main__ import main
 from rlkernels.trainer.config import ConfigError, from_dict, parse_args
 from rlkernels.trainer.loop import NonFiniteError, Rollout, Trainer, read_metrics
+from tests.helpers import in_gloo_group
 
 LOSSES = ["fused", "eager"]
 
@@ -320,28 +321,27 @@ def _whiten_case():
 
 
 def _ddp_worker(rank, world, init_file, out_dir, cfg_dict):
+    in_gloo_group(rank, world, f"file://{init_file}", _ddp_work, rank, world, out_dir, cfg_dict)
+
+
+def _ddp_work(rank, world, out_dir, cfg_dict):
     import torch.distributed as dist
 
     import rlkernels
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        tr = Trainer(from_dict(cfg_dict))
-        ppo = tr.cfg.algo == "ppo"
-        # PPO: each process computes its shard's advantages itself, so whitening must be global
-        batch = _global_batch(tr, advantages=not ppo)
-        B = batch.ids.shape[0]
-        shard = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
-        if ppo:
-            shard = tr.advantages(tr.score_tokens(shard))
-        tr.update(shard, 1)
-        x, mask = _whiten_case()
-        result = {"state": _params_and_grads(tr), "advantages": shard.advantages,
-                  "whiten": rlkernels.masked_whiten(x[rank], mask[rank], process_group=dist.group.WORLD)}
-        torch.save(result, os.path.join(out_dir, f"ddp{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    tr = Trainer(from_dict(cfg_dict))
+    ppo = tr.cfg.algo == "ppo"
+    # PPO: each process computes its shard's advantages itself, so whitening must be global
+    batch = _global_batch(tr, advantages=not ppo)
+    B = batch.ids.shape[0]
+    shard = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
+    if ppo:
+        shard = tr.advantages(tr.score_tokens(shard))
+    tr.update(shard, 1)
+    x, mask = _whiten_case()
+    result = {"state": _params_and_grads(tr), "advantages": shard.advantages,
+              "whiten": rlkernels.masked_whiten(x[rank], mask[rank], process_group=dist.group.WORLD)}
+    torch.save(result, os.path.join(out_dir, f"ddp{rank}.pt"))
 
 
 def _ddp_matches_single(tmp_path, **over):

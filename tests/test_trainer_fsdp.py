@@ -120,70 +120,71 @@ def _value_half(tr) -> None:
 
 def _worker(out: Path) -> None:
     """Every 2-process scenario, in one torchrun launch (each process saves what it saw under ``out``)."""
+    from tests.helpers import in_gloo_group
+
+    in_gloo_group(None, None, None, _work, out, timeout_s=None)  # ranks wait on each other's long steps here
+
+
+def _work(out: Path) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        for algo in ALGOS:
-            for shard in ("fsdp", "ddp"):
-                tr = Trainer(from_dict(_cfg(out / f"{algo}-{shard}", algo, shard)))
-                result = _update_steps(tr, rank, world)
-                if shard == "fsdp" and algo == "grpo":
-                    result["head"] = _head_seen_by_linear_logprobs(tr)
-                torch.save(result, out / f"{algo}-{shard}-{rank}.pt")
-        # a reward model, sharded and offloaded like the reference: each process scores its own completions
-        from tests.test_trainer_models import _reward_dir, _score_one_by_one
+    for algo in ALGOS:
+        for shard in ("fsdp", "ddp"):
+            tr = Trainer(from_dict(_cfg(out / f"{algo}-{shard}", algo, shard)))
+            result = _update_steps(tr, rank, world)
+            if shard == "fsdp" and algo == "grpo":
+                result["head"] = _head_seen_by_linear_logprobs(tr)
+            torch.save(result, out / f"{algo}-{shard}-{rank}.pt")
+    # a reward model, sharded and offloaded like the reference: each process scores its own completions
+    from tests.test_trainer_models import _reward_dir, _score_one_by_one
 
-        if rank == 0:  # transformers' save_pretrained writes from the main process only
-            model, tok = _reward_dir(out / "rm-model")
-        dist.barrier()
-        tr = Trainer(from_dict(_cfg(out / "rm", "grpo", "fsdp", reward=str(out / "rm-model"), fsdp_offload_ref=True)))
-        batch = _designed_batch(tr)  # scored by the sharded reward model
-        B = batch.ids.shape[0]
-        rows = range(rank * B // world, (rank + 1) * B // world)
-        mine = tr.score(batch.select(torch.tensor(list(rows))), 1).scores
-        result = {"sharded": isinstance(tr.reward_fn.model, sharding.ShardedRoot), "scores": mine.tolist()}
-        if rank == 0:  # the whole model, unsharded, on every text of the global batch
-            result["want"] = _score_one_by_one(model, tok, [f"{p} {c}" if c else p
-                                                            for p, c in zip(batch.prompts, batch.completions)])
-        torch.save(result, out / f"reward-{rank}.pt")
-        # bfloat16 PPO: the critic's float32 value head on a bfloat16 backbone gets its own group (one dtype per group)
-        from torch.distributed.fsdp import FSDPModule
+    if rank == 0:  # transformers' save_pretrained writes from the main process only
+        model, tok = _reward_dir(out / "rm-model")
+    dist.barrier()
+    tr = Trainer(from_dict(_cfg(out / "rm", "grpo", "fsdp", reward=str(out / "rm-model"), fsdp_offload_ref=True)))
+    batch = _designed_batch(tr)  # scored by the sharded reward model
+    B = batch.ids.shape[0]
+    rows = range(rank * B // world, (rank + 1) * B // world)
+    mine = tr.score(batch.select(torch.tensor(list(rows))), 1).scores
+    result = {"sharded": isinstance(tr.reward_fn.model, sharding.ShardedRoot), "scores": mine.tolist()}
+    if rank == 0:  # the whole model, unsharded, on every text of the global batch
+        result["want"] = _score_one_by_one(model, tok, [f"{p} {c}" if c else p
+                                                        for p, c in zip(batch.prompts, batch.completions)])
+    torch.save(result, out / f"reward-{rank}.pt")
+    # bfloat16 PPO: the critic's float32 value head on a bfloat16 backbone gets its own group (one dtype per group)
+    from torch.distributed.fsdp import FSDPModule
 
-        tr = Trainer(from_dict(_cfg(out / "bf16", "ppo", "fsdp", dtype="bfloat16")))
-        tr.run()
-        torch.save({"value_head_group": isinstance(tr.critic.inner.value_head, FSDPModule),
-                    "dtypes": sorted({str(p.dtype) for p in tr.critic.parameters()}),
-                    "metrics": read_metrics(out / "bf16" / "metrics.jsonl")}, out / f"bf16-{rank}.pt")
-        # PPO with truncation='bootstrap': the critic's value after each truncated completion, sharded
-        tr = Trainer(from_dict(_cfg(out / "boot", "ppo", "fsdp", truncation="bootstrap")))
-        _value_half(tr)
-        batch = _designed_batch(tr)
-        B = batch.ids.shape[0]
-        mine = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
-        mine = tr.advantages(tr.score_tokens(mine))
-        torch.save({"returns": mine.returns, "eos": mine.eos}, out / f"boot-{rank}.pt")
-        # a moving reference (ref_mix_alpha): mixed shard by shard into the sharded reference after the step
-        tr = Trainer(from_dict(_cfg(out / "mix", "grpo", "fsdp", ref_mix_alpha=0.5)))
-        start = [p.detach().clone() for p in sharding.full_parameters(tr.policy)]
-        tr.run()
-        torch.save({"start": start, "policy": [p.detach().clone() for p in sharding.full_parameters(tr.policy)],
-                    "ref": [p.detach().clone() for p in sharding.full_parameters(sharding.unwrap(tr.ref).model)]},
-                   out / f"mix-{rank}.pt")
-        # sharded save + resume: the real loop (sampling through the sharded generate), cut at step 2
-        full = Trainer(from_dict(_cfg(out / "full", **RESUME, shard="fsdp")))
-        full.run()
-        cut = _cfg(out / "cut", **{**RESUME, "steps": 2}, shard="fsdp")
-        Trainer(from_dict(cut)).run()
-        resumed = Trainer(from_dict({**cut, "steps": RESUME["steps"], "resume": True}))
-        resumed.run()
-        torch.save({"full": [p.detach().clone() for m in full._modules().values() for p in sharding.full_parameters(m)],
-                    "resumed": [p.detach().clone() for m in resumed._modules().values() for p in sharding.full_parameters(m)],
-                    "kl_coef": (full.kl_coef, resumed.kl_coef)}, out / f"resume-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    tr = Trainer(from_dict(_cfg(out / "bf16", "ppo", "fsdp", dtype="bfloat16")))
+    tr.run()
+    torch.save({"value_head_group": isinstance(tr.critic.inner.value_head, FSDPModule),
+                "dtypes": sorted({str(p.dtype) for p in tr.critic.parameters()}),
+                "metrics": read_metrics(out / "bf16" / "metrics.jsonl")}, out / f"bf16-{rank}.pt")
+    # PPO with truncation='bootstrap': the critic's value after each truncated completion, sharded
+    tr = Trainer(from_dict(_cfg(out / "boot", "ppo", "fsdp", truncation="bootstrap")))
+    _value_half(tr)
+    batch = _designed_batch(tr)
+    B = batch.ids.shape[0]
+    mine = batch.select(torch.arange(rank * B // world, (rank + 1) * B // world))
+    mine = tr.advantages(tr.score_tokens(mine))
+    torch.save({"returns": mine.returns, "eos": mine.eos}, out / f"boot-{rank}.pt")
+    # a moving reference (ref_mix_alpha): mixed shard by shard into the sharded reference after the step
+    tr = Trainer(from_dict(_cfg(out / "mix", "grpo", "fsdp", ref_mix_alpha=0.5)))
+    start = [p.detach().clone() for p in sharding.full_parameters(tr.policy)]
+    tr.run()
+    torch.save({"start": start, "policy": [p.detach().clone() for p in sharding.full_parameters(tr.policy)],
+                "ref": [p.detach().clone() for p in sharding.full_parameters(sharding.unwrap(tr.ref).model)]},
+               out / f"mix-{rank}.pt")
+    # sharded save + resume: the real loop (sampling through the sharded generate), cut at step 2
+    full = Trainer(from_dict(_cfg(out / "full", **RESUME, shard="fsdp")))
+    full.run()
+    cut = _cfg(out / "cut", **{**RESUME, "steps": 2}, shard="fsdp")
+    Trainer(from_dict(cut)).run()
+    resumed = Trainer(from_dict({**cut, "steps": RESUME["steps"], "resume": True}))
+    resumed.run()
+    torch.save({"full": [p.detach().clone() for m in full._modules().values() for p in sharding.full_parameters(m)],
+                "resumed": [p.detach().clone() for m in resumed._modules().values() for p in sharding.full_parameters(m)],
+                "kl_coef": (full.kl_coef, resumed.kl_coef)}, out / f"resume-{rank}.pt")
 
 
 @pytest.fixture(scope="module")

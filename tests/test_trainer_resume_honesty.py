@@ -15,6 +15,7 @@ from rlkernels.trainer.data import tiny_tokenizer
 from rlkernels.trainer.loop import Trainer, check_output_dir
 from rlkernels.trainer.models import tiny_model
 from rlkernels.trainer.recipes import RECIPES
+from tests.helpers import in_gloo_group
 from tests.test_trainer import DISTINCT, tiny
 
 
@@ -142,19 +143,17 @@ def test_trainer_checks_minibatches_against_the_world_before_loading_a_model(tmp
 
 
 def _world_worker(rank, world, init_file, out_dir, cfg_dict):
-    import torch.distributed as dist
+    in_gloo_group(rank, world, f"file://{init_file}", _world_work, rank, out_dir, cfg_dict)
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+def _world_work(rank, out_dir, cfg_dict):
     try:
-        try:
-            Trainer(from_dict(cfg_dict))
-            message = "no error"
-        except ConfigError as error:
-            message = str(error)
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
-            fh.write(message)
-    finally:
-        dist.destroy_process_group()
+        Trainer(from_dict(cfg_dict))
+        message = "no error"
+    except ConfigError as error:
+        message = str(error)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
+        fh.write(message)
 
 
 def test_two_gloo_processes_refuse_minibatches_that_do_not_divide_their_share(tmp_path):

@@ -17,7 +17,6 @@ a stalled suite."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import tempfile
 
@@ -31,7 +30,7 @@ from rlkernels import reference as ref
 from rlkernels.fused_linear import LinearLogprobsOptions
 from rlkernels import _backend, vocab_parallel
 from rlkernels.integrations import verl as rkv
-from tests.helpers import assert_close_to_truth, forced_backend
+from tests.helpers import assert_close_to_truth, forced_backend, in_gloo_group
 
 V = 1001
 H = 24
@@ -56,13 +55,8 @@ def _spawn(fn, world_size: int, *args):
 
 
 def _run(rank, world_size, fn, init, args):
-    torch.set_num_threads(1)  # forked children: no OpenMP pool inherited mid-state; the machine has few cores
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    # one intra-op thread in each forked child: no OpenMP pool inherited mid-state; the machine has few cores
+    in_gloo_group(rank, world_size, init, fn, rank, world_size, *args)
 
 
 def _close(a, b, name):
