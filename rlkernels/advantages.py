@@ -33,7 +33,10 @@ the value of the next valid token. A valid token t maps it to
 ``(r_t - v_t + γ·V + γλ·A, v_t)``; a masked token is the identity (it is
 transparent). Both are affine maps ``A' = αA + βV + c, V' = ζV + e``, closed
 under composition, so the advantages are an associative scan of 5-tuples
-``(α, β, c, ζ, e)`` applied to the state ``(0, 0)`` past the end.
+``(α, β, c, ζ, e)`` applied to the state ``(0, 0)`` past the end (the Triton kernel).
+The CUDA kernel (``csrc/gae_kernel.h``) splits it in two cheaper steps: each valid
+token's V (the next valid token's value) by a warp ballot and one shuffle, which
+gives its TD error ``δ_t``; then ``A_t = δ_t + γλ·A_next`` as a scan of 2-tuples.
 
 :func:`masked_whiten` also has a process-group variant (``process_group=``): the
 statistics of every rank's masked entries, all-reduced in float64.
