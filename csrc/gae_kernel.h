@@ -1,8 +1,8 @@
 // gae's CUDA kernel (see advantages_cuda.cu's opening comment) and its launch. A header of its own, included by
 // advantages_cuda.cu inside its namespace, so that the tests can also compile the kernel with the host compiler
 // under a warp emulator (tests/cuda_emulated/) and check it on the CPU against the float64 truth. It includes
-// nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / make_float4, kItems, load8 and load8_mask
-// (vector_loads.h), __shfl_sync, __shfl_down_sync, __ballot_sync, __ffs, fmaf,
+// nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / make_float4, kItems, items_below, load8 and
+// load8_mask (vector_loads.h), __shfl_sync, __shfl_down_sync, __ballot_sync, __ffs, fmaf,
 // __syncthreads, __shared__, blockIdx / threadIdx and the CUDA keywords (nvcc's own, or the emulator's).
 #pragma once
 
@@ -38,8 +38,7 @@ __device__ __forceinline__ void store_tile(float* out, int64_t tile_start, int64
     }
   } else {
     const float* flat = reinterpret_cast<const float*>(stage);
-    const int64_t left = n - tile_start;  // > 0
-    const int below = left < kThreads * kItems ? static_cast<int>(left) : kThreads * kItems;  // 32-bit compares
+    const int below = items_below<kThreads * kItems>(tile_start, n);
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int i = j * kThreads + threadIdx.x;

@@ -20,7 +20,9 @@ __device__ __forceinline__ double group_scale(int mode, double n, double ssq, fl
 
 // What group_segment_kernel needs of the mode and the group size, formed once on the host: 1/n and 1/max(n - 1, 1)
 // (multiplied, where a double division costs each thread ~20 instructions and a slow-path call), and the scale
-// itself where it does not depend on the group (dr_grpo 1, rloo n/(n-1)); mode 0 (grpo) forms its own.
+// itself where it does not depend on the group (dr_grpo 1, rloo n/(n-1)); mode 0 (grpo) forms its own. The same
+// rule as group_scale above, which group_kernel keeps (its group sizes vary, and forming these constants per group
+// there made sm_90 spill around the float64 divisions' slow-path calls).
 struct GroupConstants {
   int mode;
   float eps;

@@ -6,11 +6,12 @@
 
 constexpr int kItems = 8;
 
-// How many of elements t0..t0+kItems-1 lie below n, as an int (0..kItems): the element-by-element paths compare
-// each k against it in 32 bits instead of t0 + k against n in 64 (two instructions each).
+// How many of elements t0..t0+count-1 lie below n, as an int (0..count): the element-by-element paths compare
+// each index against it in 32 bits instead of t0 + index against n in 64 (two instructions each).
+template <int count = kItems>
 __device__ __forceinline__ int items_below(int64_t t0, int64_t n) {
   const int64_t left = n - t0;
-  return left < 0 ? 0 : (left < kItems ? static_cast<int>(left) : kItems);
+  return left < 0 ? 0 : (left < count ? static_cast<int>(left) : count);
 }
 
 // Elements t0..t0+7 of p as float: one 16-byte load per 4 floats or per 8 halves when kVec (p + t0 16-byte
