@@ -60,7 +60,9 @@ TOTAL_S    ?=
 # TOTAL_S=520 makes the parts of one call share 520 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
 # 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included
 # (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s;
-# on 2026-11-27 an H200 ran env, tests, bench in 348 s, a trainer row takes ~40 s, ncu of linear_logprobs > 66 s):
+# on 2026-11-27 an H200 ran env, tests, bench in 348 s and 345 s, the six trainer rows in 204 s, ncu of
+# linear_logprobs > 66 s; the rows are measured, so the next lease's second call runs the sharded and 60-step
+# pieces instead: TRAINER_ONLY=sharded,run PART=trainer,memcheck TOTAL_S=330):
 #   run(command="mkdir -p build && cp .gpu-wheels/*.part-aa build/; make gpu PART=env,tests,bench TOTAL_S=400;
 #       cp bench/results/*.json bench/results/*.md $OUT/; tar czf $OUT/test-logs.tgz build/gpu-logs",
 #       carry=[".gpu-wheels", ".gpu-ext"], timeout_s=460)

@@ -156,6 +156,15 @@ def load_record(path: Path) -> dict:
         return {}
 
 
+def starting_record(staged: Path, path: Path, dry_run: bool) -> dict:
+    """The record this call's parts merge into: ``staged`` (under ``build/``, which a warm device machine keeps
+    between calls) holds this lease's earlier calls. A machine without it is a new lease, whose record starts
+    empty rather than merging into ``path`` as an earlier lease committed it for the same device and day (that
+    lease's parts would sit beside this one's under this commit; keep the earlier file under another name, e.g.
+    ``-lease1``). A dry run merges into its own earlier ``path``."""
+    return load_record(staged) or (load_record(path) if dry_run else {})
+
+
 def write_record(record: dict, path: Path) -> None:
     """The JSON record and its markdown table beside it (``.md``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -501,7 +510,7 @@ def _train(values: dict, device: torch.device, measure_steps: bool, before_updat
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(from_dict({**values, "output_dir": out, "overwrite": True, "progress": False,
                                      "plot": False, "save_every": 0}))
-        peaks, times = [], []
+        peaks, times, update_times = [], [], []
         if measure_steps:
             update = trainer.update
 
@@ -511,13 +520,24 @@ def _train(values: dict, device: torch.device, measure_steps: bool, before_updat
                 got = {}
                 if before_update is not None:
                     before_update()
-                peaks.append(harness.measure_peak_bytes(lambda: got.update(update(batch, step)), device))
+
+                def timed_update():
+                    harness.synchronize(device)
+                    start = time.perf_counter()
+                    got.update(update(batch, step))
+                    harness.synchronize(device)
+                    update_times.append(time.perf_counter() - start)
+
+                peaks.append(harness.measure_peak_bytes(timed_update, device))
                 return got
 
             trainer.update = measured_update
         summary = trainer.run(on_step=lambda step, m: times.append(m["perf/step_s"]) if step > 1 else None)
     if measure_steps:
         summary["step_s"] = sorted(times)[len(times) // 2] if times else None
+        # the update phase alone (the losses' forward and backward, the optimizer), each measured step; the step
+        # time also holds generation, scoring and the Triton compilations a new shape may bring
+        summary["update_s"] = [round(t, 4) for t in update_times]
         summary["update_peak_mib"] = max(peaks) / 2**20 if peaks else None
     return summary
 
@@ -551,9 +571,11 @@ def part_trainer(p: Part) -> dict:
                 continue
             s = _train({**one, "algo": algo, "losses": losses, "gradient_checkpointing": ckpt}, p.device,
                        measure_steps=True)
-            steps.append({**row, "step_s": s["step_s"], "update_peak_mib": s["update_peak_mib"]})
-            print(f"  {algo} {losses}{' checkpointed' if ckpt else ''}: step {s['step_s']:.3f} s, update peak "
-                  f"{s['update_peak_mib']:.1f} MiB", flush=True)
+            steps.append({**row, "step_s": s["step_s"], "update_s": s["update_s"],
+                          "update_peak_mib": s["update_peak_mib"]})
+            print(f"  {algo} {losses}{' checkpointed' if ckpt else ''}: step {s['step_s']:.3f} s, update "
+                  f"{', '.join(f'{t:.3f}' for t in s['update_s'])} s, update peak {s['update_peak_mib']:.1f} MiB",
+                  flush=True)
     result = {"step_config": one, "steps": steps, "run_config": run}
     if "sharded" in pieces and p.time_left() > 0:  # issue 16: one sharded GRPO run, memory per rank
         result["sharded"] = sharded_run({**one, "algo": "grpo", "losses": "fused"}, p)
@@ -797,11 +819,13 @@ def render_markdown(record: dict) -> str:
     lines += _model_lines(record)
     tr = record.get("trainer")
     if tr and tr.get("steps"):
-        lines += ["", "| trainer step | losses | activation checkpointing | step s | update peak MiB |",
-                  "| --- | --- | --- | ---: | ---: |"]
+        lines += ["", "| trainer step | losses | activation checkpointing | step s | update s (each measured step) "
+                  "| update peak MiB |", "| --- | --- | --- | ---: | ---: | ---: |"]
         for s in tr["steps"]:
+            updates = ", ".join(f"{t:.3f}" for t in s.get("update_s") or [])  # absent in records before it existed
             lines.append(f"| {s['algo']} | {s['losses']} | {'yes' if s.get('gradient_checkpointing') else 'no'} | "
-                         f"{_num(s.get('step_s'), '.3f') or s.get('summary', '')} | {_num(s.get('update_peak_mib'), '.1f')} |")
+                         f"{_num(s.get('step_s'), '.3f') or s.get('summary', '')} | {updates} | "
+                         f"{_num(s.get('update_peak_mib'), '.1f')} |")
         sharded = tr.get("sharded")
         if sharded and sharded.get("ranks"):
             lines += ["", f"Sharded GRPO (`shard = fsdp`, {sharded['processes']} processes sharing the device through "
@@ -885,7 +909,7 @@ def main(argv=None) -> int:
     # a copy under build/ (ignored by git: a warm device machine keeps it between calls, where the working tree's
     # bench/results/ comes fresh from the caller's checkout) lets the parts of several calls merge into one record
     staged = ROOT / "build" / "gpu-records" / path.name
-    record = load_record(staged) or load_record(path)  # staged: this machine's newest, a superset
+    record = starting_record(staged, path, args.dry_run)
     record.update(date=date, device=device_name, dry_run=args.dry_run, git_commit=git_commit(),
                   command="python -m bench --gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
                   env=environment(device))

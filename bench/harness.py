@@ -193,7 +193,8 @@ class OtherLoad:
 OTHER_LOAD = OtherLoad()  # accumulated over every timed sample of this process
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -432,7 +433,7 @@ def _measure_case(case: Case, device: torch.device, timing: Timing, out: dict[st
         step = (lambda fn, inputs: lambda: fn(*inputs))(fn, inputs)
         try:
             step()  # compile / warm caches outside the measurements
-            _sync(device)
+            synchronize(device)
             if got.peak is None:
                 got.peak = measure_peak_bytes(step, device)
             if device.type == "cpu":

@@ -667,7 +667,7 @@ def _tma_aot_configs() -> list[KernelConfig]:
 #   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
 #   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
 #   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
-# Measured on an H200 (bench/results/NVIDIA_H200-2026-11-27.md; torch 2.11, triton 3.6; N=8192 H=4096 bf16,
+# Measured on an H200 (bench/results/NVIDIA_H200-2026-11-27-lease1.md; torch 2.11, triton 3.6; N=8192 H=4096 bf16,
 # V=128256 / 151936; one cuBLAS GEMM 12.35 / 14.62 ms): forward alone split 29.8 / 34.2 ms, tma 14.4 / 17.4, tma 2cta
 # 19.9 / 23.7, cublas 13.9 / 16.8 (and 1 GiB more memory); tma flat does not compile with triton 3.6 (see
 # _TMA_TILES). The backward's dz kernel alone (V=128256, 4 chunks of 32768): _dz_kernel 48.5 ms, _dz_kernel_tma
@@ -677,6 +677,9 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # blocks, _bwd_tiles). So "tma" became the default on sm_90 after that run. Its fwd+bwd was not measured as such
 # there: the bench's "rlkernels fwd tma" row (91.4 ms at V=128256) ran the tma forward with the default backward
 # of the time, _dz_kernel; the phases above add up to a prediction of ~61 ms (the "rlkernels" row: 108.2 ms).
+# Measured as the default on an H200 at commit 14fe024 (bench/results/NVIDIA_H200-2026-11-27.md, matmul ceiling
+# 671 TFLOP/s): fwd+bwd 61.8 / 73.3 ms, 1.20x four GEMMs at that rate (forward 14.7 / 17.7 ms; backward phases at
+# V=128256: dz 17.0, dh 12.5, dW 12.9, label rows 3.7 ms); split with _dz_kernel 105.0 / 122.4 ms.
 # Measured on an H100 80GB HBM3 the day before (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26*.json): split 32.5 /
 # 37.2 ms (an ungrouped grid then), tma 15.5 / 18.4.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"

@@ -1004,10 +1004,12 @@ def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, op
 # one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately 2.56 ms: the
 # re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes at a program-per-row's
 # lower bandwidth. The pair became the default then. Measured as itself it took 5.04 ms on the H100 and 3.996 ms on
-# an H200 (NVIDIA_H200-2026-11-27.md; the two ops 1.851 ms, the one kernel 3.826 ms): under Nsight Compute there its
+# an H200 (NVIDIA_H200-2026-11-27-lease1.md; the two ops 1.851 ms, the one kernel 3.826 ms): under Nsight Compute its
 # kernels took 2.0 ms (the two ops' 1.84 ms), but the backward read the upstream gradient on the host (a device sync)
 # and the host's work per call was 2.5 ms, so the two added up. Since then the upstream gradient is applied on the
-# device (_handed_out) and the pair makes the two ops' calls (bench/results/cpu-op-count-2026-11-27.txt).
+# device (_handed_out) and the pair makes the two ops' calls (bench/results/cpu-op-count-2026-11-27.txt): on the
+# next H200 run (NVIDIA_H200-2026-11-27.md, commit 14fe024) the pair took 1.821 ms, the two ops 1.884, the one
+# kernel 3.517.
 LOGITS_ROW_ENV = "RLKERNELS_LOGITS_POLICY"
 LOGITS_ROWS = ("pair", "one-kernel")
 
@@ -1118,8 +1120,8 @@ def _(logits, labels, old_logp, advantages, mask, ref_logp, *options):
 # (a 0-dim float32 tensor; 1 for loss.backward()). Reading d_loss on the host, to hand a gradient out as it is when
 # d_loss is 1, synchronizes the device at every backward: the host then waits for the whole forward before it can
 # queue anything after it, and a CUDA graph cannot capture the step. Measured on an H200 (bench/results/
-# NVIDIA_H200-2026-11-27.md, N=8192 V=151936 bf16, fwd+bwd): logits_policy_loss 3.996 ms, its kernels 2.0 ms under
-# Nsight Compute and the host's work 2.5 ms per call (bench.cpu_host_cost there): with the sync the two add up,
+# NVIDIA_H200-2026-11-27-lease1.md, N=8192 V=151936 bf16, fwd+bwd): logits_policy_loss 3.996 ms, its kernels 2.0 ms
+# under Nsight Compute and the host's work 2.5 ms per call (bench.cpu_host_cost there): with the sync the two add up,
 # where the same kernels called as two ops (no sync) took 1.851 ms. So a stored gradient already in its output
 # dtype is scaled in place on the device (_scale_unless_one_kernel: every program loads d_loss and returns at once
 # when it is 1; else x = x * d_loss formed in float32, rounded once) and the same buffer is handed out; one that

@@ -56,7 +56,7 @@ def test_readme_section_round_trips_from_the_newest_results(tmp_path):
     assert "| logprobs+entropy fwd+bwd | N=8192 V=128256 bfloat16 | rlkernels | 1.25 | 2.40 TB/s | 80.0% | 0.5 | 12.50x | 1.75x |" in body
     assert "not installed (pip install flash-attn)" in body
     assert "copy 3.00 TB/s (1 GiB), matmul 798 TFLOP/s (8192x8192 bfloat16)" in body
-    assert "| grpo | fused | no | 0.500 | 812.0 |" in body
+    assert "| grpo | fused | no | 0.500 |  | 812.0 |" in body  # a record from before update_s: its cell empty
     assert "mean reward 0.125 in the first fifth, 0.375 in the last" in body
     # the section is the .md that bench/gpu.py writes beside the JSON
     assert gpu.render_markdown(_fake_record("2026-11-21", "NVIDIA H200")) in body
@@ -118,6 +118,8 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
         ("grpo", "fused", True), ("grpo", "eager", True), ("grpo", "fused", False), ("grpo", "eager", False),
         ("ppo", "fused", False), ("ppo", "eager", False)]
     assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
+    # the update phase timed apart from generation: one measured step of the two, inside its step's time
+    assert all(len(s["update_s"]) == 1 and 0 < s["update_s"][0] < s["step_s"] for s in steps)
     assert record["trainer"]["run"]["steps"] == 3
     sharded = record["trainer"]["sharded"]  # issue 16: 2 processes under torchrun, shard = fsdp, each measured
     assert sharded["ok"] and sorted(r["rank"] for r in sharded["ranks"]) == [0, 1]
@@ -194,7 +196,7 @@ def test_trainer_part_runs_only_the_pieces_named(tmp_path, monkeypatch):
     says ok without the learning run it was not asked for."""
     trained = []
     monkeypatch.setattr(gpu, "_train", lambda values, device, measure_steps, before_update=None: trained.append(values)
-                        or {"step_s": 0.1, "update_peak_mib": 1.0})
+                        or {"step_s": 0.1, "update_s": [0.05], "update_peak_mib": 1.0})
     monkeypatch.setattr(gpu, "sharded_run", lambda *a: pytest.fail("sharded run not asked for"))
     args = gpu.argparse.Namespace(dry_run=True, trainer_only="rows", budget_s=60.0, wheels=str(tmp_path))
     got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
@@ -284,3 +286,16 @@ def test_every_profile_case_runs_tiny_on_the_cpu(case, capsys):
     that cannot set up would otherwise be found only under ncu on a GPU lease."""
     assert gpu_profile.main(["--case", case, "--tiny", "--device", "cpu"]) == 0
     assert f"profiled {case}" in capsys.readouterr().out
+
+
+def test_a_new_lease_does_not_merge_into_an_earlier_leases_record(tmp_path):
+    """Parts of one lease's calls merge (the staged copy a warm machine keeps); a fresh machine's record starts
+    empty even where a committed record for the same device and day exists; a dry run merges into its own file."""
+    committed, staged = tmp_path / "results" / "GPU-2026-01-01.json", tmp_path / "build" / "GPU-2026-01-01.json"
+    committed.parent.mkdir()
+    committed.write_text(json.dumps({"git_commit": "old", "bench": {"rows": [1]}}))
+    assert gpu.starting_record(staged, committed, dry_run=False) == {}
+    assert gpu.starting_record(staged, committed, dry_run=True)["git_commit"] == "old"
+    staged.parent.mkdir()
+    staged.write_text(json.dumps({"git_commit": "this lease", "tests": {}}))
+    assert gpu.starting_record(staged, committed, dry_run=False)["git_commit"] == "this lease"
