@@ -126,6 +126,74 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
     )
 
 
+def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
+    """``linear_policy_loss``'s Triton row phase by phase at ``_case``'s shapes (``T_SEQ`` tokens a sequence, token
+    ratio: its chunks of tokens), each phase over every chunk and against one cuBLAS GEMM of the head's size (each
+    row's "of bound" and ratio read as "GEMMs' worth of time"): kernel 1 (GEMM 1, the row statistics, the float32
+    ``[chunk, V]`` logits tile stored), kernel 2 (``dz`` from the tile), GEMM 2 (``d_hidden``, float32 result),
+    GEMM 3 (``d_weight``: for 16-bit inputs over more than one chunk, ``+=`` into the float32 ``[V, H]``
+    accumulator), the label residuals' runs added to it, and its final cast to the weight's dtype. Where the whole
+    op's time goes beyond its three GEMMs."""
+    from bench.bench_fused_linear import _against_one_gemm
+    from rlkernels import fused_linear as fl
+    from rlkernels import fused_policy as fp
+
+    B, T = max(1, N // T_SEQ), min(N, T_SEQ)
+    N = B * T
+    opt = fp.FusedPolicyOptions(temperature=1.0, ignore_index=-100, return_entropy=True, clip_low=0.2, clip_high=0.2,
+                                dual_clip=None, ratio="token", kl_coef=0.04, kl_estimator="k3", entropy_coef=0.01,
+                                agg="token-mean", norm_length=None, grad_input=True, grad_weight=True,
+                                grad_bias=False)
+    chunks = fp._triton_chunks(B, T, V, "token", dtype)
+    n_max = max(t1 - t0 for t0, t1 in chunks)
+
+    def make_inputs():
+        hidden = torch.randn(N, H, device=device, dtype=dtype)  # [N, H]
+        weight = torch.randn(V, H, device=device, dtype=dtype) * H**-0.5  # [V, H]
+        labels = torch.randint(0, V, (N,), device=device)  # [N]
+        tile = fp._TritonTile(n_max, hidden, weight, None, opt)
+        t0, t1 = chunks[0]
+        stats = tile.stats(t0, t1, None, labels[t0:t1], True, opt)  # (row_max, log_s, logp, entropy) [n] each
+        coef = torch.randn(t1 - t0, device=device) * 1e-4  # [n] stand-in loss coefficients dL/dlogp
+        dz = next(tile.dz_blocks(coef, coef, labels[t0:t1], *stats, opt))[2]  # [n, V]
+        resid = torch.randn(n_max, device=device)  # [n] stand-in label residuals of a chunk's rows
+        tok = torch.arange(N, device=device)  # [N] every token has a label
+        ends = torch.tensor([t1 for _, t1 in chunks], device=device)  # [chunks]
+        runs = fl._label_runs(torch.bucketize(tok, ends, right=True), labels, tok, len(chunks), V)
+        dw32 = torch.zeros(V, H, device=device)  # [V, H] the float32 accumulator
+        return hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32
+
+    def kernel_1(hidden, weight, labels, tile, *rest):
+        for t0, t1 in chunks:
+            tile.stats(t0, t1, None, labels[t0:t1], True, opt)
+
+    def kernel_2(hidden, weight, labels, tile, stats, coef, *rest):
+        for t0, t1 in chunks:  # every chunk the first chunk's size (the last may be shorter)
+            next(tile.dz_blocks(coef, coef, labels[:coef.numel()], *stats, opt))
+
+    def gemm_2(hidden, weight, labels, tile, stats, coef, dz, *rest):
+        for t0, t1 in chunks:
+            fl._mm_f32(dz[: t1 - t0], weight)  # [n, H] float32
+
+    def gemm_3(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
+        for t0, t1 in chunks:
+            fl._addmm_f32(dw32, dz[: t1 - t0].T, hidden[t0:t1])
+
+    def label_runs(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
+        for (t0, t1), run in zip(chunks, runs):
+            t_c = run[0] - t0  # [k] the chunk's tokens by label
+            fl._add_run(dw32, run, resid[t_c, None] * hidden[run[0]].float())
+
+    def cast(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
+        dw32.to(dtype)
+
+    providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
+                 "GEMM 2 (d_hidden, float32 out)": gemm_2, "GEMM 3 (d_weight += , float32)": gemm_3,
+                 "label residual runs": label_runs, "float32 d_weight cast": cast}
+    return _against_one_gemm("linear_policy_loss phases", N, H, V, dtype, f" ({len(chunks)} chunks of {n_max})",
+                             make_inputs, providers)
+
+
 def _logits_eager(logits, labels, old, adv, mask, ref_logp):
     logp_all = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [B, T]
@@ -193,6 +261,12 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     return _linear_cases(device, quick) + _logits_cases(device, quick)
 
 
+def tiny_cases(device: torch.device) -> list[Case]:
+    """``python -m bench --gpu --dry-run``: the quick cases and the phase case at a tiny, odd size (the code path,
+    not a measurement)."""
+    return cases(device, True) + [_phase_case(64, 24, 1000, torch.bfloat16, device)]
+
+
 def _logits_cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
         return [_logits_case(8192, 151936, torch.bfloat16, device)]
@@ -203,7 +277,8 @@ def _logits_cases(device: torch.device, quick: bool) -> list[Case]:
 
 def _linear_cases(device: torch.device, quick: bool) -> list[Case]:
     if device.type == "cuda":
-        return [_case(8192, 4096, 151936, torch.bfloat16, device)]
+        return [_case(8192, 4096, 151936, torch.bfloat16, device), _phase_case(8192, 4096, 151936, torch.bfloat16,
+                                                                               device)]
     if quick:  # bf16 eager on CPU (a bf16 [N, H] x [H, V] GEMM without fast bf16 units) takes ~35 s at N=512,
         # so the quick run measures one sequence of tokens (N = 256), and in bfloat16 only the two rlkernels paths
         # (both widen each weight block to float32 for the GEMMs)

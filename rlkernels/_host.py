@@ -121,6 +121,21 @@ def option_dict(opt) -> dict:
     return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt)}
 
 
+def label_logp(z_y, shift, s, temperature: float = 1.0):
+    """``log p_y = (z_y - shift)/T - log s`` [N], each row's label log-probability from its label logit ``z_y``,
+    the shift its exponentials were taken against (the row max) and ``s = Σ exp((z - shift)/T)``, all [N] in the
+    compute dtype (the logits' float32, or float64): formed in float64 and rounded once to that dtype, as an
+    accurate ``log_softmax`` would give it. In float32 its roundings (the difference, ``log s``, the
+    subtraction) leave up to ~1 ulp of ``log p`` (about 1e-6 at ``|log p|`` near 10), where the float32 logits
+    alone leave about half that; a loss that amplifies the error of ``log p`` carries it into every gradient (the
+    k3 KL's ``exp(ref - log p)``: with the float32 formation the torch backend's ``linear_policy_loss`` gradients
+    were 4.5x eager's error on an H200, tests/test_fused_policy.py). Every backend's host-side ``log p`` comes
+    from here; the forward and a backward that needs it again get the same bits."""
+    if s.dtype == torch.float64:
+        return (z_y - shift) / temperature - s.log()
+    return ((z_y.double() - shift.double()) / temperature - s.double().log()).to(s.dtype)
+
+
 def lse_merge(m: torch.Tensor, s: torch.Tensor, u: torch.Tensor | None = None):
     """Merges online log-sum-exp partials of the same rows, taken over disjoint chunks of their columns (vocabulary
     chunks, Triton vocabulary splits), along dim 0: ``(m_all [N], s_all [N], u_all [N] or None)``.

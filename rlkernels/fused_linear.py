@@ -84,7 +84,7 @@ import torch
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, lse_merge, op_schema, option_values,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, label_logp, lse_merge, op_schema, option_values,
     options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
@@ -835,7 +835,7 @@ def _from_partials(part: torch.Tensor, labels: torch.Tensor, V: int, opt: Linear
     log_s = torch.log(s_all)  # [N]
     # without return_entropy the entropy is zeros, as the torch backend returns it: outputs never depend on the backend
     entropy = log_s - u_all / s_all if opt.return_entropy else torch.zeros_like(log_s)  # [N]
-    logp = (zy - m_all) - log_s  # [N] as log_softmax forms it (never z - one rounded lse)
+    logp = label_logp(zy, m_all, s_all)  # [N] as an accurate log_softmax forms it (never z - one rounded lse)
     return _finish(logp, entropy, torch.stack((m_all, log_s)), labels, V, opt)
 
 

@@ -103,7 +103,7 @@ from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, custom_op, field_values, lse_merge, mask_u8, op_schema, option_dict,
+    TRITON_DTYPE_NAMES, autograd_function, custom_op, field_values, label_logp, lse_merge, mask_u8, op_schema, option_dict,
     option_values, options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
@@ -298,7 +298,7 @@ class _Tile:
         log_s = torch.log(s_all)  # [n]
         entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
         zy = p_z.gather(0, block_of_y[None]).squeeze(0)  # [n]
-        logp = (zy - m_all) - log_s  # [n] as log_softmax forms it (never z - one rounded lse)
+        logp = label_logp(zy, m_all, s_all)  # [n] as an accurate log_softmax forms it (never z - one rounded lse)
         logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
         self._m_blocks = p_m
         return m_all, log_s, logp, entropy
@@ -734,7 +734,7 @@ class _TritonTile:
         m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
         log_s = torch.log(s_all)  # [n]
         entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]
-        logp = (zy.sum(0) - m_all) - log_s  # [n]
+        logp = label_logp(zy.sum(0), m_all, s_all)  # [n]
         logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
         return m_all, log_s, logp, entropy
 

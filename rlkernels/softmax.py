@@ -63,8 +63,8 @@ import torch
 from rlkernels import _backend, _checks, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, op_schema, option_values, options_from,
-    refuse_double_backward,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, label_logp, op_schema, option_values,
+    options_from, refuse_double_backward,
 )
 from rlkernels._triton import HAS_TRITON, jit, tl
 
@@ -467,14 +467,14 @@ def _base2_exponents(x, m, temperature: float, out):
     return out.mul_(_LOG2E / temperature)
 
 
-def _label_logp(rows, safe, m, log_s, temperature: float):
-    """``log p_y = (x_y - m)/T - log s`` [N] from each row's raw label logit, as eager's ``log_softmax`` forms
-    it (exact where ``x_y - m`` and the division are, e.g. 16-bit logits at T = 1), never through the rounded
-    base-2 exponent. ``rows`` [O, I, V] the logits, ``safe`` [N] a column per row, ``m`` [N] the rows' max
-    (the saved shift), ``log_s`` [N]. The forward and the backward both form it here, bit for bit."""
+def _label_logp(rows, safe, m, s, temperature: float):
+    """``log p_y = (x_y - m)/T - log s`` [N] from each row's raw label logit, as an accurate ``log_softmax`` forms
+    it (:func:`rlkernels._host.label_logp`: in float64, rounded once), never through the rounded base-2 exponent.
+    ``rows`` [O, I, V] the logits, ``safe`` [N] a column per row, ``m`` [N] the rows' max (the saved shift), ``s``
+    [N] their sums of exponentials. The forward and the backward both form it here, bit for bit."""
     O, I, _ = rows.shape
-    x_y = rows.gather(-1, safe.view(O, I, 1)).reshape(-1).to(log_s.dtype)  # [N]
-    return (x_y - m) / temperature - log_s
+    x_y = rows.gather(-1, safe.view(O, I, 1)).reshape(-1).to(s.dtype)  # [N]
+    return label_logp(x_y, m, s, temperature)
 
 
 def _finish(logp, entropy, stats, valid, bad):
@@ -539,7 +539,7 @@ def _torch_forward(logits, labels, opt: LogprobsOptions):
             zf = z[zero_p].clamp_(min=_LOG_P_FLOOR)  # [k, V] only the rows that need it, recomputed
             w[zero_p] = torch.exp2(zf).mul_(zf).sum(-1)
         entropy[r0:r1] = log_s - w.div_(s).mul_(_LN2)  # H = log s - Σ p (z - max)
-    logp = _label_logp(rows, safe, stats[:, 0], torch.log(stats[:, 1]), opt.temperature)  # [N]
+    logp = _label_logp(rows, safe, stats[:, 0], stats[:, 1], opt.temperature)  # [N]
     logp, entropy, stats = _finish(logp, entropy, stats, valid, valid & ~in_range)
     shape = labels.shape
     return logp.view(shape), entropy.view(shape), stats.view(*shape, 2)
@@ -605,7 +605,7 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
         z.mul_(b[r0:r1, None]).add_(a[r0:r1, None])  # [c, V] a' + b' u
         torch.mul(z, e, out=out)  # [c, V] cast once into dlogits
     # the label entries: log p_y bit for bit as the forward formed it (before its clamp to <= 0)
-    lp = _label_logp(rows, safe, m.squeeze(-1), log_s, opt.temperature)  # [N]
+    lp = _label_logp(rows, safe, m.squeeze(-1), s, opt.temperature)  # [N]
     d_y = g_l * -torch.expm1(lp)  # [N] g (1 - p_y), without cancellation when p_y ≈ 1
     if g_h is not None:
         p_y = torch.exp(lp)  # [N]
