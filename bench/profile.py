@@ -22,8 +22,15 @@ import rlkernels
 from rlkernels import advantages as A
 
 
+# The linear heads' cases run at a quarter of the bench's tokens and one vocabulary chunk (N=4096 H=4096 V=32768
+# bf16): under ncu every GEMM-sized kernel is replayed for each section, and at N=8192 V=128256 the case outlasted
+# its 66 s share twice on the H200. Their kernels' tiles and persistent grids are those of the full size (32 token
+# blocks x 256 vocabulary tiles fill every SM), so their SM and DRAM throughputs still say what limits them.
+LINEAR_PROFILE_SIZE = (4096, 4096, 32768)
+
+
 def _linear(device: torch.device, tiny: bool) -> Callable[[], object]:
-    N, H, V = (16, 24, 1000) if tiny else (8192, 4096, 128256)
+    N, H, V = (16, 24, 1000) if tiny else LINEAR_PROFILE_SIZE
     hidden = torch.randn(N, H, device=device, dtype=torch.bfloat16).requires_grad_()  # [N, H]
     weight = (torch.randn(V, H, device=device, dtype=torch.bfloat16) * H**-0.5).requires_grad_()  # [V, H]
     labels = torch.randint(0, V, (N,), device=device)  # [N]
@@ -31,6 +38,28 @@ def _linear(device: torch.device, tiny: bool) -> Callable[[], object]:
     def step():
         logp, ent = rlkernels.linear_logprobs(hidden, weight, labels, return_entropy=True)
         return torch.autograd.grad([logp, ent], [hidden, weight], [torch.ones_like(logp), torch.ones_like(ent)])
+
+    return step
+
+
+def _linear_policy(device: torch.device, tiny: bool) -> Callable[[], object]:
+    """linear_policy_loss fwd+bwd with the bench's options (bench_fused_policy): kernel 1 (GEMM 1, statistics, the
+    float32 tile stored), kernel 2 (dz), the two gradient GEMMs; at LINEAR_PROFILE_SIZE the tokens take one chunk."""
+    from bench.bench_fused_policy import OPTIONS, T_SEQ
+
+    N, H, V = (32, 24, 1000) if tiny else LINEAR_PROFILE_SIZE
+    B, T = max(1, N // T_SEQ), min(N, T_SEQ)
+    hidden = torch.randn(B, T, H, device=device, dtype=torch.bfloat16).requires_grad_()  # [B, T, H]
+    weight = (torch.randn(V, H, device=device, dtype=torch.bfloat16) * H**-0.5).requires_grad_()  # [V, H]
+    labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
+    old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
+    adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T]
+    mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
+    ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+
+    def step():
+        loss = rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
+        return torch.autograd.grad(loss, [hidden, weight])
 
     return step
 
@@ -128,8 +157,9 @@ CASES = {
     "whiten csrc": _whiten,  # B=1024 T=4096 float32
     "policy_loss": _policy,  # PPO fwd+bwd, B=256 T=4096 float32
     "group triton": _group("triton"),  # late: under ncu it outlasted the part's share on the H100
-    # last: under ncu (its GEMM-sized kernels replayed per section) it outlasted a 66 s share on the H200
-    "linear_logprobs": _linear,  # fwd+bwd with entropy, N=8192 H=4096 V=128256 bf16
+    # last: their GEMM-sized kernels are replayed per section under ncu (see LINEAR_PROFILE_SIZE)
+    "linear_logprobs": _linear,  # fwd+bwd with entropy, N=4096 H=4096 V=32768 bf16
+    "linear_policy_loss": _linear_policy,  # fwd+bwd, the bench's options, N=4096 H=4096 V=32768 bf16
 }
 
 
