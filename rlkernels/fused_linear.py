@@ -734,8 +734,9 @@ def _persistent_launch(hidden: torch.Tensor, weight: torch.Tensor, items: int, t
 
 def _launch_fwd_tma(hidden, weight, labels, bias, part, temperature: float, z: torch.Tensor | None = None) -> None:
     """``_fwd_kernel_tma`` with ``_TMA_TILES`` on a persistent grid (``ctas_per_sm`` programs per SM, at most one
-    per work item), writing the ``[4, S, N]`` partials ``part`` as ``_fwd_kernel`` does, and with
-    ``z`` (a contiguous float32 ``[N, V]``, 16-byte aligned rows: :func:`_tma_store_ok`) the logits / T there too.
+    per work item), writing the partials ``part`` (four contiguous ``[S, N]``: :func:`_partials_views`) as
+    ``_fwd_kernel`` does, and with ``z`` (a contiguous float32 ``[N, V]``, 16-byte aligned rows:
+    :func:`_tma_store_ok`) the logits / T there too.
     ``hidden`` [N, H], ``weight`` [V, H] (16-byte aligned rows), ``labels`` [N] int64, ``bias`` [V] or None."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -751,6 +752,26 @@ def _launch_fwd_tma(hidden, weight, labels, bias, part, temperature: float, z: t
         BLOCK_K=t.block_k, SPLIT_TILES=t.split_tiles, GROUP_N=t.group_n, FLATTEN=t.flatten, STORE_Z=z is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
+
+
+def _partials_buffer(S: int, n_max: int, device) -> torch.Tensor:
+    """A float32 buffer for the forward kernels' four partials (``m, s, u, z_y``) of ``S`` vocabulary splits over up
+    to ``n_max`` tokens: four slots of ``S·n_max`` elements rounded up to 16 bytes, so that each slot starts
+    16-byte aligned whatever ``S·n`` is (one specialization of the kernels' pointers: Triton would compile another
+    variant for an unaligned one). Viewed per call by :func:`_partials_views`."""
+    return torch.empty(4 * _partials_slot(S, n_max), dtype=torch.float32, device=device)  # [4 · slot]
+
+
+def _partials_slot(S: int, n_max: int) -> int:
+    return cdiv(S * n_max, 4) * 4
+
+
+def _partials_views(buf: torch.Tensor, S: int, n: int) -> list[torch.Tensor]:
+    """``[m, s, u, z_y]``, each a contiguous ``[S, n]`` in its slot of ``buf`` (:func:`_partials_buffer`): the
+    kernels write split ``j``'s row at ``j · n``. (A ``[:, :, :n]`` view of a ``[4, S, n_max]`` buffer keeps rows
+    ``n_max`` apart: read so, a chunk shorter than ``n_max`` merged other rows' partials.)"""
+    slot = buf.numel() // 4
+    return [buf[j * slot:j * slot + S * n].view(S, n) for j in range(4)]
 
 
 def _tma_store_ok(z: torch.Tensor) -> bool:
@@ -772,19 +793,19 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     t = _TMA_TILES if tma else _tiles(hidden.dtype, hopper=_hopper(hidden))
     split_cols = t.split_tiles * t.block_v
     S = cdiv(V, split_cols)
-    part = torch.empty(4, S, N, dtype=torch.float32, device=hidden.device)  # m, s, u, zy per split
+    part = _partials_views(_partials_buffer(S, N, hidden.device), S, N)  # m, s, u, zy per split: [S, N] each
     if N > 0 and tma:
         _launch_fwd_tma(hidden, weight, labels, bias, part, opt.temperature)
     elif N > 0:
         grid = (cdiv(N, t.block_n) * S,)  # (token block, split) items, grouped in the kernel
         _fwd_kernel.launch(
-            grid, hidden, weight, bias if bias is not None else weight, labels, part,  # part: z_ptr, unused
+            grid, hidden, weight, bias if bias is not None else weight, labels, part[0],  # z_ptr, unused here
             part[0], part[1], part[2], part[3],
             N, V, H, hidden.stride(0), weight.stride(0), opt.temperature,
             **_kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t), SPLIT_TILES=t.split_tiles,
             STORE_Z=False, num_warps=t.num_warps, num_stages=t.num_stages,
         )
-    m, s, u, zy = part.unbind(0)  # each [S, N]
+    m, s, u, zy = part  # each [S, N]
     m_all, s_all, u_all = lse_merge(m, s, u)  # [N] each
     return torch.stack((m_all, s_all, u_all, zy.sum(0)))  # [4, N]
 
@@ -866,7 +887,9 @@ def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, op
     flags = _kernel_flags(hidden.dtype, bias is not None, _dot_f32(hidden), t)
     g_logp = g_logp.float().contiguous()  # [N]
     g_ent = g_ent.float().contiguous()  # [N]
-    row_max, log_s = stats.float().contiguous().unbind(0)  # [N] each
+    # [N] each, each in an allocation of its own: stats' second row starts N·4 bytes in, 16-byte aligned or not
+    # with N, and every change of that class would be another compiled variant of the dz kernels
+    row_max, log_s = (row.clone() for row in stats.float().unbind(0))
     b = bias if bias is not None else weight  # [V] or an unread stand-in
 
     def dz_into(dz, resid, r0, r1, v0, v1):

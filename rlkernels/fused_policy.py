@@ -713,14 +713,14 @@ class _TritonTile:
         self.z = torch.empty(n_max * V, dtype=torch.float32, device=dev)  # the tile, [n, V]
         self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if self.low else self.z  # [n, V]
         self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
-        self.part = torch.empty(4, self.S, n_max, dtype=torch.float32, device=dev)  # m, s, u, zy per split
+        self.part = _fl._partials_buffer(self.S, n_max, dev)  # m, s, u, zy per split (_fl._partials_views)
         self.flags = None if self.tma else _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden),
                                                              self.t)  # _fwd_kernel's
         self.opt = opt
 
     def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
         n, V, t = t1 - t0, self.V, self.t
-        part = self.part[:, :, :n]  # [4, S, n]
+        part = _fl._partials_views(self.part, self.S, n)  # [S, n] each, contiguous for this chunk's n
         h_c = self.h[t0:t1]  # [n, H]
         if self.tma:
             _fl._launch_fwd_tma(h_c, self.w, labels, self.b, part, opt.temperature, z=self.z[:n * V].view(n, V))
@@ -730,7 +730,7 @@ class _TritonTile:
                 self.z, part[0], part[1], part[2], part[3], n, V, h_c.shape[1], h_c.stride(0), self.w.stride(0),
                 opt.temperature, **self.flags, SPLIT_TILES=t.split_tiles, STORE_Z=True, num_warps=t.num_warps,
                 num_stages=t.num_stages)
-        m, s, u, zy = part.unbind(0)  # [S, n] each
+        m, s, u, zy = part  # [S, n] each
         m_all, s_all, u_all = lse_merge(m, s, u)  # [n] each
         log_s = torch.log(s_all)  # [n]
         entropy = log_s - u_all / s_all if with_entropy else torch.zeros_like(log_s)  # [n]

@@ -721,6 +721,33 @@ def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, mon
     assert launches[want] >= chunks and launches["tma" if want == "split" else "split"] == 0, launches
 
 
+@pytest.mark.parametrize("kernel_1", ["split", "tma"])
+@pytest.mark.parametrize("dtype, options", [
+    (torch.float32, dict(kl_coef=0.05, entropy_coef=0.01)),
+    (torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
+    (torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
+])
+def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(kernel_1, dtype, options, monkeypatch):
+    """Kernel 1 writes each vocabulary split's partials as rows of a chunk's own width; with more than one split
+    (V = 8300: 2 or 3 splits of _fwd_kernel's, 5 of the Hopper forward's) and a last chunk shorter than the others,
+    the host read them at the longest chunk's row stride, so the last chunk's tokens merged other rows' partials
+    (log-probs off by nats; the contract's N = 8192 at V = 151936 takes seven chunks, the last shorter). Forward
+    and backward against the float64 truth."""
+    pytest.importorskip("triton")
+    if kernel_1 == "tma" and dtype == torch.float32:
+        pytest.skip("the Hopper forward takes 16-bit inputs")
+    monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, kernel_1)
+    B, T, V = 3, 7, 8300
+    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
+    tokens = 2 * T if options.get("ratio") == "sequence" else 8  # a chunk: 8 tokens, or 2 whole sequences
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", tokens * per_token)
+    chunks = fused_policy._triton_chunks(B, T, V, options.get("ratio", "token"), dtype)
+    sizes = [t1 - t0 for t0, t1 in chunks]
+    assert len(chunks) >= 2 and sizes[-1] < max(sizes), sizes
+    x = _inputs(B, T, 16, V, seed=V, adv_per_seq=options.get("ratio") == "sequence")
+    _check_fused_against_truth(x, options, 1.0, dtype, "triton")
+
+
 def _default_op_args(x, h, w) -> tuple:
     """The custom op's arguments for ``x`` (:func:`_inputs`) with hidden ``h`` and weight ``w`` (both requiring
     grad), no bias or ref_logp, and the public defaults (token ratio, no KL, no entropy bonus)."""
