@@ -86,6 +86,17 @@ def _peers(device: torch.device) -> dict:
     return {"liger GRPO loss": harness.peer("liger_kernel.chunked_loss", "liger-kernel", device, liger)}
 
 
+def policy_inputs(B: int, T: int, device: torch.device) -> tuple:
+    """The per-token inputs of the policy-loss cases: ``(old_logp, advantages, mask, ref_logp)``, each [B, T]: old
+    log-probs near log(1/V) (ratios around 1), one advantage per sequence, 10 % of the tokens masked out, a
+    reference near the old policy."""
+    old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
+    adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T] one per sequence
+    mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
+    ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+    return old, adv, mask, ref_logp
+
+
 def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only: tuple[str, ...] = ()) -> Case:
     B, T = max(1, N // T_SEQ), min(N, T_SEQ)
 
@@ -93,10 +104,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
         hidden = torch.randn(B, T, H, device=device, dtype=dtype).requires_grad_(True)  # [B, T, H]
         weight = (torch.randn(V, H, device=device, dtype=dtype) * H**-0.5).requires_grad_(True)  # [V, H]
         labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
-        old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T] near log(1/V): ratios around 1
-        adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T] one per sequence
-        mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
-        ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+        old, adv, mask, ref_logp = policy_inputs(B, T, device)  # [B, T] each
         return hidden, weight, labels, old, adv, mask, ref_logp
 
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -236,10 +244,7 @@ def _logits_case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Ca
     def make_inputs():
         logits = (torch.randn(B, T, V, device=device, dtype=dtype) * 2).requires_grad_(True)  # [B, T, V]
         labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
-        old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
-        adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T]
-        mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
-        ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+        old, adv, mask, ref_logp = policy_inputs(B, T, device)  # [B, T] each
         return logits, labels, old, adv, mask, ref_logp
 
     itemsize = torch.empty((), dtype=dtype).element_size()

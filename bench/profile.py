@@ -45,17 +45,14 @@ def _linear(device: torch.device, tiny: bool) -> Callable[[], object]:
 def _linear_policy(device: torch.device, tiny: bool) -> Callable[[], object]:
     """linear_policy_loss fwd+bwd with the bench's options (bench_fused_policy): kernel 1 (GEMM 1, statistics, the
     float32 tile stored), kernel 2 (dz), the two gradient GEMMs; at LINEAR_PROFILE_SIZE the tokens take one chunk."""
-    from bench.bench_fused_policy import OPTIONS, T_SEQ
+    from bench.bench_fused_policy import OPTIONS, T_SEQ, policy_inputs
 
     N, H, V = (32, 24, 1000) if tiny else LINEAR_PROFILE_SIZE
     B, T = max(1, N // T_SEQ), min(N, T_SEQ)
     hidden = torch.randn(B, T, H, device=device, dtype=torch.bfloat16).requires_grad_()  # [B, T, H]
     weight = (torch.randn(V, H, device=device, dtype=torch.bfloat16) * H**-0.5).requires_grad_()  # [V, H]
     labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
-    old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
-    adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T]
-    mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
-    ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+    old, adv, mask, ref_logp = policy_inputs(B, T, device)  # [B, T] each
 
     def step():
         loss = rlkernels.linear_policy_loss(hidden, weight, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
@@ -82,15 +79,12 @@ def _logits_policy(two_op: bool):
     same logprobs kernels, so the kernels' own times say whether the difference is on the GPU or the host."""
 
     def make(device: torch.device, tiny: bool) -> Callable[[], object]:
-        from bench.bench_fused_policy import OPTIONS
+        from bench.bench_fused_policy import OPTIONS, policy_inputs
 
         B, T, V = (2, 16, 1000) if tiny else (32, 256, 151936)
         logits = (torch.randn(B, T, V, device=device, dtype=torch.bfloat16) * 2).requires_grad_()  # [B, T, V]
         labels = torch.randint(0, V, (B, T), device=device)  # [B, T]
-        old = -torch.rand(B, T, device=device) * 4 - 8  # [B, T]
-        adv = torch.randn(B, 1, device=device).expand(B, T).contiguous()  # [B, T]
-        mask = torch.rand(B, T, device=device) > 0.1  # [B, T]
-        ref_logp = old + 0.1 * torch.randn(B, T, device=device)  # [B, T]
+        old, adv, mask, ref_logp = policy_inputs(B, T, device)  # [B, T] each
 
         def step():
             if two_op:
