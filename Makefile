@@ -61,13 +61,13 @@ TOTAL_S    ?=
 # 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included
 # (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s;
 # on 2026-11-27 an H200 ran env, tests, bench in 348 s and 345 s, the six trainer rows in 204 s, ncu of
-# linear_logprobs > 66 s; the rows are measured, so the next lease's second call runs the sharded and 60-step
-# pieces instead: TRAINER_ONLY=sharded,run PART=trainer,memcheck TOTAL_S=330):
+# linear_logprobs > 66 s; the rows are measured, so the next lease's second call gives the trainer part alone to
+# the sharded run and the 60-step run, ~3 s a step, and a third call, if the lease has time, the profile):
 #   run(command="mkdir -p build && cp .gpu-wheels/*.part-aa build/; make gpu PART=env,tests,bench TOTAL_S=400;
 #       cp bench/results/*.json bench/results/*.md $OUT/; tar czf $OUT/test-logs.tgz build/gpu-logs",
 #       carry=[".gpu-wheels", ".gpu-ext"], timeout_s=460)
-#   run(command="cp build/*.part-aa .gpu-wheels-2/ && make gpu PART=trainer,memcheck,profile GPU_WHEELS=.gpu-wheels-2
-#       TRAINER_ONLY=rows,sharded TOTAL_S=330; cp bench/results/*.json bench/results/*.md $OUT/",
+#   run(command="cp build/*.part-aa .gpu-wheels-2/ && make gpu PART=trainer GPU_WHEELS=.gpu-wheels-2
+#       TRAINER_ONLY=sharded,run TOTAL_S=330; cp bench/results/*.json bench/results/*.md $OUT/",
 #       carry=[".gpu-wheels-2"], timeout_s=380)
 # The record of each call is also kept under build/gpu-records/ (a warm machine keeps build/), so the second
 # call's parts merge into the first call's record.
