@@ -731,7 +731,8 @@ def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, mon
 def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, kernel_1, dtype, options,
                                                                        monkeypatch):
     """Kernel 1 writes each vocabulary split's partials as rows of a chunk's own width; with more than one split
-    (V = 8300: 2 or 3 splits of _fwd_kernel's, 5 of the Hopper forward's) and a last chunk shorter than the others,
+    (V = 8304: 2 or 3 splits of _fwd_kernel's, 5 of the Hopper forward's, whose TMA store of the tile needs V % 4 == 0)
+    and a last chunk shorter than the others,
     the host read them at the longest chunk's row stride, so the last chunk's tokens merged other rows' partials
     (log-probs off by nats; the contract's N = 8192 at V = 151936 takes seven chunks, the last shorter). Forward
     and backward against the float64 truth."""
@@ -741,7 +742,7 @@ def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, ke
     if kernel_1 == "tma" and device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward runs on sm_90")
     monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, kernel_1)
-    B, T, V = 3, 7, 8300
+    B, T, V = 3, 7, 8304
     per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
     tokens = 2 * T if options.get("ratio") == "sequence" else 8  # a chunk: 8 tokens, or 2 whole sequences
     monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", tokens * per_token)
@@ -749,7 +750,11 @@ def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, ke
     sizes = [t1 - t0 for t0, t1 in chunks]
     assert len(chunks) >= 2 and sizes[-1] < max(sizes), sizes
     x = _inputs(B, T, 16, V, seed=V, adv_per_seq=options.get("ratio") == "sequence", device=device)
+    ran = []
+    monkeypatch.setattr(fused_policy._fl, "_launch_fwd_tma",
+                        lambda *a, _run=fused_policy._fl._launch_fwd_tma, **k: ran.append("tma") or _run(*a, **k))
     _check_fused_against_truth(x, options, 1.0, dtype, "triton")
+    assert bool(ran) == (kernel_1 == "tma")  # the Hopper forward ran where asked (not _fwd_kernel in its place)
 
 
 def _default_op_args(x, h, w) -> tuple:
