@@ -176,7 +176,7 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
             tile.stats(t0, t1, None, labels[t0:t1], True, opt)
 
     def kernel_2(hidden, weight, labels, tile, stats, coef, *rest):
-        for t0, t1 in chunks:  # every chunk the first chunk's size (the last may be shorter)
+        for _ in chunks:  # every chunk at the first chunk's size (the last may be shorter)
             next(tile.dz_blocks(coef, coef, labels[:coef.numel()], *stats, opt))
 
     def gemm_2(hidden, weight, labels, tile, stats, coef, dz, *rest):

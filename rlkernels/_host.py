@@ -131,8 +131,6 @@ def label_logp(z_y, shift, s, temperature: float = 1.0):
     k3 KL's ``exp(ref - log p)``: with the float32 formation the torch backend's ``linear_policy_loss`` gradients
     were 4.5x eager's error on an H200, tests/test_fused_policy.py). Every backend's host-side ``log p`` comes
     from here; the forward and a backward that needs it again get the same bits."""
-    if s.dtype == torch.float64:
-        return (z_y - shift) / temperature - s.log()
     return ((z_y.double() - shift.double()) / temperature - s.double().log()).to(s.dtype)
 
 

@@ -84,8 +84,8 @@ import torch
 from rlkernels import _backend, _checks, _cpu_workers, reference
 from rlkernels._device import block_max, block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, label_logp, lse_merge, op_schema, option_values,
-    options_from, refuse_double_backward, unit_stride,
+    TRITON_DTYPE_NAMES, autograd_function, call, custom_op, float32_outputs, label_logp, lse_merge, op_schema,
+    option_values, options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 
@@ -759,11 +759,8 @@ def _partials_buffer(S: int, n_max: int, device) -> torch.Tensor:
     to ``n_max`` tokens: four slots of ``S·n_max`` elements rounded up to 16 bytes, so that each slot starts
     16-byte aligned whatever ``S·n`` is (one specialization of the kernels' pointers: Triton would compile another
     variant for an unaligned one). Viewed per call by :func:`_partials_views`."""
-    return torch.empty(4 * _partials_slot(S, n_max), dtype=torch.float32, device=device)  # [4 · slot]
-
-
-def _partials_slot(S: int, n_max: int) -> int:
-    return cdiv(S * n_max, 4) * 4
+    slot = cdiv(S * n_max, 4) * 4  # float32 elements: a multiple of 16 bytes
+    return torch.empty(4 * slot, dtype=torch.float32, device=device)  # [4 · slot]
 
 
 def _partials_views(buf: torch.Tensor, S: int, n: int) -> list[torch.Tensor]:

@@ -103,8 +103,8 @@ from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
 from rlkernels._host import (
-    TRITON_DTYPE_NAMES, autograd_function, custom_op, field_values, label_logp, lse_merge, mask_u8, op_schema, option_dict,
-    option_values, options_from, refuse_double_backward, unit_stride,
+    TRITON_DTYPE_NAMES, autograd_function, custom_op, field_values, label_logp, lse_merge, mask_u8, op_schema,
+    option_dict, option_values, options_from, refuse_double_backward, unit_stride,
 )
 from rlkernels._triton import cdiv, jit, tl
 

@@ -722,11 +722,12 @@ def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, mon
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("kernel_1", ["split", "tma"])
-@pytest.mark.parametrize("dtype, options", [
-    (torch.float32, dict(kl_coef=0.05, entropy_coef=0.01)),
-    (torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
-    (torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
+@pytest.mark.parametrize("kernel_1, dtype, options", [  # the Hopper forward ("tma") takes 16-bit inputs only
+    ("split", torch.float32, dict(kl_coef=0.05, entropy_coef=0.01)),
+    ("split", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
+    ("tma", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
+    ("split", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
+    ("tma", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
 ])
 def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, kernel_1, dtype, options,
                                                                        monkeypatch):
@@ -737,8 +738,6 @@ def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, ke
     (log-probs off by nats; the contract's N = 8192 at V = 151936 takes seven chunks, the last shorter). Forward
     and backward against the float64 truth."""
     pytest.importorskip("triton")
-    if kernel_1 == "tma" and dtype == torch.float32:
-        pytest.skip("the Hopper forward takes 16-bit inputs")
     if kernel_1 == "tma" and device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward runs on sm_90")
     monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, kernel_1)

@@ -3,9 +3,10 @@
 Triton compiles a kernel once per *specialization*: its arguments' types, each integer's "is 1" / "divisible by
 16" class, each pointer's 16-byte alignment, and the ``constexpr`` values. A call whose token count, chunk size or
 buffer offsets change those classes compiles the kernel again (seconds for a Hopper GEMM kernel), so an RL
-trainer, whose batch shapes change every step, pays compiles in later steps (tests/test_specializations.py). Run the calls on CPU tensors with
-the Triton backend forced (the kernels run under the interpreter) inside :class:`record_specializations`: every
-launch's key is computed by Triton's own binder for an sm_90 target, the key its JIT cache would use there."""
+trainer, whose batch shapes change every step, pays compiles in later steps (tests/test_specializations.py).
+Run the calls on CPU tensors with the Triton backend forced (the kernels run under the interpreter) inside
+:class:`record_specializations`: every launch's key is computed by Triton's own binder for an sm_90 target, the
+key its JIT cache would use there."""
 from __future__ import annotations
 
 import collections
