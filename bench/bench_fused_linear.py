@@ -187,8 +187,9 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     kernel (``_dz_kernel_tma``, which follows the ``tma`` forward; here with K blocks of 64 after a split forward's
     statistics: the time is the same), dh += dz @ W_j with a float32
     result and d_weight's slices dz.T @ hidden with 16-bit results (the two GEMMs as the backward calls them, chunk
-    by chunk), the same two with the other output dtype (what the output dtype costs), and the labelled rows of
-    d_weight re-formed in float32 (fl._label_runs once, then fl._label_rows_of_chunk per chunk, N random labels)."""
+    by chunk), the same two with the other output dtype (what the output dtype costs), and the dW GEMMs as the
+    16-bit backward runs them, with the label residuals added inside (fl._label_runs once, then
+    fl._gemm_with_label_residuals per chunk, N random labels)."""
     from rlkernels import fused_linear as fl
 
     opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
@@ -238,20 +239,23 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         for v0, v1 in chunks:
             dz[:, : v1 - v0].T @ hidden  # [vc, H]
 
-    def label_rows(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
-        # as the backward does it: the label runs planned once for every chunk, then chunk by chunk
-        dw = torch.empty(vc, H, device=device, dtype=dtype)  # [vc, H] one slice of d_weight
+    def dw_residuals(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        # as the backward does it: the label runs planned once for every chunk, then chunk by chunk each slice of
+        # d_weight from the GEMM with the label residuals added inside it (against "dW GEMMs 16-bit out": their cost)
+        dw = torch.empty(V, H, device=device, dtype=dtype)  # [V, H] d_weight
         tok = torch.arange(N, device=device)  # [N] every token has a label
         runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
         for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
-            fl._label_rows_of_chunk(dw[: v1 - v0], dz[:, : v1 - v0], hidden, g_logp, runs[j], v0)
+            t_j = runs[j][0]  # [k]
+            fl._gemm_with_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j],
+                                          g_logp[t_j, None] * hidden[t_j].float())
 
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {
         "backward (all phases)": whole, "dz kernel": dz_kernel,
         **({"dz kernel tma": dz_kernel_tma} if hopper and dtype != torch.float32 and H * 2 % 16 == 0 else {}),
         "dh GEMMs float32 out": dh_f32,
-        "dW GEMMs 16-bit out": dw_16, "label rows of dW": label_rows, "dh GEMMs 16-bit out": dh_16,
+        "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_residuals, "dh GEMMs 16-bit out": dh_16,
         "dW GEMMs float32 out": dw_f32,
     }
     return _against_one_gemm("linear_logprobs bwd phases", N, H, V, dtype, f" ({len(chunks)} chunks of {vc})",

@@ -31,8 +31,8 @@ Design (the work is ~4 GEMMs of ``2·N·H·V`` FLOPs each):
   and ``[V, H]``. With fewer tokens than vocabulary entries (RL batches against 128k-256k vocabularies) the
   vocabulary is the outer loop: per vocabulary chunk, ``dz`` of all the tokens, ``d_hidden += dz @ W[chunk]``
   into a float32 ``[N, H]`` accumulator and ``d_weight[chunk] = dz.T @ hidden`` written by the GEMM in the
-  weight's dtype (float32 accumulation inside it, rounded once; the few rows at labels re-formed in float32 with
-  their residuals), so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096), nor a float32 slice
+  weight's dtype (float32 accumulation inside it, rounded once, the 16-bit label entries' residuals added inside
+  it), so no weight-sized float32 buffer exists (2.1 GB at V = 128256, H = 4096), nor a float32 slice
   of one. Otherwise the tokens are: per chunk of tokens, ``d_hidden[chunk] = dz @ W`` and ``d_weight += dz.T @
   hidden[chunk]`` into a float32 ``[V, H]`` accumulator (no larger than ``[N, H]`` then), cast once at the end;
   ``d_bias`` likewise. The workspace (``dz``) is sized to a fixed byte budget (``_DZ_BUDGET_BYTES``), never
@@ -523,7 +523,7 @@ _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.blo
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 # The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
 # float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
-# of 32768 columns, d_hidden 128 MiB, the label rows' buffers), inside the contract's N·H·4 bytes + 1 GiB. (It was
+# of 32768 columns, d_hidden 128 MiB, the label residuals' [k, H] float32 sums), inside the contract's N·H·4 bytes + 1 GiB. (It was
 # 1 GiB, with a float32 [vc, H] slice of d_weight beside dz: the H100 run of 2026-11-26 measured 2285 / 2452 MiB of
 # peak at V = 128256 / 151936, ~1.2 GiB beyond the gradients.)
 _DZ_BUDGET_BYTES = 1 << 29
@@ -679,7 +679,11 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # of the time, _dz_kernel; the phases above add up to a prediction of ~61 ms (the "rlkernels" row: 108.2 ms).
 # Measured as the default on an H200 at commit 14fe024 (bench/results/NVIDIA_H200-2026-11-27.md, matmul ceiling
 # 671 TFLOP/s): fwd+bwd 61.8 / 73.3 ms, 1.20x four GEMMs at that rate (forward 14.7 / 17.7 ms; backward phases at
-# V=128256: dz 17.0, dh 12.5, dW 12.9, label rows 3.7 ms); split with _dz_kernel 105.0 / 122.4 ms.
+# V=128256: dz 17.0, dh 12.5, dW 12.9, label rows 3.7 ms); split with _dz_kernel 105.0 / 122.4 ms. The label rows
+# (each labelled row of d_weight formed again in float32 from a gathered column of dz, so as to add its residuals
+# before the one rounding) are since added inside the dW GEMM (_gemm_with_label_residuals: a memset of each slice
+# and cuBLAS's beta = 1). Prediction, not measured: ~0.5 ms instead of 3.7 (1 GiB memset + 1 GiB more read by the
+# GEMMs' epilogue at ~4 TB/s, the [k, H] float32 sums ~0.15 ms): fwd+bwd ~58.6 ms, 1.14x four GEMMs.
 # Measured on an H100 80GB HBM3 the day before (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26*.json): split 32.5 /
 # 37.2 ms (an ungrouped grid then), tma 15.5 / 18.4.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
@@ -954,9 +958,9 @@ def _vocab_chunk(N: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
 def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
     (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
-    written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), the rows of
-    labelled columns then re-formed with their label residuals (:func:`_label_rows_of_chunk`, planned for every
-    chunk at once by :func:`_label_runs`: no host read inside the loop). No weight-sized float32
+    written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), 16-bit ones
+    with the label residuals added inside that GEMM (:func:`_gemm_with_label_residuals`, planned for every chunk at
+    once by :func:`_label_runs`: no host read inside the loop). No weight-sized float32
     buffer and no float32 slice of one: beyond the outputs, ``[N, H]`` float32 and the ``dz`` chunk, sized to
     ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
@@ -985,11 +989,15 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         w_j = weight[v0:v1]  # [vc, H]
         # d_weight's slice straight from the GEMM: float32 accumulation inside it (cuBLAS's compute type for 16-bit
         # GEMMs; torch's allow_*_reduced_precision_reduction flags allow 16-bit partial sums only in split-K, a
-        # scheme for small outputs over a long K -- these outputs are vc x H), rounded once to its dtype
-        torch.mm(dz.T, hidden, out=d_weight[v0:v1])
+        # scheme for small outputs over a long K -- these outputs are vc x H), rounded once to its dtype; 16-bit:
+        # with the label residuals added inside the same GEMM
+        if low and runs[j][1].numel():  # labels in this chunk (a size known on the host: no read)
+            tok = runs[j][0]  # [k] the tokens whose label is in this chunk, by label
+            _gemm_with_label_residuals(d_weight, v0, v1, dz, hidden, runs[j], resid[tok, None] * hidden[tok].float())
+        else:
+            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
-            _label_rows_of_chunk(d_weight[v0:v1], dz, hidden, resid, runs[j], v0)
         else:
             dh.addmm_(dz, w_j)
         if d_bias32 is not None:
@@ -1061,23 +1069,13 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
     return d_hidden, d_weight, d_bias32
 
 
-def _sum_by_label(labels: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(uniq [u], sums [u, ...])``: the distinct labels, ascending, and per label the sum of ``rows[i]`` over the
-    tokens ``i`` carrying it, deterministically (``index_add_`` on a GPU adds with atomics, in an order that changes
-    from run to run): the tokens sorted by label (stable), each label's run summed in token order
-    (``segment_reduce``). ``labels`` [n] int64 (n > 0), ``rows`` [n, ...] float32."""
-    y, order = torch.sort(labels, stable=True)  # [n]
-    uniq, counts = torch.unique_consecutive(y, return_counts=True)  # [u] each (a host read: its size)
-    # unsafe: no validation of the lengths (two more host reads); unique_consecutive's counts are valid
-    return uniq, torch.segment_reduce(rows[order], "sum", lengths=counts, axis=0, unsafe=True)  # [u], [u, ...]
-
-
 def _label_runs(group: torch.Tensor, labels: torch.Tensor, tok: torch.Tensor, n_groups: int, V: int) -> list[tuple]:
     """Per-label sums planned for every group of tokens at once (a backward's chunks): per group ``g``, ``(its
     tokens [k_g] sorted by label -- token order within a label --, its distinct labels [u_g] ascending, tokens per
-    label [u_g])``, the runs :func:`_sum_by_label` would form group by group, in the same order (so the same
-    sums). Two host reads in all, where group by group took one per group: each waits for the device to finish
-    everything queued (the chunk's kernels and GEMMs), and the next chunk's work is queued only after it. ``tok``
+    label [u_g])``: the tokens sorted by label (stable), so each label's run is summed in token order, the same
+    sums whatever the GPU's scheduling (``index_add_`` adds with atomics). Two host reads in all, where group by
+    group took one per group: each waits for the device to finish everything queued (the chunk's kernels and
+    GEMMs), and the next chunk's work is queued only after it. ``tok``
     [k] the tokens, ``group`` [k] each one's group in ``[0, n_groups)``, ``labels`` [k] each one's label in
     ``[0, V)``."""
     key = group * V + labels  # [k]: group-major, then label
@@ -1096,53 +1094,28 @@ def _label_runs(group: torch.Tensor, labels: torch.Tensor, tok: torch.Tensor, n_
 def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor) -> None:
     """``acc[label] += rows[i]`` for the tokens of one group's ``run`` (:func:`_label_runs`), ``rows``
     [k, ...] float32 in the run's token order, each label's rows summed in token order first (one write per
-    label, deterministic, no host read). ``acc`` [labels, ...] float32."""
+    label, deterministic, no host read). ``acc`` [labels, ...] float32 (or a zeroed 16-bit block: each sum rounded
+    once)."""
     _, uniq, counts = run
     if uniq.numel():
         acc[uniq] += torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
 
 
-# Label rows of a 16-bit d_weight slice re-formed at a time by _label_rows_exact: [this, N] of dz gathered and a
-# [this, H] float32 result (16 MiB each at N = H = 4096), whatever the number of labels in the chunk
-_LABEL_ROWS = 1024
-
-
-def _label_rows_exact(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, cols: torch.Tensor,
-                      resid_rows: torch.Tensor) -> None:
-    """Adds the label residuals to a 16-bit ``d_weight`` slice ``dw`` [vc, H] that the GEMM wrote as ``dz.T @
-    hidden`` rounded once (``dz`` [N, vc] 16-bit, ``hidden`` [N, H]): a row some token's label points at (``cols``
-    [k], columns of the slice; ``resid_rows`` [k, H] float32, each token's label residual times its hidden row) is
-    formed again in float32 -- its column of ``dz`` times ``hidden``, plus its residuals summed in token order -- and
-    rounded once, so no row is rounded twice. At most ``min(N, vc)`` rows, ``_LABEL_ROWS`` at a time: ~2·N·H FLOPs
-    per distinct label (under 1 % of the backward at the contract's sizes), no slice-sized float32 buffer."""
-    if cols.numel() == 0:
-        return
-    uniq, extra = _sum_by_label(cols, resid_rows)  # [u], [u, H]
-    _label_rows_from_sums(dw, dz, hidden, uniq, extra)
-
-
-def _label_rows_of_chunk(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, resid: torch.Tensor,
-                         run: tuple, v0: int) -> None:
-    """The vocabulary-outer backward's :func:`_label_rows_exact` for the chunk of columns from ``v0``, from its
-    ``run`` (:func:`_label_runs`: tokens by label [k], labels [u], counts [u]) and the tokens' float32 label
-    residuals ``resid`` [N]; ``dw`` [vc, H] the chunk's 16-bit ``d_weight`` slice, ``dz`` [N, vc]. No host read."""
-    tok, uniq, counts = run
-    if uniq.numel():
-        # each label's residual rows summed in token order (unsafe: the counts are valid; no host read)
-        extra = torch.segment_reduce(resid[tok, None] * hidden[tok].float(), "sum", lengths=counts, axis=0,
-                                     unsafe=True)  # [u, H]
-        _label_rows_from_sums(dw, dz, hidden, uniq - v0, extra)
-
-
-def _label_rows_from_sums(dw: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, uniq: torch.Tensor,
-                          extra: torch.Tensor) -> None:
-    """:func:`_label_rows_exact` from its label sums: the distinct columns ``uniq`` [u] and each one's residual
-    rows summed in token order, ``extra`` [u, H] float32. No host read."""
-    for a in range(0, uniq.numel(), _LABEL_ROWS):
-        u = uniq[a:a + _LABEL_ROWS]  # [r]
-        rows = _mm_f32(dz[:, u].T, hidden)  # [r, H] float32: the GEMM's sums, unrounded
-        rows += extra[a:a + _LABEL_ROWS]
-        dw[u] = rows.to(dw.dtype)  # rounded once
+def _gemm_with_label_residuals(d_weight: torch.Tensor, v0: int, v1: int, dz: torch.Tensor, hidden: torch.Tensor,
+                               run: tuple, rows: torch.Tensor) -> None:
+    """``d_weight[v0:v1] = dz.T @ hidden`` plus the label residuals, rounded once. A 16-bit ``dz`` [n, v1 - v0]
+    holds each token's label entry rounded; what the rounding lost, times the token's hidden row, belongs to the row
+    of ``d_weight`` [V, H] that its label points at: ``rows`` [k, H] float32, one per token of ``run``
+    (:func:`_label_runs`: tokens by label [k], their labels in ``[v0, v1)`` [u], counts [u]). The slice is zeroed,
+    each labelled row set to its ``rows`` summed in token order, then the GEMM adds ``dz.T @ hidden`` (``hidden``
+    [n, H]) to it with beta = 1: cuBLAS (and the CPU's GEMM) take that operand into the float32 accumulation and round
+    once, so a labelled row is its float32 dot products plus its residuals, rounded once -- never twice. The sums
+    enter rounded to 16 bits, but they are rounding losses (within 2^-9 of the label entries), so that costs ~2^-18
+    of the row. Beyond the GEMM: a memset of the slice and the per-label sums; no host read."""
+    dw = d_weight[v0:v1]  # [vc, H]
+    dw.zero_()
+    _add_run(d_weight, run, rows)
+    dw.addmm_(dz.T, hidden)
 
 
 # torch builds with cuBLAS's "16-bit inputs, float32 output" matmul (aten::mm.dtype, torch >= 2.8)

@@ -53,7 +53,7 @@ the weight) and reduces it while it is in cache; pass 2 re-centres each block on
 The Triton row (CUDA) runs chunks of tokens sized to ``_TRITON_CHUNK_BYTES`` (a float32 tile and a 16-bit dz of
 ``[chunk, V]``). When the tokens take one chunk (N·V·6 bytes within it for 16-bit inputs: ~1770 tokens at V =
 151936, ~3640 at V = 49152), GEMM 3 writes ``d_weight`` once in the weight's dtype (float32 accumulation inside the
-GEMM; the rows at labels formed again in float32 with their residuals, ``fused_linear._label_rows_exact``). With
+GEMM, the label entries' residuals added inside it, ``fused_linear._gemm_with_label_residuals``). With
 more chunks ``d_weight`` is summed over them in a float32 ``[V, H]`` buffer -- for 16-bit weights a buffer beside
 the gradient, which DESIGN's numerics rule out (at N = 8192, H = 4096, V = 151936: 2.4 GB, the H100's measured
 3753 MiB of peak). Kept because the ways out each cost what the op is for: the two-op path's four GEMMs; or
@@ -761,7 +761,7 @@ def _d_weight_dtype(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicy
     """The dtype of the op's stored ``d_weight`` (``hidden`` [B, T, H], ``weight`` [V, H]): the weight's where it is
     written once -- the torch row's ``"one-chunk"`` layout (:func:`_torch_layout`), and the Triton row with 16-bit
     inputs whose tokens take one chunk (:func:`_triton_chunks`: GEMM 3 writes it in the weight's dtype, float32
-    accumulation inside, then the labelled rows are formed again in float32 with their residuals) -- else the
+    accumulation inside, the label residuals added inside it) -- else the
     compute dtype (float32 summed over the chunks, rounded once in the backward). The rows and the fake follow it."""
     cdt = reference.compute_dtype(hidden)
     if _backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "triton":
@@ -789,7 +789,7 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     dw_dtype = _d_weight_dtype(hidden, weight, opt)
     direct = low and dw_dtype == weight.dtype  # one chunk: d_weight written once by GEMM 3
     chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
-    # direct with tokens: GEMM 3 of the one chunk writes every entry (out=), no fill first
+    # direct with tokens: the one chunk's GEMM 3 sets every entry (_gemm_with_label_residuals zeroes it first)
     alloc = torch.empty if direct and chunks else torch.zeros
     d_weight = alloc(V, H, dtype=dw_dtype, device=dev) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
@@ -818,14 +818,14 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
                     dh = _fl._mm_f32(dz, weight)  # [n, H] float32
                     dh += resid[:, None] * weight[safe].float()
                     d_hidden[t0:t1] = dh
-                if d_weight is not None and direct:  # the only chunk: every token's dz, rounded once
-                    torch.mm(dz.T, h_c, out=d_weight)
-                    ok = resid != 0  # [n] the tokens whose label entry lost bits (0: ignored, or exact)
-                    _fl._label_rows_exact(d_weight, dz, h_c, safe[ok], resid[ok, None] * h_c[ok].float())
-                elif d_weight is not None:
-                    _fl._addmm_f32(d_weight, dz.T, h_c)
+                if d_weight is not None:
                     t_c = run_of[t0][0] - t0  # [k] the chunk's tokens with a label, by label, as rows of the chunk
-                    _fl._add_run(d_weight, run_of[t0], resid[t_c, None] * h_c[t_c].float())
+                    rows = resid[t_c, None] * h_c[t_c].float()  # [k, H] float32 what the label entries lost
+                    if direct:  # the only chunk: every token's dz and the residuals in one GEMM, rounded once
+                        _fl._gemm_with_label_residuals(d_weight, 0, V, dz, h_c, run_of[t0], rows)
+                    else:
+                        _fl._addmm_f32(d_weight, dz.T, h_c)
+                        _fl._add_run(d_weight, run_of[t0], rows)
             if d_bias is not None:
                 d_bias.add_(dz.sum(0, dtype=torch.float32))
                 if low:
