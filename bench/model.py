@@ -224,7 +224,9 @@ def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") ->
     chunk of ``vc`` columns (dz ``[N, vc]`` within DZ_BUDGET_BYTES) the dz kernel reads hidden once (its grid runs
     a group of token blocks fastest, so a group's hidden rows stay in L2) and the chunk's weight once per group,
     ``dh += dz @ W_j`` reads and writes the float32 ``[N, H]`` accumulator, and ``d_weight[j]`` is written once in
-    bf16 by its GEMM. Tokens outer: per token chunk the whole weight, and ``dW`` accumulated in a float32
+    bf16 by its GEMM, which reads the slice too (beta = 1: the label residuals added inside it), after a memset of
+    the slice and the residuals' per-label sums (a ``[N, H]`` float32 product written, read, summed; neither
+    overlaps a GEMM: added). Tokens outer: per token chunk the whole weight, and ``dW`` accumulated in a float32
     ``[V, H]`` buffer read and written per chunk, then cast. ``dz_kernel``: one of ``DZ_KERNELS``."""
     k = KERNELS[dz_kernel]
     hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
@@ -236,7 +238,8 @@ def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") ->
         chunks = math.ceil(V / vc)
         dz_hbm = chunks * hidden + groups * weight + dz_bytes
         dh_hbm = dz_bytes + weight + chunks * 2 * N * H * BYTES_F32
-        dw_hbm = dz_bytes + chunks * hidden + weight
+        dw_hbm = dz_bytes + chunks * hidden + 2 * weight
+        dw_extra = (weight + 3 * N * H * BYTES_F32) / device.hbm_bps  # the slices' memsets, the residual sums
     else:
         chunk = max(k.block_n, DZ_BUDGET_BYTES // (V * BYTES_BF16) // k.block_n * k.block_n)
         chunks = math.ceil(N / chunk)
@@ -246,9 +249,10 @@ def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") ->
         # the first chunk writes the accumulator, every later one reads and writes it, the cast reads it once more
         # and writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
         dw_hbm = dz_bytes + hidden + 2 * chunks * acc + weight
+        dw_extra = 0.0
     dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), dz_hbm / device.hbm_bps)
     dz = _fused_s(k, dz, N, H, V, device)
-    return {"dz": dz, "dh": max(gemm, dh_hbm / device.hbm_bps), "dW": max(gemm, dw_hbm / device.hbm_bps)}
+    return {"dz": dz, "dh": max(gemm, dh_hbm / device.hbm_bps), "dW": max(gemm, dw_hbm / device.hbm_bps) + dw_extra}
 
 
 def predict(device: Device, N: int = N_TOKENS, H: int = HIDDEN, V: int = VOCABS[0]) -> dict:
