@@ -136,12 +136,12 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
 
 def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     """``linear_policy_loss``'s Triton row phase by phase at ``_case``'s shapes (``T_SEQ`` tokens a sequence, token
-    ratio: its chunks of tokens), each phase over every chunk and against one cuBLAS GEMM of the head's size (each
-    row's "of bound" and ratio read as "GEMMs' worth of time"): kernel 1 (GEMM 1, the row statistics, the float32
-    ``[chunk, V]`` logits tile stored), kernel 2 (``dz`` from the tile), GEMM 2 (``d_hidden``, float32 result),
-    GEMM 3 (``d_weight``: for 16-bit inputs over more than one chunk, ``+=`` into the float32 ``[V, H]``
-    accumulator), the label residuals' runs added to it, and its final cast to the weight's dtype. Where the whole
-    op's time goes beyond its three GEMMs."""
+    ratio), in its held layout (fused_policy._holds_dz: 16-bit inputs, N <= 2H or one chunk, as at the contract's
+    and the tiny dry-run sizes), each phase against one cuBLAS GEMM of the head's size (each row's "of bound" and
+    ratio read as "GEMMs' worth of time"): kernel 1 over every chunk (GEMM 1, the row statistics, the float32
+    ``[chunk, V]`` logits tile stored), kernel 2 over every chunk (``dz`` from the tile into the held ``[N, V]``),
+    GEMM 2 once (``d_hidden``, float32 result), GEMM 3 once (``d_weight`` in its dtype, the label residuals inside
+    it). Where the whole op's time goes beyond its three GEMMs."""
     from bench.bench_fused_linear import _against_one_gemm
     from rlkernels import fused_linear as fl
     from rlkernels import fused_policy as fp
@@ -152,54 +152,50 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
                                 dual_clip=None, ratio="token", kl_coef=0.04, kl_estimator="k3", entropy_coef=0.01,
                                 agg="token-mean", norm_length=None, grad_input=True, grad_weight=True,
                                 grad_bias=False)
-    chunks = fp._triton_chunks(B, T, V, "token", dtype)
+    assert fp._holds_dz(B, T, H, V, "token", dtype, True), "the phases of the held layout only"
+    chunks = fp._triton_chunks(B, T, V, "token", dtype, held=True)
     n_max = max(t1 - t0 for t0, t1 in chunks)
 
     def make_inputs():
         hidden = torch.randn(N, H, device=device, dtype=dtype)  # [N, H]
         weight = torch.randn(V, H, device=device, dtype=dtype) * H**-0.5  # [V, H]
         labels = torch.randint(0, V, (N,), device=device)  # [N]
-        tile = fp._TritonTile(n_max, hidden, weight, None, opt)
+        dz_all = torch.empty(N, V, device=device, dtype=dtype)  # [N, V] the held dz
+        tile = fp._TritonTile(n_max, hidden, weight, None, opt, dz_all=dz_all)
         t0, t1 = chunks[0]
         stats = tile.stats(t0, t1, None, labels[t0:t1], True, opt)  # (row_max, log_s, logp, entropy) [n] each
         coef = torch.randn(t1 - t0, device=device) * 1e-4  # [n] stand-in loss coefficients dL/dlogp
         dz = next(tile.dz_blocks(coef, coef, labels[t0:t1], *stats, opt))[2]  # [n, V]
-        resid = torch.randn(n_max, device=device)  # [n] stand-in label residuals of a chunk's rows
-        tok = torch.arange(N, device=device)  # [N] every token has a label
-        ends = torch.tensor([t1 for _, t1 in chunks], device=device)  # [chunks]
-        runs = fl._label_runs(torch.bucketize(tok, ends, right=True), labels, tok, len(chunks), V)
-        dw32 = torch.zeros(V, H, device=device)  # [V, H] the float32 accumulator
-        return hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32
+        for c0 in range(t1 - t0, N, t1 - t0):  # every chunk's rows of the held dz: the first chunk's, repeated
+            dz_all[c0:c0 + t1 - t0] = dz[: N - c0]
+        resid = torch.randn(N, device=device)  # [N] stand-in label residuals
+        return hidden, weight, labels, tile, stats, coef, dz_all, resid
 
     def kernel_1(hidden, weight, labels, tile, *rest):
         for t0, t1 in chunks:
             tile.stats(t0, t1, None, labels[t0:t1], True, opt)
 
     def kernel_2(hidden, weight, labels, tile, stats, coef, *rest):
-        for _ in chunks:  # every chunk at the first chunk's size (the last may be shorter)
-            next(tile.dz_blocks(coef, coef, labels[:coef.numel()], *stats, opt))
+        n = coef.numel()
+        for t0, _ in chunks:  # every chunk at the first chunk's size (the last may be shorter)
+            tile.t0 = min(t0, N - n)
+            next(tile.dz_blocks(coef, coef, labels[:n], *stats, opt))
 
-    def gemm_2(hidden, weight, labels, tile, stats, coef, dz, *rest):
-        for t0, t1 in chunks:
-            fl._mm_f32(dz[: t1 - t0], weight)  # [n, H] float32
+    def gemm_2(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+        fl._mm_f32(dz_all, weight)  # [N, H] float32
 
-    def gemm_3(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
-        for t0, t1 in chunks:
-            fl._addmm_f32(dw32, dz[: t1 - t0].T, hidden[t0:t1])
-
-    def label_runs(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
-        for (t0, t1), run in zip(chunks, runs):
-            t_c = run[0] - t0  # [k] the chunk's tokens by label
-            fl._add_run(dw32, run, resid[t_c, None] * hidden[run[0]].float())
-
-    def cast(hidden, weight, labels, tile, stats, coef, dz, resid, runs, dw32):
-        dw32.to(dtype)
+    def gemm_3(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+        # as the op: the label runs of every token (one group), d_weight written once with the residuals inside
+        tok = torch.arange(N, device=device)  # [N] every token has a label
+        run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
+        d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
+        fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, hidden, run, resid[run[0], None] * hidden[run[0]].float())
 
     providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
-                 "GEMM 2 (d_hidden, float32 out)": gemm_2, "GEMM 3 (d_weight += , float32)": gemm_3,
-                 "label residual runs": label_runs, "float32 d_weight cast": cast}
-    return _against_one_gemm("linear_policy_loss phases", N, H, V, dtype, f" ({len(chunks)} chunks of {n_max})",
-                             make_inputs, providers)
+                 "GEMM 2 (d_hidden, one GEMM, float32 out)": gemm_2,
+                 "GEMM 3 (d_weight, one GEMM, label residuals inside)": gemm_3}
+    return _against_one_gemm("linear_policy_loss phases", N, H, V, dtype,
+                             f" (held dz, {len(chunks)} chunks of {n_max})", make_inputs, providers)
 
 
 def _logits_eager(logits, labels, old, adv, mask, ref_logp):

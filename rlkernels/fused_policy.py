@@ -50,26 +50,38 @@ the weight) and reduces it while it is in cache; pass 2 re-centres each block on
   than four GEMMs; see ``_MIN_CHUNK_TOKENS``). So the three-GEMM saving on the CPU is for ``N <= H`` (or larger
   ``N`` with float32 weights and a large ``N·H``), with no more memory than the two-op path.
 
-The Triton row (CUDA) runs chunks of tokens sized to ``_TRITON_CHUNK_BYTES`` (a float32 tile and a 16-bit dz of
-``[chunk, V]``). When the tokens take one chunk (N·V·6 bytes within it for 16-bit inputs: ~1770 tokens at V =
-151936, ~3640 at V = 49152), GEMM 3 writes ``d_weight`` once in the weight's dtype (float32 accumulation inside the
-GEMM, the label entries' residuals added inside it, ``fused_linear._gemm_with_label_residuals``). With
-more chunks ``d_weight`` is summed over them in a float32 ``[V, H]`` buffer -- for 16-bit weights a buffer beside
-the gradient, which DESIGN's numerics rule out (at N = 8192, H = 4096, V = 151936: 2.4 GB, the H100's measured
-3753 MiB of peak). Kept because the ways out each cost what the op is for: the two-op path's four GEMMs; or
-``d_weight`` summed in 16 bits, one rounding per chunk, whose error grows as ``sqrt((K + 1) / 2)`` with the
-chunk count K (emulated in float64 around the same roundings, ``python -m bench.cpu_chunk_rounding``,
-bench/results/cpu-chunk-rounding-2026-11-27.txt: relative error 0.71x eager's with the float32 accumulator at any
-K, 1.11x at 4 chunks, 1.42x at the contract's 7, 1.5x at 8, 2.07x at 16 -- past the tests' 1.5x beyond 7 chunks);
-or every token's dz held, ``N·V`` 16-bit values (as large at that shape). A fourth way, not built: the running sum
-kept as two bf16 halves (``hi`` = the gradient itself, ``lo`` = the rounding residue), added to in float32 in
-GEMM 3's epilogue -- float32-like error and an extra 2 bytes per weight entry instead of 4, but a Triton GEMM of
-our own for GEMM 3 (cuBLAS writes no such epilogue) and a 16-bit ``[V, H]`` buffer still beside the gradient.
-Open in issue 12.
+The Triton row (CUDA) runs kernels 1 and 2 over chunks of tokens sized to ``_TRITON_CHUNK_BYTES``, in one of two
+layouts for 16-bit inputs whose ``d_weight`` is wanted (:func:`_holds_dz`):
+
+- held (``N <= 2H``, or every token within the budget in one chunk): kernel 2 writes each chunk's ``dz`` into one
+  ``[N, V]`` buffer in the inputs' dtype, so the chunks hold only the float32 tile; after the last chunk GEMM 2
+  (``d_hidden = dz·W``) and GEMM 3 (``d_weight = dzᵀ·h``) each run ONCE over all the tokens, GEMM 3 writing
+  ``d_weight`` in the weight's dtype (float32 accumulation inside it, the label entries' residuals added inside
+  it, rounded once: ``fused_linear._gemm_with_label_residuals``). The held ``dz`` is ``N·V`` 16-bit values, no
+  larger than the float32 ``[V, H]`` accumulator of the other layout (``N·V·2 <= V·H·4``) and not a float32
+  buffer: the contract's N = 8192, H = 4096 takes it (2.5 GB at V = 151936, where the accumulator took the same);
+  two full-size GEMMs instead of one small-M GEMM pair per chunk, and no accumulator read and written per chunk
+  and cast at the end;
+- chunks (``N > 2H``, e.g. SmolLM2's H = 576 at a few thousand tokens): a float32 tile and a 16-bit ``dz`` of
+  ``[chunk, V]`` per chunk, GEMM 2 per chunk, and ``d_weight`` summed over the chunks in a float32 ``[V, H]``
+  buffer (here smaller than the held ``dz`` would be) -- for 16-bit weights a buffer beside the gradient, which
+  DESIGN's numerics rule out. Kept because the ways out each cost what the op is for: the two-op path's four
+  GEMMs; or ``d_weight`` summed in 16 bits, one rounding per chunk, whose error grows as ``sqrt((K + 1) / 2)``
+  with the chunk count K (emulated in float64 around the same roundings, ``python -m bench.cpu_chunk_rounding``,
+  bench/results/cpu-chunk-rounding-2026-11-27.txt: relative error 0.71x eager's with the float32 accumulator at
+  any K, 1.11x at 4 chunks, 1.42x at 7, 1.5x at 8, 2.07x at 16 -- past the tests' 1.5x beyond 7 chunks); or the
+  held ``dz``, larger than the accumulator there. A fourth way, not built: the running sum kept as two bf16
+  halves (``hi`` = the gradient itself, ``lo`` = the rounding residue), added to in float32 in GEMM 3's epilogue
+  -- float32-like error and an extra 2 bytes per weight entry instead of 4, but a Triton GEMM of our own for GEMM
+  3 (cuBLAS writes no such epilogue) and a 16-bit ``[V, H]`` buffer still beside the gradient. Open in issue 12.
+
+Float32 inputs (and a frozen head) take the chunks, ``dz`` written over the tile; a float32 ``d_weight`` summed
+over the chunks is the gradient itself.
 
 ``d_hidden`` is float32 ``[N, H]``. The gradients stay in float32 until the backward scales them (one rounding to
-a 16-bit dtype), except a one-chunk 16-bit ``d_weight``, rounded in the forward (an upstream gradient other than 1
-rounds it a second time); with an upstream gradient of exactly 1 the backward hands them out without a copy.
+a 16-bit dtype), except a 16-bit ``d_weight`` of the held layout (or the torch row's one chunk), rounded in the
+forward (an upstream gradient that is not a power of two rounds it a second time); with an upstream gradient of
+exactly 1 the backward hands them out without a copy.
 
 ``old_logp=None`` is the on-policy update (one epoch, one minibatch): each chunk's old log-probs are its own
 log-probs, so the loss equals ``policy_loss(logp, logp.detach(), ...)`` with no separate log-prob pass.
@@ -695,11 +707,14 @@ def _logits_aot_configs() -> list:
 class _TritonTile:
     """The Triton row's chunk engine (same interface as :class:`_Tile`): kernel 1 fills the float32 ``[n, V]``
     tile and the per-split statistics, kernel 2 turns it into ``dz`` (one block: the whole vocabulary), in the
-    inputs' dtype with the label residual for 16-bit inputs."""
+    inputs' dtype with the label residual for 16-bit inputs: into a ``[n_max, V]`` buffer of its own, or with
+    ``dz_all`` (``[N, V]``, the held layout) into the chunk's rows of that."""
 
-    def __init__(self, n_max: int, hidden, weight, bias, opt: FusedPolicyOptions):
+    def __init__(self, n_max: int, hidden, weight, bias, opt: FusedPolicyOptions, dz_all=None):
         # [N, H] (unit stride), [V, H], [V] (unit stride, as the kernels read it) or None
         self.h, self.w, self.b = hidden, weight, None if bias is None else bias.contiguous()
+        self.dz_all = dz_all  # [N, V] inputs' dtype or None
+        self.t0 = 0  # the first token of the chunk whose statistics were formed last (stats)
         V = weight.shape[0]
         self.V = V
         # kernel 1: on sm_90 with 16-bit inputs (fused_linear's "tma" forward: _fl._fwd_kernel_choice) the Hopper
@@ -711,7 +726,8 @@ class _TritonTile:
         dev = hidden.device
         self.low = hidden.dtype != torch.float32
         self.z = torch.empty(n_max * V, dtype=torch.float32, device=dev)  # the tile, [n, V]
-        self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if self.low else self.z  # [n, V]
+        own_dz = self.low and dz_all is None
+        self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if own_dz else self.z  # [n, V]
         self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
         self.part = _fl._partials_buffer(self.S, n_max, dev)  # m, s, u, zy per split (_fl._partials_views)
         self.flags = None if self.tma else _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden),
@@ -720,6 +736,7 @@ class _TritonTile:
 
     def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
         n, V, t = t1 - t0, self.V, self.t
+        self.t0 = t0
         part = _fl._partials_views(self.part, self.S, n)  # [S, n] each, contiguous for this chunk's n
         h_c = self.h[t0:t1]  # [n, H]
         if self.tma:
@@ -742,41 +759,56 @@ class _TritonTile:
         n, V = labels.shape[0], self.V
         g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
         resid = self.resid[:n].zero_()  # [n]
+        # [n, V]: the chunk's rows of the held dz (its pointer 16-byte aligned where t0·V is a multiple of 8, as at
+        # every vocabulary that is; another V may build a second variant of kernel 2 for some chunks), or our own
+        dz = self.dz[:n * V].view(n, V) if self.dz_all is None else self.dz_all[self.t0:self.t0 + n]
         _dz_from_tile_kernel.launch(
             (cdiv(n, _DZ2_BLOCK_N), cdiv(V, _DZ2_BLOCK_V)), self.z, labels, row_max.contiguous(), log_s.contiguous(),
-            entropy.float().contiguous(), coef_logp.float().contiguous(), g_ent.float().contiguous(), self.dz, resid,
+            entropy.float().contiguous(), coef_logp.float().contiguous(), g_ent.float().contiguous(), dz, resid,
             n, V, opt.temperature, opt.ignore_index, BLOCK_N=_DZ2_BLOCK_N, BLOCK_V=_DZ2_BLOCK_V, num_warps=_DZ2_WARPS,
             num_stages=1)
-        yield 0, V, self.dz[:n * V].view(n, V), (resid if self.low else None)
+        yield 0, V, dz, (resid if self.low else None)
 
 
-def _triton_chunks(B: int, T: int, V: int, ratio: str, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """The Triton row's token chunks: the float32 ``[chunk, V]`` tile, and for 16-bit inputs a ``dz`` of their
-    dtype beside it, within ``_TRITON_CHUNK_BYTES``."""
-    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
+def _triton_chunks(B: int, T: int, V: int, ratio: str, dtype: torch.dtype, held: bool) -> list[tuple[int, int]]:
+    """The Triton row's token chunks: the float32 ``[chunk, V]`` tile, and for 16-bit inputs outside the held
+    layout (:func:`_holds_dz`) a ``dz`` of their dtype beside it, within ``_TRITON_CHUNK_BYTES``."""
+    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 and not held else 0))
     return _chunks(B, T, V, ratio, budget=_TRITON_CHUNK_BYTES // per_token * 4 * V)
+
+
+def _holds_dz(B: int, T: int, H: int, V: int, ratio: str, dtype: torch.dtype, grad_weight: bool) -> bool:
+    """Whether the Triton row holds every token's ``dz`` (``[B·T, V]`` in the 16-bit inputs' dtype) and runs GEMMs
+    2 and 3 once after the chunks, ``d_weight`` written in the weight's dtype (the module docstring's held layout):
+    for 16-bit inputs whose ``d_weight`` is wanted, when that ``dz`` is no larger than the float32 ``[V, H]``
+    accumulator it replaces (``N <= 2H``), or when the tokens' tile and ``dz`` fit the chunk budget at once (one
+    chunk: the same memory as before it was held)."""
+    if dtype == torch.float32 or not grad_weight:
+        return False
+    N = B * T
+    return N * V * dtype.itemsize <= V * H * 4 or len(_triton_chunks(B, T, V, ratio, dtype, held=False)) <= 1
 
 
 def _d_weight_dtype(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> torch.dtype:
     """The dtype of the op's stored ``d_weight`` (``hidden`` [B, T, H], ``weight`` [V, H]): the weight's where it is
-    written once -- the torch row's ``"one-chunk"`` layout (:func:`_torch_layout`), and the Triton row with 16-bit
-    inputs whose tokens take one chunk (:func:`_triton_chunks`: GEMM 3 writes it in the weight's dtype, float32
-    accumulation inside, the label residuals added inside it) -- else the
-    compute dtype (float32 summed over the chunks, rounded once in the backward). The rows and the fake follow it."""
+    written once -- the torch row's ``"one-chunk"`` layout (:func:`_torch_layout`), and the Triton row's held layout
+    (:func:`_holds_dz`: GEMM 3 writes it in the weight's dtype, float32 accumulation inside, the label residuals
+    added inside it) -- else the compute dtype (float32 summed over the chunks, rounded once in the backward). The
+    rows and the fake follow it."""
     cdt = reference.compute_dtype(hidden)
     if _backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "triton":
-        B, T = hidden.shape[:2]
-        one = len(_triton_chunks(B, T, weight.shape[0], opt.ratio, hidden.dtype)) <= 1
-        return weight.dtype if one and hidden.dtype != torch.float32 else cdt
+        B, T, H = hidden.shape
+        held = _holds_dz(B, T, H, weight.shape[0], opt.ratio, hidden.dtype, opt.grad_weight)
+        return weight.dtype if held else cdt
     return weight.dtype if _torch_layout(hidden, weight, opt) == "one-chunk" else cdt
 
 
 def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     """Kernels 1 and 2 (above) per chunk of tokens, cuBLAS for GEMMs 2 and 3; the same outputs as
-    :func:`_linear_torch`. With 16-bit inputs whose tokens take one chunk, GEMM 3 writes ``d_weight`` once in the
-    weight's dtype (:func:`_d_weight_dtype`); otherwise ``d_weight`` accumulates over the chunks in a float32
-    ``[V, H]`` buffer (the chunks run over tokens, each needing its whole vocabulary row before any dz exists) --
-    beside the 16-bit gradient it is rounded to, a buffer DESIGN's numerics rule out: see the module docstring."""
+    :func:`_linear_torch`. The module docstring's two layouts (:func:`_holds_dz`): held -- every chunk's ``dz``
+    kept, GEMMs 2 and 3 once after the chunks, ``d_weight`` written once in the weight's dtype -- or chunks --
+    GEMMs 2 and 3 per chunk, a 16-bit weight's ``d_weight`` summed in a float32 ``[V, H]`` buffer beside the
+    gradient it is rounded to (a buffer DESIGN's numerics rule out: see the module docstring)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
@@ -785,29 +817,35 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     weight = unit_stride(weight)  # [V, H]
     labels = labels.contiguous()
     low = hidden.dtype != torch.float32
-    d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev) if opt.grad_input else None  # [N, H]
-    dw_dtype = _d_weight_dtype(hidden, weight, opt)
-    direct = low and dw_dtype == weight.dtype  # one chunk: d_weight written once by GEMM 3
-    chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype)
-    # direct with tokens: the one chunk's GEMM 3 sets every entry (_gemm_with_label_residuals zeroes it first)
-    alloc = torch.empty if direct and chunks else torch.zeros
-    d_weight = alloc(V, H, dtype=dw_dtype, device=dev) if opt.grad_weight else None  # [V, H]
+    held = _holds_dz(B, T, H, V, opt.ratio, hidden.dtype, opt.grad_weight)
+    chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype, held)
+    dz_all = torch.empty(N, V, dtype=hidden.dtype, device=dev) if held else None  # [N, V] every token's dz
+    resid_all = torch.zeros(N, dtype=torch.float32, device=dev) if held else None  # [N] their label residuals
+    d_hidden = None  # [N, H] float32 (held: formed after the chunks)
+    if opt.grad_input and not held:
+        d_hidden = torch.empty(N, H, dtype=torch.float32, device=dev)
+    # chunks: a float32 accumulator (the gradient itself for float32 weights); held: written after the chunks
+    d_weight = torch.zeros(V, H, dtype=torch.float32, device=dev) if opt.grad_weight and not held else None
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if opt.grad_bias else None  # [V]
-    tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt)
+    tile = _TritonTile(max((t1 - t0 for t0, t1 in chunks), default=0), h, weight, bias, opt, dz_all=dz_all)
     y_all = labels.reshape(N)  # [N]
-    run_of = {}  # 16-bit: per chunk (by its first token), its tokens' runs of equal labels, planned once
-    if low and chunks:
-        tok = ((y_all != opt.ignore_index) & (y_all >= 0) & (y_all < V)).nonzero().squeeze(1)  # [k] labelled tokens
+    labelled = (y_all != opt.ignore_index) & (y_all >= 0) & (y_all < V)  # [N]
+    safe_all = torch.where(labelled, y_all, torch.zeros_like(y_all))  # [N] a column of weight for every token
+    run_of = {}  # 16-bit chunks: per chunk (by its first token), its tokens' runs of equal labels, planned once
+    if low and chunks and not held:
+        tok = labelled.nonzero().squeeze(1)  # [k] labelled tokens
         ends = torch.tensor([t1 for _, t1 in chunks], device=dev)  # [chunks]
         runs = _fl._label_runs(torch.bucketize(tok, ends, right=True), y_all[tok], tok, len(chunks), V)
         run_of = {t0: run for (t0, _), run in zip(chunks, runs)}
 
     def chunk(t0, t1):
         h_c = h[t0:t1]  # [n, H]
-        y_c = y_all[t0:t1]
-        safe = torch.where((y_c != opt.ignore_index) & (y_c >= 0) & (y_c < V), y_c, torch.zeros_like(y_c))  # [n]
+        safe = safe_all[t0:t1]  # [n]
 
         def apply(v0, v1, dz, resid):  # dz [n, V] in the inputs' dtype; resid [n] float32 (16-bit) or None
+            if held:  # dz is already in dz_all; the GEMMs and the bias's sums run after the chunks
+                resid_all[t0:t1] = resid
+                return
             if not low:
                 if d_hidden is not None:
                     torch.mm(dz, weight, out=d_hidden[t0:t1])  # GEMM 2
@@ -820,12 +858,8 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
                     d_hidden[t0:t1] = dh
                 if d_weight is not None:
                     t_c = run_of[t0][0] - t0  # [k] the chunk's tokens with a label, by label, as rows of the chunk
-                    rows = resid[t_c, None] * h_c[t_c].float()  # [k, H] float32 what the label entries lost
-                    if direct:  # the only chunk: every token's dz and the residuals in one GEMM, rounded once
-                        _fl._gemm_with_label_residuals(d_weight, 0, V, dz, h_c, run_of[t0], rows)
-                    else:
-                        _fl._addmm_f32(d_weight, dz.T, h_c)
-                        _fl._add_run(d_weight, run_of[t0], rows)
+                    _fl._addmm_f32(d_weight, dz.T, h_c)
+                    _fl._add_run(d_weight, run_of[t0], resid[t_c, None] * h_c[t_c].float())
             if d_bias is not None:
                 d_bias.add_(dz.sum(0, dtype=torch.float32))
                 if low:
@@ -835,6 +869,19 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
 
     loss, metrics, logp, ent = _run_chunks(chunk, tile, torch.float32, B, T, V, labels, old_logp, advantages, mask,
                                            ref_logp, opt, chunks)
+    if held:
+        del tile  # the float32 tile: not needed by the GEMMs
+        tok = labelled.nonzero().squeeze(1)  # [k] labelled tokens
+        run = _fl._label_runs(torch.zeros_like(tok), y_all[tok], tok, 1, V)[0]  # every token's, by label
+        if opt.grad_input:  # GEMM 2 over every token, float32 out, the label residuals added
+            d_hidden = _fl._mm_f32(dz_all, weight)  # [N, H]
+            d_hidden += resid_all[:, None] * weight[safe_all].float()
+        d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+        # GEMM 3 over every token: d_weight written once, the residuals inside it
+        _fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, h, run, resid_all[run[0], None] * h[run[0]].float())
+        if d_bias is not None:
+            d_bias.add_(dz_all.sum(0, dtype=torch.float32))
+            _fl._add_run(d_bias, run, resid_all[run[0]])
     empty = lambda: hidden.new_empty(0)  # noqa: E731
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),

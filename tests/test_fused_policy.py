@@ -94,6 +94,17 @@ def _check_fused_against_truth(x, options, upstream, dtype, backend):
     return loss, metrics, grads, t_grads
 
 
+def _triton_chunk_tokens(monkeypatch, tokens, V, dtype, layout="held"):
+    """The Triton row's chunks of ``tokens`` tokens (a budget of that many tokens' workspaces), in ``layout``:
+    "held" (every token's dz kept, GEMMs 2 and 3 once; what fused_policy._holds_dz picks for 16-bit inputs at N <=
+    2H, as these tests' shapes are) or "chunks" (GEMMs per chunk, a float32 d_weight accumulator: forced here, it
+    is taken at N > 2H). Float32 inputs take the chunks whatever ``layout`` says."""
+    if layout == "chunks":
+        monkeypatch.setattr(fused_policy, "_holds_dz", lambda *args: False)
+    own_dz = dtype != torch.float32 and layout == "chunks"  # a 16-bit dz of the chunk's own beside the tile
+    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", tokens * V * (4 + (dtype.itemsize if own_dz else 0)))
+
+
 OPTION_CASES = [
     dict(),
     dict(temperature=0.7, kl_coef=0.05, kl_estimator="k3"),
@@ -338,8 +349,7 @@ def test_on_policy_old_logp_none(backend, agg, options, monkeypatch):
 def test_on_policy_old_logp_none_triton(dtype, case, monkeypatch):
     """The Triton row (interpreter on CPU) with old_logp=None, two chunks."""
     pytest.importorskip("triton")
-    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)
-    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    _triton_chunk_tokens(monkeypatch, 10, 200, dtype)  # 10 tokens a chunk
     agg, options = ON_POLICY_CASES[case]
     x = _inputs(4, 5, 16, 200, seed=31, adv_per_seq=options.get("ratio") == "sequence")
     _on_policy_check(x, agg, options, dtype, "triton")
@@ -662,28 +672,34 @@ def test_logits_empty_mask_and_empty_batch(backend, ratio):
 
 # ---------------------------------------------------------------- Triton row (interpreter on CPU)
 
-TRITON_CASES = [  # (dtype, agg, options): every agg mode, GSPO, dual clip, each KL estimator kind, the entropy bonus
-    (torch.float32, "token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0)),
-    (torch.float32, "seq-mean-token-mean", dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1")),
-    (torch.float32, "seq-mean-token-sum", dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28, entropy_coef=0.01)),
-    (torch.float32, "seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
-    (torch.bfloat16, "token-mean", dict(kl_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=1.3)),
-    (torch.bfloat16, "seq-mean-token-mean", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05)),
+TRITON_CASES = [  # (dtype, agg, options, layout): every agg mode, GSPO, dual clip, each KL estimator kind, the
+    # entropy bonus; 16-bit inputs in both of the Triton row's layouts (_triton_chunk_tokens)
+    (torch.float32, "token-mean", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0), "chunks"),
+    (torch.float32, "seq-mean-token-mean", dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1"), "chunks"),
+    (torch.float32, "seq-mean-token-sum", dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28, entropy_coef=0.01),
+     "chunks"),
+    (torch.float32, "seq-mean-token-sum-norm", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05), "chunks"),
+    (torch.bfloat16, "token-mean", dict(kl_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=1.3), "held"),
+    (torch.bfloat16, "token-mean", dict(kl_coef=0.1, entropy_coef=0.02, dual_clip=3.0, temperature=1.3), "chunks"),
+    (torch.bfloat16, "seq-mean-token-mean", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05), "held"),
+    (torch.bfloat16, "seq-mean-token-mean", dict(ratio="sequence", entropy_coef=0.01, kl_coef=0.05), "chunks"),
+    (torch.float16, "seq-mean-token-sum", dict(kl_coef=0.1, kl_estimator="k2", entropy_coef=0.01), "held"),
 ]
 
 
-@pytest.mark.parametrize("dtype, agg, options", TRITON_CASES,
+@pytest.mark.parametrize("dtype, agg, options, layout", TRITON_CASES,
                          ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
                          ",".join(f"{k}={v}" for k, v in o.items()))
-def test_triton_row_matches_float64_truth(dtype, agg, options, monkeypatch):
+def test_triton_row_matches_float64_truth(dtype, agg, options, layout, monkeypatch):
     """The Triton kernels (stats + stored tile, dz from the tile) under the interpreter, several chunks (whole
-    sequences for GSPO), against the float64 truth of the rounded inputs, forward and backward."""
+    sequences for GSPO), in both layouts, against the float64 truth of the rounded inputs, forward and backward."""
     pytest.importorskip("triton")
-    per_token = 200 * (4 if dtype == torch.float32 else 4 + dtype.itemsize)  # the float32 tile (and a 16-bit dz)
-    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    _triton_chunk_tokens(monkeypatch, 10, 200, dtype, layout)  # 10 tokens a chunk
     x = _inputs(4, 5, 16, 200, seed=zlib.crc32(f"{agg}{options}".encode()) % 1000,
                 adv_per_seq=options.get("ratio") == "sequence")
-    assert len(fused_policy._triton_chunks(4, 5, 200, options.get("ratio", "token"), dtype)) == 2
+    ratio = options.get("ratio", "token")
+    held = fused_policy._holds_dz(4, 5, 16, 200, ratio, dtype, True)
+    assert held == (layout == "held") and len(fused_policy._triton_chunks(4, 5, 200, ratio, dtype, held)) == 2
     options = dict(options, agg=agg)
     upstream = 1.0 if dtype == torch.bfloat16 else 1.7
     _check_fused_against_truth(x, options, upstream, dtype, "triton")
@@ -700,8 +716,7 @@ def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, mon
     and backward against the float64 truth; where the tile's rows cannot take a TMA store it is _fwd_kernel."""
     pytest.importorskip("triton")
     monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, "tma")
-    per_token = V * (4 + dtype.itemsize)
-    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 10 * per_token)  # 10 tokens a chunk
+    _triton_chunk_tokens(monkeypatch, 10, V, dtype)  # 10 tokens a chunk
     x = _inputs(4, 5, 16, V, seed=V, adv_per_seq=options.get("ratio") == "sequence")
     launches = {"tma": 0, "split": 0}
     tma_launch, split_launch = fused_policy._fl._launch_fwd_tma, fused_policy._fl._fwd_kernel.launch
@@ -715,37 +730,42 @@ def test_triton_row_hopper_kernel_1_matches_float64_truth(dtype, V, options, mon
     monkeypatch.setattr(fused_policy._fl, "_launch_fwd_tma", counted("tma", tma_launch))
     monkeypatch.setattr(fused_policy._fl._fwd_kernel, "launch", counted("split", split_launch))
     _check_fused_against_truth(x, options, 1.0, dtype, "triton")
-    chunks = len(fused_policy._triton_chunks(4, 5, V, options.get("ratio", "token"), dtype))
+    chunks = len(fused_policy._triton_chunks(4, 5, V, options.get("ratio", "token"), dtype, held=True))
     assert chunks >= 2
     want = "tma" if V % 4 == 0 else "split"
     assert launches[want] >= chunks and launches["tma" if want == "split" else "split"] == 0, launches
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("kernel_1, dtype, options", [  # the Hopper forward ("tma") takes 16-bit inputs only
-    ("split", torch.float32, dict(kl_coef=0.05, entropy_coef=0.01)),
-    ("split", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
-    ("tma", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01)),
-    ("split", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
-    ("tma", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05)),
+@pytest.mark.parametrize("kernel_1, dtype, options, layout", [  # the Hopper forward ("tma") takes 16-bit inputs only
+    ("split", torch.float32, dict(kl_coef=0.05, entropy_coef=0.01), "chunks"),
+    ("split", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01), "held"),
+    ("split", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01), "chunks"),
+    ("tma", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01), "held"),
+    ("tma", torch.bfloat16, dict(kl_coef=0.05, entropy_coef=0.01), "chunks"),
+    ("split", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05), "held"),
+    ("tma", torch.bfloat16, dict(ratio="sequence", kl_coef=0.05), "chunks"),
 ])
-def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, kernel_1, dtype, options,
+def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, kernel_1, dtype, options, layout,
                                                                        monkeypatch):
     """Kernel 1 writes each vocabulary split's partials as rows of a chunk's own width; with more than one split
     (V = 8304: 2 or 3 splits of _fwd_kernel's, 5 of the Hopper forward's, whose TMA store of the tile needs V % 4 == 0)
     and a last chunk shorter than the others,
     the host read them at the longest chunk's row stride, so the last chunk's tokens merged other rows' partials
     (log-probs off by nats; the contract's N = 8192 at V = 151936 takes seven chunks, the last shorter). Forward
-    and backward against the float64 truth."""
+    and backward against the float64 truth, in both layouts (the held one writes each chunk's dz at its rows of the
+    [N, V] buffer)."""
     pytest.importorskip("triton")
     if kernel_1 == "tma" and device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper forward runs on sm_90")
     monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, kernel_1)
     B, T, V = 3, 7, 8304
-    per_token = V * (4 + (dtype.itemsize if dtype != torch.float32 else 0))
     tokens = 2 * T if options.get("ratio") == "sequence" else 8  # a chunk: 8 tokens, or 2 whole sequences
-    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", tokens * per_token)
-    chunks = fused_policy._triton_chunks(B, T, V, options.get("ratio", "token"), dtype)
+    _triton_chunk_tokens(monkeypatch, tokens, V, dtype, layout)
+    ratio = options.get("ratio", "token")
+    held = fused_policy._holds_dz(B, T, 16, V, ratio, dtype, True)
+    assert held == (layout == "held" and dtype != torch.float32)
+    chunks = fused_policy._triton_chunks(B, T, V, ratio, dtype, held)
     sizes = [t1 - t0 for t0, t1 in chunks]
     assert len(chunks) >= 2 and sizes[-1] < max(sizes), sizes
     x = _inputs(B, T, 16, V, seed=V, adv_per_seq=options.get("ratio") == "sequence", device=device)
@@ -778,7 +798,7 @@ def test_triton_row_one_chunk_rounds_the_label_rows_once(dtype):
     of their entries (measured 99% bf16, 100% fp16); with the residuals dropped, 29% and 56%."""
     pytest.importorskip("triton")
     B, T, H, V = 2, 20, 64, 3000
-    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype)) == 1
+    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype, held=True)) == 1
     x = _inputs(B, T, H, V, seed=5)
     x["labels"] = x["labels"].abs() % 4  # [B, T]
     x["weight"] = x["weight"] * 0.05  # [V, H] flat logits: the label entries dominate their rows of dz
@@ -791,16 +811,23 @@ def test_triton_row_one_chunk_rounds_the_label_rows_once(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("upstream", [1.0, 1.7])
-def test_triton_row_one_chunk_writes_d_weight_once_in_its_dtype(dtype, upstream, monkeypatch):
-    """The Triton row (interpreter), 16-bit inputs whose tokens take one chunk: GEMM 3 writes d_weight in the
-    weight's dtype (the label residuals added inside it), so no float32 [V, H] buffer is
-    ever allocated (N > H/2 here: the torch row would not take its one-chunk layout), the gradients match the
-    float64 truth (no worse than eager) with the upstream gradient 1 and not, and the op's fake gives d_weight the
-    same dtype (torch.compile plans with it)."""
+@pytest.mark.parametrize("chunk_tokens", [None, 15], ids=["one-chunk", "three-chunks"])
+def test_triton_row_held_layout_writes_d_weight_once_in_its_dtype(dtype, upstream, chunk_tokens, monkeypatch):
+    """The Triton row (interpreter), 16-bit inputs at N <= 2H, in one chunk or three: every token's dz is held and
+    GEMM 3 runs once after the chunks, writing d_weight in the weight's dtype (the label residuals added inside
+    it), so no float32 [V, H] buffer is ever allocated (N > H/2 here: the torch row would not take its one-chunk
+    layout); the gradients match the float64 truth (no worse than eager) with the upstream gradient 1 and not, and
+    the op's fake gives d_weight the same dtype (torch.compile plans with it). At N > 2H over several chunks
+    d_weight is summed in float32 instead (the documented exception: the held dz would be larger than that
+    accumulator), and the fake says so too."""
     pytest.importorskip("triton")
     monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
-    B, T, H, V = 2, 20, 64, 3000  # H / 2 < N = 40 < H: the float32 [N, V] tile is smaller than [V, H]
-    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype)) == 1
+    B, T, H, V = 2, 20, 64, 3000  # H / 2 < N = 40 <= 2H
+    if chunk_tokens is not None:
+        _triton_chunk_tokens(monkeypatch, chunk_tokens, V, dtype)
+    assert fused_policy._holds_dz(B, T, H, V, "token", dtype, True)
+    chunks = fused_policy._triton_chunks(B, T, V, "token", dtype, held=True)
+    assert len(chunks) == (1 if chunk_tokens is None else 3)
     x = _inputs(B, T, H, V, seed=21)
     _check_fused_against_truth(x, dict(kl_coef=0.05, entropy_coef=0.01), upstream, dtype, "triton")
     h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
@@ -818,9 +845,13 @@ def test_triton_row_one_chunk_writes_d_weight_once_in_its_dtype(dtype, upstream,
     op_args = _default_op_args(x, h, w)
     torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
     assert fused_policy._linear_op(*op_args)[5].dtype == dtype
-    # two chunks: summed in float32 (the documented exception), and the fake says so too
-    monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 25 * V * (4 + dtype.itemsize))
-    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype)) == 2
+    # N = 40 > 2H = 32 in chunks of at most 25 tokens' tiles: summed in float32, and the fake says so too
+    x = _inputs(B, T, 16, V, seed=22)
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+    _triton_chunk_tokens(monkeypatch, 25, V, dtype)
+    assert not fused_policy._holds_dz(B, T, 16, V, "token", dtype, True)
+    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype, held=False)) >= 2
+    op_args = _default_op_args(x, h, w)
     torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
     assert fused_policy._linear_op(*op_args)[5].dtype == torch.float32
 
