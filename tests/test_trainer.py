@@ -51,6 +51,7 @@ def test_grpo_smoke(tmp_path, losses):
     for key in ("reward/mean", "loss/policy", "policy/clipfrac", "policy/kl", "policy/entropy", "perf/tokens_per_s"):
         assert key in rows[0], key
     _finite(rows)
+    assert all(0 < r["perf/update_s"] < r["perf/step_s"] for r in rows)  # the update is one phase of the step
     assert rows[0]["policy/entropy"] > 0.5  # random init: near-uniform over the 16-token vocabulary
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2

@@ -569,7 +569,9 @@ class Trainer:
         batch = self.rollout(step)  # rollout
         batch = self.score_tokens(self.normalize_scores(self.score(batch, step)))  # score: rewards, then tokens
         batch = self.advantages(batch)  # advantages
+        before_update = self._clock()
         metrics = self.update(batch, step)  # update
+        update_s = self._clock() - before_update
         metrics.update(self.batch_metrics(batch))  # log
         if cfg.kl_target is not None:
             self.adapt_kl(float(batch.kl_seq.mean()))  # after logging the coefficient this step used
@@ -584,7 +586,16 @@ class Trainer:
         elapsed = time.perf_counter() - start
         metrics["perf/tokens_per_s"] = tokens / elapsed
         metrics["perf/step_s"] = elapsed
+        # the update phase alone (the losses' forward and backward, the optimizer; on this process): the step time
+        # also holds generation, scoring, and any kernel compilation a new batch shape brings to those phases
+        metrics["perf/update_s"] = update_s
         return metrics
+
+    def _clock(self) -> float:
+        """Seconds (``time.perf_counter``) once the device's queued work has finished (a GPU runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ bookkeeping
 
