@@ -532,7 +532,16 @@ def _train(values: dict, device: torch.device, measure_steps: bool, before_updat
                 return got
 
             trainer.update = measured_update
-        summary = trainer.run(on_step=lambda step, m: times.append(m["perf/step_s"]) if step > 1 else None)
+        by_step = []  # every step's (step_s, update_s) as the trainer logs them
+
+        def on_step(step, m):
+            by_step.append((round(m["perf/step_s"], 3), round(m["perf/update_s"], 3)))
+            if step > 1:
+                times.append(m["perf/step_s"])
+
+        summary = trainer.run(on_step=on_step)
+    summary["step_s_by_step"] = [t for t, _ in by_step]
+    summary["update_s_by_step"] = [u for _, u in by_step]
     if measure_steps:
         summary["step_s"] = sorted(times)[len(times) // 2] if times else None
         # the update phase alone (the losses' forward and backward, the optimizer), each measured step; the step
@@ -581,8 +590,10 @@ def part_trainer(p: Part) -> dict:
         result["sharded"] = sharded_run({**one, "algo": "grpo", "losses": "fused"}, p)
     if "run" in pieces and p.time_left() > 0:
         s = _train({**run, "algo": "grpo", "losses": "fused"}, p.device, measure_steps=False)
+        # per step: whether the fused update's time falls after the first steps (Triton's compilations of new
+        # shapes) -- issue 15's step-time gap
         result["run"] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
-                                           "solved_last_fifth")}
+                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step")}
         print(f"  {s['steps']} GRPO steps in {s['wall_s']} s: reward {s['reward_first_fifth']:.3f} (first fifth) -> "
               f"{s['reward_last_fifth']:.3f} (last fifth)", flush=True)
     result["ok"] = ("run" in result or "run" not in pieces) and all("step_s" in s for s in steps)
@@ -842,6 +853,10 @@ def render_markdown(record: dict) -> str:
         if run:
             lines += ["", f"{run['steps']} GRPO steps ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "
                           f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
+            updates = run.get("update_s_by_step") or []  # absent in records before it existed
+            if updates:
+                lines.append(f"Update phase per step (s): {', '.join(f'{u:.3f}' for u in updates)}; whole steps (s): "
+                             f"{', '.join(f'{t:.3f}' for t in run.get('step_s_by_step') or [])}.")
     elif tr:
         lines += ["", f"Trainer: {tr.get('summary', '')}"]
     lines += _host_cost_lines(record)

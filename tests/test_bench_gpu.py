@@ -120,7 +120,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert all(s["step_s"] > 0 and s["update_peak_mib"] > 0 for s in steps)
     # the update phase timed apart from generation: one measured step of the two, inside its step's time
     assert all(len(s["update_s"]) == 1 and 0 < s["update_s"][0] < s["step_s"] for s in steps)
-    assert record["trainer"]["run"]["steps"] == 3
+    run = record["trainer"]["run"]
+    assert run["steps"] == 3 and len(run["update_s_by_step"]) == len(run["step_s_by_step"]) == 3
+    assert all(0 < u < t for u, t in zip(run["update_s_by_step"], run["step_s_by_step"]))
     sharded = record["trainer"]["sharded"]  # issue 16: 2 processes under torchrun, shard = fsdp, each measured
     assert sharded["ok"] and sorted(r["rank"] for r in sharded["ranks"]) == [0, 1]
     assert all(r["world"] == 2 and r["step_s"] > 0 and r["update_peak_mib"] > 0 for r in sharded["ranks"])
@@ -206,7 +208,7 @@ def test_trainer_part_runs_only_the_pieces_named(tmp_path, monkeypatch):
     trained.clear()
     monkeypatch.setattr(gpu, "_train", lambda values, device, measure_steps, before_update=None: trained.append(values)
                         or {k: 1 for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
-                                           "solved_last_fifth")})
+                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step")})
     got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
     assert got["steps"] == [] and got["run"]["steps"] == 1 and len(trained) == 1 and got["ok"]
 
