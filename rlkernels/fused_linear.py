@@ -171,7 +171,17 @@ def _grouped_item(item, n_blocks, n_cols, GROUP_N: tl.constexpr):
     return first + within % size, within // size
 
 
-@jit
+# The token count N of the GEMM kernels below (and fused_policy's kernel 2) is not specialized: Triton would compile
+# one variant for N divisible by 16, one for N == 1 and one for any other N, and an RL trainer's token count (and a
+# last chunk's) changes every step, so each new class cost a compile of a Hopper GEMM kernel (seconds) inside some
+# later step. N only bounds the rows here (masks, tile counts; the TMA descriptors hold it on the host), so its
+# divisibility buys no vector width: the loads and stores run along H and V, whose strides keep theirs. (The
+# memory-bound kernels keep their sizes specialized: their loads run along those sizes and vectorize only with
+# them; tests/test_specializations.py.)
+UNSPECIALIZED_ROWS = ("N",)
+
+
+@jit(do_not_specialize=UNSPECIALIZED_ROWS)
 def _fwd_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [N, H], [V, H], [V], [N]
     z_ptr,  # [N, V] float32: the logits / T, written with STORE_Z (rlkernels.fused_policy's kernel 1); else unused
@@ -236,7 +246,7 @@ def _logits_tile_tma(h_desc, w_desc, b_ptr, row0, col0, V, H, HAS_BIAS: tl.const
     return acc
 
 
-@jit
+@jit(do_not_specialize=UNSPECIALIZED_ROWS)
 def _fwd_kernel_tma(
     h_desc, w_desc,  # TMA descriptors: hidden [N, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
     b_ptr, labels_ptr,  # [V], [N] int64
@@ -304,7 +314,7 @@ def _fwd_kernel_tma(
             zy = tl.full((BLOCK_N,), 0.0, dtype=tl.float32)
 
 
-@jit
+@jit(do_not_specialize=UNSPECIALIZED_ROWS)
 def _dz_kernel(
     h_ptr, w_ptr, b_ptr, labels_ptr,  # [n, H], [V, H], [V], [n] (a chunk of tokens; a chunk of the vocabulary)
     m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] float32 each: row max, log Σ exp(z - max), entropy, upstream grads
@@ -330,7 +340,7 @@ def _dz_kernel(
               gent_ptr, dz_ptr, resid_ptr, V, temperature, pid_v * BLOCK_V, BLOCK_V)
 
 
-@jit
+@jit(do_not_specialize=UNSPECIALIZED_ROWS)
 def _dz_kernel_tma(
     h_desc, w_desc,  # TMA descriptors: hidden [n, H] in [BLOCK_N, BLOCK_K] boxes, weight [V, H] in [BLOCK_V, BLOCK_K]
     b_ptr, labels_ptr,  # [V], [n] (a chunk of tokens; a chunk of the vocabulary, as _dz_kernel's)

@@ -593,7 +593,7 @@ _logits_torch = _logits_with(_sm._torch_forward, _sm._torch_backward_into)
 # (torch.mm on the dz chunk, float32 output for 16-bit inputs), as in linear_logprobs' Triton backward.
 
 
-@jit
+@jit(do_not_specialize=_fl.UNSPECIALIZED_ROWS)  # the chunk's token count: see there
 def _dz_from_tile_kernel(
     z_ptr,  # [n, V] float32: the stored logits / T
     labels_ptr, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] each (float32 but the labels)

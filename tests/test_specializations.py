@@ -4,10 +4,12 @@ Triton compiles a kernel once per specialization of its arguments (each integer'
 class, each pointer's 16-byte alignment, the constexpr values), and a new variant of a Hopper GEMM kernel costs
 seconds in whatever step first needs it. The ops' own workspaces (the forward kernels' per-split partials, the
 backward's per-row statistics) start 16-byte aligned whatever the token count, so over many shapes with freshly
-allocated inputs each kernel's pointers keep one alignment class. (The integer sizes keep their divisibility
-specialization: a memory-bound kernel's masked loads vectorize only with it -- marking them unspecialized made the
-logprobs and whitening kernels' loads scalar in the sm_90 AOT build, 2026-11-27 -- so a token count turning
-divisible by 16 may still compile one more variant of a kernel.) The keys are Triton's own
+allocated inputs each kernel's pointers keep one alignment class. The GEMM kernels of the linear heads (seconds
+to compile) do not specialize their token count (fused_linear.UNSPECIALIZED_ROWS: it only bounds their rows), so
+they compile once per use whatever the shapes. (The memory-bound kernels keep their sizes' divisibility
+specialization: their masked loads vectorize only with it -- marking them unspecialized made the logprobs and
+whitening kernels' loads scalar in the sm_90 AOT build, 2026-11-27 -- so a token count turning divisible by 16
+may still compile one more variant of those, each a fraction of a second.) The keys are Triton's own
 (rlkernels.testing.specializations: its binder for an sm_90 target); the kernels run under the interpreter."""
 from __future__ import annotations
 
@@ -52,8 +54,21 @@ def _calls(B, T, H, V, w, g):
     rlkernels.group_advantages(torch.randn(B * 4, generator=g), 4)
 
 
+def _gemm_kernels() -> dict:
+    """The GEMM kernels by name: their token count is not specialized (fused_linear.UNSPECIALIZED_ROWS)."""
+    from rlkernels import fused_linear, fused_policy
+
+    kernels = (fused_linear._fwd_kernel, fused_linear._fwd_kernel_tma, fused_linear._dz_kernel,
+               fused_linear._dz_kernel_tma, fused_policy._dz_from_tile_kernel)
+    return {k.fn.__name__: k for k in kernels}
+
+
+@pytest.mark.parametrize("forward", ["split", "tma"])  # the linear heads' forward kernel (tma: sm_90's default)
 @pytest.mark.parametrize("V", [1000, 1024])  # one model's vocabulary: a multiple of 16 or not
-def test_new_shapes_need_no_new_compiled_variant(V):
+def test_new_shapes_need_no_new_compiled_variant(V, forward, monkeypatch):
+    from rlkernels import fused_linear
+
+    monkeypatch.setenv(fused_linear.FWD_KERNEL_ENV, forward)
     g = torch.Generator().manual_seed(0)
     H = 24
     w = (torch.randn(V, H, generator=g) * H**-0.5).to(torch.bfloat16).requires_grad_()  # [V, H]
@@ -63,6 +78,8 @@ def test_new_shapes_need_no_new_compiled_variant(V):
     expected = {"_fwd_kernel", "_dz_kernel", "_dz_from_tile_kernel", "_logprobs_fwd_kernel", "_logprobs_bwd_kernel",
                 "_policy_kernel", "_reduce_kernel", "_scale_rows_kernel", "_value_kernel", "_kl_kernel",
                 "_whiten_partial_kernel", "_whiten_merge_kernel", "_whiten_apply_kernel"}
+    if forward == "tma":  # the Hopper pair in place of _fwd_kernel and _dz_kernel
+        expected = expected - {"_fwd_kernel", "_dz_kernel"} | {"_fwd_kernel_tma", "_dz_kernel_tma"}
     assert expected <= set(seen), f"kernels not launched: {sorted(expected - set(seen))}"
     varying = {}
     for kernel, keys in seen.items():
@@ -71,3 +88,16 @@ def test_new_shapes_need_no_new_compiled_variant(V):
         if len(pointers) > 1:
             varying[kernel] = sorted(pointers)
     assert not varying, varying
+    # the GEMM kernels: no argument but their constexprs (tiles, flags: the call sites' own) varies across the
+    # shapes (N = 1 included), so each compiles once per use; an optional argument is a descriptor or None (the
+    # forward's logits tile: stored by fused_policy's kernel 1 only)
+    gemm = _gemm_kernels()
+    assert set(gemm) & set(seen)
+    for name in set(gemm) & set(seen):
+        specs = [spec for spec, _options in seen[name]]
+        params = gemm[name].params
+        assert len(specs[0]) == len(params)
+        for i, param in enumerate(params):
+            values = {spec[i] for spec in specs}
+            given = values - {("constexpr", None)}
+            assert param.is_constexpr or len(given) == 1, (name, param.name, sorted(values, key=str))

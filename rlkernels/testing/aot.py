@@ -213,11 +213,15 @@ def _widest_load_bytes(ptx: str) -> int:
 
 def _alignment_attrs(config: KernelConfig) -> dict:
     """``tt.divisibility=16`` on every pointer and integer argument, as Triton's launcher
-    specializes them when the tensors are 16-byte aligned and the sizes divisible by 16."""
+    specializes them when the tensors are 16-byte aligned and the sizes divisible by 16 --
+    but the arguments the kernel marks ``do_not_specialize`` (or not on alignment), which
+    real launches never specialize."""
+    unspecialized = {p.name for p in getattr(config.kernel, "params", [])
+                     if p.do_not_specialize or p.do_not_specialize_on_alignment}
     attrs = {}
     for i, (name, ty) in enumerate(config.signature.items()):
         ty = str(ty)
-        if ty.startswith("*") or ty in ("i32", "i64", "u32", "u64"):
+        if name not in unspecialized and (ty.startswith("*") or ty in ("i32", "i64", "u32", "u64")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
 
