@@ -533,9 +533,9 @@ _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.blo
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 # The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
 # float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
-# of 32768 columns, d_hidden 128 MiB, the label residuals' [k, H] float32 sums), inside the contract's N·H·4 bytes + 1 GiB. (It was
-# 1 GiB, with a float32 [vc, H] slice of d_weight beside dz: the H100 run of 2026-11-26 measured 2285 / 2452 MiB of
-# peak at V = 128256 / 151936, ~1.2 GiB beyond the gradients.)
+# of 32768 columns, d_hidden 128 MiB, the label residuals' [k, H] float32 sums), inside the contract's N·H·4 bytes
+# + 1 GiB. (It was 1 GiB, with a float32 [vc, H] slice of d_weight beside dz: the H100 run of 2026-11-26 measured 2285 /
+# 2452 MiB of peak at V = 128256 / 151936, ~1.2 GiB beyond the gradients.)
 _DZ_BUDGET_BYTES = 1 << 29
 _TORCH_BUDGET_ELEMS = 1 << 19  # elements of one [rows, vchunk] tile in the torch backend (2 MiB float32: L2-sized)
 _TORCH_VCHUNK = 2048  # widest vocabulary chunk of that tile
