@@ -70,7 +70,9 @@ TOTAL_S    ?=
 #       TRAINER_ONLY=sharded,run TOTAL_S=330; cp bench/results/*.json bench/results/*.md $OUT/",
 #       carry=[".gpu-wheels-2"], timeout_s=380)
 # The record of each call is also kept under build/gpu-records/ (a warm machine keeps build/), so the second
-# call's parts merge into the first call's record.
+# call's parts merge into the first call's record. Not yet run on a GPU (2026-11-27, stops 40-41): the float64 log p
+# and last-chunk fixes, linear_policy_loss's held layout, the label residuals inside the d_weight GEMM, the GEMM
+# kernels' unspecialized token count -- all in the tests and bench parts of the first call.
 # .gpu-ext (`make gpu-ext`, optional) holds the csrc extension prebuilt here for the GPU machines' torch; `make gpu`
 # uses it only while csrc/ is what it was built from (else the extension builds there, ~20 s).
 # CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a
