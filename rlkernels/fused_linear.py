@@ -507,8 +507,8 @@ class _PersistentTiles(_Tiles):
 # shared), HGMMA 64x128x16 and 8 UTMALDG with both, a wgmma group kept in flight through the K loop
 # (WARPGROUP.DEPBAR.LE gsb0, 0x1), the pipeline drained and refilled at each tile's end. flatten=True (issue 13's
 # "next tile's loads overlap the epilogue") compiles with triton 3.9 to one loop that does overlap them, but waits
-# for every K step's wgmma (DEPBAR.LE gsb0, 0x0) and needs 254-255 registers (8 B spilled in the unaligned
-# specialization without bias); triton 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op
+# for every K step's wgmma (DEPBAR.LE gsb0, 0x0) and needs 254-255 registers (8 B spilled without bias in the
+# unaligned specialization, and as launched since the token count is unspecialized: UNSPECIALIZED_ROWS); triton 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op
 # region control flow edge ... source has 5 operands, but target successor needs 9"). So not the default: `make
 # gpu` measures it where it builds (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts
 # the tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
