@@ -246,9 +246,7 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         tok = torch.arange(N, device=device)  # [N] every token has a label
         runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
         for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
-            t_j = runs[j][0]  # [k]
-            fl._gemm_with_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j],
-                                          g_logp[t_j, None] * hidden[t_j].float())
+            fl._gemm_with_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
 
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {

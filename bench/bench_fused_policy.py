@@ -189,7 +189,7 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
         tok = torch.arange(N, device=device)  # [N] every token has a label
         run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
         d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
-        fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, hidden, run, resid[run[0], None] * hidden[run[0]].float())
+        fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, hidden, run, resid[run[0]])
 
     providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
                  "GEMM 2 (d_hidden, one GEMM, float32 out)": gemm_2,

@@ -508,10 +508,11 @@ class _PersistentTiles(_Tiles):
 # (WARPGROUP.DEPBAR.LE gsb0, 0x1), the pipeline drained and refilled at each tile's end. flatten=True (issue 13's
 # "next tile's loads overlap the epilogue") compiles with triton 3.9 to one loop that does overlap them, but waits
 # for every K step's wgmma (DEPBAR.LE gsb0, 0x0) and needs 254-255 registers (8 B spilled without bias in the
-# unaligned specialization, and as launched since the token count is unspecialized: UNSPECIALIZED_ROWS); triton 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op
-# region control flow edge ... source has 5 operands, but target successor needs 9"). So not the default: `make
-# gpu` measures it where it builds (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts
-# the tile-by-tile schedule ~4 % faster at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
+# unaligned specialization, and as launched since the token count is unspecialized: UNSPECIALIZED_ROWS); triton
+# 3.6 does not compile it at all (TritonGPUFuseNestedLoops: "'scf.if' op region control flow edge ... source has 5
+# operands, but target successor needs 9"). So not the default: `make gpu` measures it where it builds
+# (bench_fused_linear: "rlkernels fwd tma" / "tma flat"; bench/model.py predicts the tile-by-tile schedule ~4 % faster
+# at the contract's sizes). tests/test_fused_linear.py asserts the SASS facts.
 _TMA_TILES = _PersistentTiles(block_n=128, block_v=128, block_k=64, split_tiles=16, num_warps=8, num_stages=4,
                               group_n=16, flatten=False)
 # The other way to overlap the epilogue with the tensor cores: 64x128 tiles on 4 warps (one warpgroup, still wgmma
@@ -1002,8 +1003,7 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         # scheme for small outputs over a long K -- these outputs are vc x H), rounded once to its dtype; 16-bit:
         # with the label residuals added inside the same GEMM
         if low and runs[j][1].numel():  # labels in this chunk (a size known on the host: no read)
-            tok = runs[j][0]  # [k] the tokens whose label is in this chunk, by label
-            _gemm_with_label_residuals(d_weight, v0, v1, dz, hidden, runs[j], resid[tok, None] * hidden[tok].float())
+            _gemm_with_label_residuals(d_weight, v0, v1, dz, hidden, runs[j], resid[runs[j][0]])
         else:
             torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
@@ -1112,19 +1112,20 @@ def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor) -> None:
 
 
 def _gemm_with_label_residuals(d_weight: torch.Tensor, v0: int, v1: int, dz: torch.Tensor, hidden: torch.Tensor,
-                               run: tuple, rows: torch.Tensor) -> None:
+                               run: tuple, resid: torch.Tensor) -> None:
     """``d_weight[v0:v1] = dz.T @ hidden`` plus the label residuals, rounded once. A 16-bit ``dz`` [n, v1 - v0]
-    holds each token's label entry rounded; what the rounding lost, times the token's hidden row, belongs to the row
-    of ``d_weight`` [V, H] that its label points at: ``rows`` [k, H] float32, one per token of ``run``
-    (:func:`_label_runs`: tokens by label [k], their labels in ``[v0, v1)`` [u], counts [u]). The slice is zeroed,
-    each labelled row set to its ``rows`` summed in token order, then the GEMM adds ``dz.T @ hidden`` (``hidden``
-    [n, H]) to it with beta = 1: cuBLAS (and the CPU's GEMM) take that operand into the float32 accumulation and round
-    once, so a labelled row is its float32 dot products plus its residuals, rounded once -- never twice. The sums
-    enter rounded to 16 bits, but they are rounding losses (within 2^-9 of the label entries), so that costs ~2^-18
-    of the row. Beyond the GEMM: a memset of the slice and the per-label sums; no host read."""
+    holds each token's label entry rounded; what the rounding lost, ``resid`` [k] float32 for the tokens of ``run``
+    (:func:`_label_runs`: tokens by label [k], rows of ``hidden`` [n, H]; their labels in ``[v0, v1)`` [u]; counts
+    [u]), times the token's hidden row, belongs to the row of ``d_weight`` [V, H] that its label points at. The
+    slice is zeroed, each labelled row set to those products summed in token order, then the GEMM adds ``dz.T @
+    hidden`` to it with beta = 1: cuBLAS (and the CPU's GEMM) take that operand into the float32 accumulation and
+    round once, so a labelled row is its float32 dot products plus its residuals, rounded once -- never twice. The
+    sums enter rounded to 16 bits, but they are rounding losses (within 2^-9 of the label entries), so that costs
+    ~2^-18 of the row. Beyond the GEMM: a memset of the slice and the per-label sums ([k, H] float32); no host
+    read."""
     dw = d_weight[v0:v1]  # [vc, H]
     dw.zero_()
-    _add_run(d_weight, run, rows)
+    _add_run(d_weight, run, resid[:, None] * hidden[run[0]].float())  # [k, H] summed per label
     dw.addmm_(dz.T, hidden)
 
 

@@ -831,12 +831,17 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     y_all = labels.reshape(N)  # [N]
     labelled = (y_all != opt.ignore_index) & (y_all >= 0) & (y_all < V)  # [N]
     safe_all = torch.where(labelled, y_all, torch.zeros_like(y_all))  # [N] a column of weight for every token
-    run_of = {}  # 16-bit chunks: per chunk (by its first token), its tokens' runs of equal labels, planned once
-    if low and chunks and not held:
+    # 16-bit: the labelled tokens' runs of equal labels, planned once -- held: of every token (one group, for the
+    # GEMM after the chunks); chunks: per chunk (by its first token)
+    run_all, run_of = None, {}
+    if low and chunks:
         tok = labelled.nonzero().squeeze(1)  # [k] labelled tokens
-        ends = torch.tensor([t1 for _, t1 in chunks], device=dev)  # [chunks]
-        runs = _fl._label_runs(torch.bucketize(tok, ends, right=True), y_all[tok], tok, len(chunks), V)
-        run_of = {t0: run for (t0, _), run in zip(chunks, runs)}
+        if held:
+            run_all = _fl._label_runs(torch.zeros_like(tok), y_all[tok], tok, 1, V)[0]
+        else:
+            ends = torch.tensor([t1 for _, t1 in chunks], device=dev)  # [chunks]
+            runs = _fl._label_runs(torch.bucketize(tok, ends, right=True), y_all[tok], tok, len(chunks), V)
+            run_of = {t0: run for (t0, _), run in zip(chunks, runs)}
 
     def chunk(t0, t1):
         h_c = h[t0:t1]  # [n, H]
@@ -871,17 +876,17 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
                                            ref_logp, opt, chunks)
     if held:
         del tile  # the float32 tile: not needed by the GEMMs
-        tok = labelled.nonzero().squeeze(1)  # [k] labelled tokens
-        run = _fl._label_runs(torch.zeros_like(tok), y_all[tok], tok, 1, V)[0]  # every token's, by label
         if opt.grad_input:  # GEMM 2 over every token, float32 out, the label residuals added
             d_hidden = _fl._mm_f32(dz_all, weight)  # [N, H]
             d_hidden += resid_all[:, None] * weight[safe_all].float()
-        d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
-        # GEMM 3 over every token: d_weight written once, the residuals inside it
-        _fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, h, run, resid_all[run[0], None] * h[run[0]].float())
+        alloc = torch.zeros if run_all is None else torch.empty  # no tokens: zeros; else the GEMM sets every entry
+        d_weight = alloc(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+        if run_all is not None:  # GEMM 3 over every token: d_weight written once, the residuals inside it
+            _fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, h, run_all, resid_all[run_all[0]])
         if d_bias is not None:
             d_bias.add_(dz_all.sum(0, dtype=torch.float32))
-            _fl._add_run(d_bias, run, resid_all[run[0]])
+            if run_all is not None:
+                _fl._add_run(d_bias, run_all, resid_all[run_all[0]])
     empty = lambda: hidden.new_empty(0)  # noqa: E731
     return (loss, metrics, logp.reshape(B, T), ent.reshape(B, T),
             empty() if d_hidden is None else d_hidden.reshape(B, T, H),
