@@ -829,14 +829,15 @@ def render_markdown(record: dict) -> str:
                          f"{_num(r['speedup'], '.2f')}x | {_num(r.get('vs_best_peer'), '.2f') + 'x' if _num(r.get('vs_best_peer'), '.2f') else ''} |")
     lines += _model_lines(record)
     tr = record.get("trainer")
-    if tr and tr.get("steps"):
-        lines += ["", "| trainer step | losses | activation checkpointing | step s | update s (each measured step) "
-                  "| update peak MiB |", "| --- | --- | --- | ---: | ---: | ---: |"]
-        for s in tr["steps"]:
-            updates = ", ".join(f"{t:.3f}" for t in s.get("update_s") or [])  # absent in records before it existed
-            lines.append(f"| {s['algo']} | {s['losses']} | {'yes' if s.get('gradient_checkpointing') else 'no'} | "
-                         f"{_num(s.get('step_s'), '.3f') or s.get('summary', '')} | {updates} | "
-                         f"{_num(s.get('update_peak_mib'), '.1f')} |")
+    if tr and (tr.get("steps") or tr.get("sharded") or tr.get("run")):
+        if tr.get("steps"):  # empty where the call ran only the sharded or learning pieces (--trainer-only)
+            lines += ["", "| trainer step | losses | activation checkpointing | step s | update s (each measured step) "
+                      "| update peak MiB |", "| --- | --- | --- | ---: | ---: | ---: |"]
+            for s in tr["steps"]:
+                updates = ", ".join(f"{t:.3f}" for t in s.get("update_s") or [])  # absent in older records
+                lines.append(f"| {s['algo']} | {s['losses']} | {'yes' if s.get('gradient_checkpointing') else 'no'} | "
+                             f"{_num(s.get('step_s'), '.3f') or s.get('summary', '')} | {updates} | "
+                             f"{_num(s.get('update_peak_mib'), '.1f')} |")
         sharded = tr.get("sharded")
         if sharded and sharded.get("ranks"):
             lines += ["", f"Sharded GRPO (`shard = fsdp`, {sharded['processes']} processes sharing the device through "

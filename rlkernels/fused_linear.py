@@ -76,6 +76,7 @@ with autograd -> public function.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -999,13 +1000,13 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         dz_into(dz, resid, 0, N, v0, v1)
         w_j = weight[v0:v1]  # [vc, H]
         # d_weight's slice straight from the GEMM: float32 accumulation inside it (cuBLAS's compute type for 16-bit
-        # GEMMs; torch's allow_*_reduced_precision_reduction flags allow 16-bit partial sums only in split-K, a
-        # scheme for small outputs over a long K -- these outputs are vc x H), rounded once to its dtype; 16-bit:
-        # with the label residuals added inside the same GEMM
+        # GEMMs, its split-K partial sums too: _float32_reductions), rounded once to its dtype; 16-bit: with the
+        # label residuals added inside the same GEMM
         if low and runs[j][1].numel():  # labels in this chunk (a size known on the host: no read)
             _gemm_with_label_residuals(d_weight, v0, v1, dz, hidden, runs[j], resid[runs[j][0]])
         else:
-            torch.mm(dz.T, hidden, out=d_weight[v0:v1])
+            with _float32_reductions(dz.device):
+                torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
             _addmm_f32(dh, dz, w_j)
         else:
@@ -1111,6 +1112,31 @@ def _add_run(acc: torch.Tensor, run: tuple, rows: torch.Tensor) -> None:
         acc[uniq] += torch.segment_reduce(rows, "sum", lengths=counts, axis=0, unsafe=True)
 
 
+_REDUCTION_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+@contextlib.contextmanager
+def _float32_reductions(device: torch.device):
+    """cuBLAS's 16-bit-output GEMMs inside keep every partial sum in float32. torch lets cuBLAS (by default) reduce
+    split-K partials in the output's 16-bit type -- a scheme its heuristics pick where the output has few tiles for
+    the SMs (a ``[V, H]`` gradient at a small H, say) -- and then also add ``beta · C`` in 16 bits: the H200 run of
+    2026-11-27 measured a ``d_weight`` of 8304 x 16 with the label residuals inside its GEMM at 1.7x eager's
+    error, where one rounding is eager's. The flags are restored on exit (torch's split-K setting too, where it
+    has one); a no-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    saved = [(name, getattr(m, name), getattr(m, name + "_split_k", None)) for name in _REDUCTION_FLAGS]
+    try:
+        for name, _, _ in saved:
+            setattr(m, name, False)
+        yield
+    finally:
+        for name, allow, split_k in saved:
+            setattr(m, name, allow if split_k is None else (allow, split_k))  # torch >= 2.10: (allow, split-K)
+
+
 def _gemm_with_label_residuals(d_weight: torch.Tensor, v0: int, v1: int, dz: torch.Tensor, hidden: torch.Tensor,
                                run: tuple, resid: torch.Tensor) -> None:
     """``d_weight[v0:v1] = dz.T @ hidden`` plus the label residuals, rounded once. A 16-bit ``dz`` [n, v1 - v0]
@@ -1122,11 +1148,12 @@ def _gemm_with_label_residuals(d_weight: torch.Tensor, v0: int, v1: int, dz: tor
     round once, so a labelled row is its float32 dot products plus its residuals, rounded once -- never twice. The
     sums enter rounded to 16 bits, but they are rounding losses (within 2^-9 of the label entries), so that costs
     ~2^-18 of the row. Beyond the GEMM: a memset of the slice and the per-label sums ([k, H] float32); no host
-    read."""
+    read. cuBLAS's 16-bit split-K reductions are off for it (:func:`_float32_reductions`): one rounding."""
     dw = d_weight[v0:v1]  # [vc, H]
     dw.zero_()
     _add_run(d_weight, run, resid[:, None] * hidden[run[0]].float())  # [k, H] summed per label
-    dw.addmm_(dz.T, hidden)
+    with _float32_reductions(dw.device):
+        dw.addmm_(dz.T, hidden)
 
 
 # torch builds with cuBLAS's "16-bit inputs, float32 output" matmul (aten::mm.dtype, torch >= 2.8)

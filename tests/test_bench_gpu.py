@@ -136,6 +136,22 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert "== trainer: ok" in done.stdout
 
 
+def test_a_call_with_only_the_sharded_and_learning_pieces_renders_them():
+    """``--trainer-only sharded,run`` leaves no step rows: the sharded ranks and the learning run still show
+    (the 2026-11-27 H200 record rendered an empty "Trainer:" line instead)."""
+    record = _fake_record("2026-11-27", "NVIDIA H200")
+    record["trainer"]["steps"] = []
+    record["trainer"]["sharded"] = {"processes": 2, "ok": True, "ranks": [
+        {"rank": r, "world": 2, "step_s": 16.083, "update_peak_mib": 5544.6, "resident_mib": 761.7,
+         "max_allocated_mib": 6306.3} for r in (0, 1)]}
+    record["trainer"]["run"].update(step_s_by_step=[3.985, 0.671], update_s_by_step=[1.667, 0.153])
+    text = gpu.render_markdown(record)
+    assert "| trainer step |" not in text and "Trainer: " not in text
+    assert "| 1 | 16.083 | 5544.6 | 761.7 | 6306.3 |" in text
+    assert "mean reward 0.125 in the first fifth, 0.375 in the last" in text
+    assert "Update phase per step (s): 1.667, 0.153; whole steps (s): 3.985, 0.671." in text
+
+
 def test_rows_state_the_ratio_to_the_fastest_peer():
     """vs_best_peer = the fastest peer's median / the row's median; peers are the providers harness.peer made."""
     from bench import harness

@@ -1467,3 +1467,38 @@ def test_backward_reads_the_device_a_fixed_number_of_times(order, monkeypatch):
         chunks[parts], counts[parts] = len(launches), sorted(reads)
     assert 2 <= chunks[2] < chunks[5], chunks  # more chunks, ...
     assert counts[5] == counts[2], counts  # ... the same host reads
+
+
+def test_float32_reductions_turn_off_16_bit_split_k_sums_and_restore_the_flags():
+    """The 16-bit-output gradient GEMMs run with cuBLAS's reduced-precision (16-bit) split-K reductions off: on the
+    H200 (2026-11-27) an 8304 x 16 d_weight with the label residuals inside its GEMM came out at 1.7x eager's
+    error with them on (its CUDA test, test_fused_policy.py's last-chunk test, held layout). Inside: both flags
+    off; after, even after an exception: the user's settings as they were; off CUDA: untouched."""
+    matmul = torch.backends.cuda.matmul
+    names = fl_module._REDUCTION_FLAGS
+    before = {n: getattr(matmul, n) for n in names}
+    try:
+        for n in names:
+            setattr(matmul, n, True)
+        with fl_module._float32_reductions(torch.device("cpu")):
+            assert all(getattr(matmul, n) for n in names)
+        with fl_module._float32_reductions(torch.device("cuda")):
+            assert not any(getattr(matmul, n) for n in names)
+        assert all(getattr(matmul, n) for n in names)
+        setattr(matmul, names[1], False)  # a user's own choice survives
+        with pytest.raises(RuntimeError, match="inside"):
+            with fl_module._float32_reductions(torch.device("cuda")):
+                raise RuntimeError("inside")
+        assert getattr(matmul, names[0]) and not getattr(matmul, names[1])
+        if hasattr(torch._C, "_get_cublas_allow_bf16_reduced_precision_reduction"):
+            try:
+                matmul.allow_bf16_reduced_precision_reduction = (True, False)  # torch >= 2.10: split-K off
+            except (TypeError, ValueError, RuntimeError):
+                return  # this torch takes a bool only
+            with fl_module._float32_reductions(torch.device("cuda")):
+                pass
+            assert matmul.allow_bf16_reduced_precision_reduction
+            assert not matmul.allow_bf16_reduced_precision_reduction_split_k
+    finally:
+        for n, v in before.items():
+            setattr(matmul, n, v)
