@@ -70,9 +70,12 @@ TOTAL_S    ?=
 #       TRAINER_ONLY=sharded,run TOTAL_S=330; cp bench/results/*.json bench/results/*.md $OUT/",
 #       carry=[".gpu-wheels-2"], timeout_s=380)
 # The record of each call is also kept under build/gpu-records/ (a warm machine keeps build/), so the second
-# call's parts merge into the first call's record. Not yet run on a GPU (2026-11-27, stops 40-41): the float64 log p
-# and last-chunk fixes, linear_policy_loss's held layout, the label residuals inside the d_weight GEMM, the GEMM
-# kernels' unspecialized token count -- all in the tests and bench parts of the first call.
+# call's parts merge into the first call's record. The third H200 lease of 2026-11-27 ran both calls above (347 s,
+# 177 s; a third call of 7 s re-ran the failing tests). Not yet run on a GPU (stop 42): the 16-bit gradient GEMMs
+# with cuBLAS's 16-bit split-K reductions off (the held layout's failing d_weight test), the torch row's logits
+# divided by the temperature after the GEMM, and the tests part's k3 probe (bench/k3_accuracy.py) -- all in the
+# first call; the trainer-step rows were not re-run there (TRAINER_ONLY=rows in a second call, with the profile if
+# the lease has time: PART=trainer,profile TRAINER_ONLY=rows PROFILE_ONLY=linear_logprobs).
 # .gpu-ext (`make gpu-ext`, optional) holds the csrc extension prebuilt here for the GPU machines' torch; `make gpu`
 # uses it only while csrc/ is what it was built from (else the extension builds there, ~20 s).
 # CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a

@@ -317,7 +317,22 @@ def part_tests(p: Part) -> dict:
     if returncode not in (0, 5):  # 5: no test selected (no cuda parametrization, or no GPU)
         run["tail"] = output[-3000:]
     ok = ext["available"] and returncode in (0, 5) and not interrupted
-    return {"tests": {"extension": ext, "filter": p.args.pytest_k, "run": run, "files": results, "ok": ok}}
+    probe = k3_accuracy(p)
+    return {"tests": {"extension": ext, "filter": p.args.pytest_k, "run": run, "files": results, "ok": ok,
+                      "k3_accuracy": probe}}
+
+
+K3_ACCURACY_S = 60.0  # at most this much of the tests part for bench.k3_accuracy
+
+
+def k3_accuracy(p: Part) -> dict:
+    """``python -m bench.k3_accuracy --device cuda``: the error decomposition of the float32 k3 case that failed on
+    the H200s (log-probs against gradients, per provider), its output kept as printed."""
+    cmd = [sys.executable, "-m", "bench.k3_accuracy", "--device", p.device.type]
+    output, returncode, interrupted = run_interruptible(cmd, max(min(p.time_left(), K3_ACCURACY_S), 5.0))
+    print(output[-2500:], flush=True)
+    return {"command": "python -m bench.k3_accuracy " + " ".join(cmd[3:]), "returncode": returncode,
+            "interrupted": interrupted, "output": output[-4000:], "ok": returncode == 0 and not interrupted}
 
 
 def junit_counts(junit: Path, files: list[str]) -> list[dict]:
@@ -811,6 +826,11 @@ def render_markdown(record: dict) -> str:
         if failures:
             lines += ["", f"Failed ({len(failures)}):", ""] + [f"- `{f}`" for f in failures[:40]]
             lines += [f"- ... and {len(failures) - 40} more"] if len(failures) > 40 else []
+        probe = t.get("k3_accuracy")  # absent in records before it existed
+        if probe:
+            state = "" if probe.get("ok") else f" (returncode {probe.get('returncode')}, interrupted {probe.get('interrupted')})"
+            lines += ["", f"The float32 k3 case's errors by provider (`{probe.get('command')}`){state}:", "", "```",
+                      probe.get("output", "").strip(), "```"]
     m = record.get("memcheck")
     if m:
         lines += ["", f"Memcheck ({m.get('tool')}): {m.get('cases', 0)} kernel cases, {len(m.get('failed_cases', []))} failed, "

@@ -456,8 +456,7 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
     dev = hidden.device
     cdt = reference.compute_dtype(hidden)  # float32 (float64 for float64 inputs)
     h = hidden.reshape(N, H)  # [N, H]
-    inv_t = 1.0 / opt.temperature
-    b = None if bias is None else bias.to(cdt) * inv_t  # [V]
+    b = None if bias is None else bias.to(cdt)  # [V]
     in_grad = _torch_layout(hidden, weight, opt) == "one-chunk"
     # the gradients stay in float32 until the backward has scaled them by the upstream gradient (one rounding to
     # a 16-bit dtype, not two), but for a one-chunk d_weight (in_grad: written once, in the weight's dtype);
@@ -492,7 +491,7 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
 
         def block(v0, v1, out):  # GEMM 1 into out [n, v1 - v0]
             for c0, c1, w_c in rows(v0, v1):
-                _fl._logits_into(out[:, c0 - v0:c1 - v0], h_c, w_c, None if b is None else b[c0:c1], inv_t)
+                _fl._logits_into(out[:, c0 - v0:c1 - v0], h_c, w_c, None if b is None else b[c0:c1], opt.temperature)
 
         def apply(v0, v1, dz, _resid):  # dz [n, vb] = dL/dz of the raw logits (the 1/T is inside)
             for c0, c1, w_c in rows(v0, v1):

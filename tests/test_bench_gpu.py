@@ -106,6 +106,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     run = record["tests"]["run"]
     assert tests["file"] == "tests/test_reference.py" and run["returncode"] == 5 and run["deselected"] > 0
     assert (tests["passed"], tests["failed"]) == (0, 0) and not run["interrupted"]
+    probe = record["tests"]["k3_accuracy"]  # the float32 k3 case's errors by provider, on the device
+    assert probe["ok"] and "--device cpu" in probe["command"] and "the failing case   torch" in probe["output"]
+    assert "The float32 k3 case's errors by provider" in gpu.render_markdown(record)
     assert record["memcheck"]["ok"] and record["memcheck"]["cases"] >= 3 and not record["memcheck"]["failed_cases"]
     rows = record["bench"]["rows"]
     ops = {r["op"] for r in rows}
