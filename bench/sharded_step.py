@@ -10,8 +10,8 @@ the parameters, gradients and optimizer state), its whole-run peak, and its medi
 
 On a machine with fewer GPUs than processes (the one-GPU machines ``make gpu`` gets) the processes share the
 GPUs, ``LOCAL_RANK`` modulo the device count: NCCL refuses two processes on one GPU, gloo's collectives stage CUDA
-tensors through host memory (whether torch 2.11's gloo takes FSDP2's CUDA all-gather and reduce-scatter has not
-been tried on a GPU yet; bench/gpu.py records a failure with its output). Each process still has its own CUDA
+tensors through host memory (torch 2.11's gloo took FSDP2's CUDA all-gather and reduce-scatter on the H200 of
+2026-11-27; bench/gpu.py records a failure with its output). Each process still has its own CUDA
 context and caching allocator, so its memory figures are its own -- what the rank of a real P-GPU job would
 hold -- while the step time (host-staged collectives, two processes taking turns on one GPU) says nothing about
 a real multi-GPU node.

@@ -327,8 +327,9 @@ class Trainer:
             top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
         )
         try:
-            if cfg.shard == "fsdp":  # inside the sharded root's forward, every process stepping until all are done
-                out = self.policy_lp(call=self.policy.generate, synced_gpus=True, **sampling)
+            if cfg.shard == "fsdp":  # inside the sharded root's forward, every process stepping until all are done;
+                with sharding.gathered(self.policy_lp):  # each group gathered once for the rollout, not once a token
+                    out = self.policy_lp(call=self.policy.generate, synced_gpus=True, **sampling)
             else:
                 out = self.policy.generate(**sampling)
         except RuntimeError as error:  # torch.multinomial refuses NaN/inf probabilities (on the CPU; a GPU asserts)
