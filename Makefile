@@ -56,7 +56,7 @@ PROFILE_ONLY ?=
 TRAINER_ONLY ?=
 TOTAL_S    ?=
 # ONLY=softmax,fused_linear narrows the bench part to those modules (to split it over two calls);
-# PROFILE_ONLY / TRAINER_ONLY (rows, sharded, run) narrow those parts.
+# PROFILE_ONLY / TRAINER_ONLY (rows, sharded, run, control) narrow those parts.
 # TOTAL_S=520 makes the parts of one call share 520 s by weight (bench/gpu.py PART_WEIGHTS), each still at most
 # 7 min: for a device lease shorter than the parts' budgets, e.g. 15 minutes in all, machine start included
 # (on 2026-11-26 an H100 ran env, tests, bench in 432 s of such a call, and memcheck plus tests again in 226 s;
@@ -74,8 +74,9 @@ TOTAL_S    ?=
 # 177 s; a third call of 7 s re-ran the failing tests). Not yet run on a GPU (stop 42): the 16-bit gradient GEMMs
 # with cuBLAS's 16-bit split-K reductions off (the held layout's failing d_weight test), the torch row's logits
 # divided by the temperature after the GEMM, and the tests part's k3 probe (bench/k3_accuracy.py) -- all in the
-# first call; the trainer-step rows were not re-run there (TRAINER_ONLY=rows in a second call, with the profile if
-# the lease has time: PART=trainer,profile TRAINER_ONLY=rows PROFILE_ONLY=linear_logprobs).
+# first call; the trainer-step rows were not re-run there, and the learning run has no control on a GPU yet: the
+# second call PART=trainer TRAINER_ONLY=rows,control (the control: the 60-step run with lr 1e-30, ~45 s), and the
+# profile if the lease has time (PART=profile PROFILE_ONLY=linear_logprobs).
 # .gpu-ext (`make gpu-ext`, optional) holds the csrc extension prebuilt here for the GPU machines' torch; `make gpu`
 # uses it only while csrc/ is what it was built from (else the extension builds there, ~20 s).
 # CUDA_HOME: the toolkit at /usr/local/cuda unless set; torch's own guess from the nvcc on the PATH can be a

@@ -550,13 +550,14 @@ def _train(values: dict, device: torch.device, measure_steps: bool, before_updat
         by_step = []  # every step's (step_s, update_s) as the trainer logs them
 
         def on_step(step, m):
-            by_step.append((round(m["perf/step_s"], 3), round(m["perf/update_s"], 3)))
+            by_step.append((round(m["perf/step_s"], 3), round(m["perf/update_s"], 3), round(m["reward/mean"], 4)))
             if step > 1:
                 times.append(m["perf/step_s"])
 
         summary = trainer.run(on_step=on_step)
-    summary["step_s_by_step"] = [t for t, _ in by_step]
-    summary["update_s_by_step"] = [u for _, u in by_step]
+    summary["step_s_by_step"] = [t for t, _, _ in by_step]
+    summary["update_s_by_step"] = [u for _, u, _ in by_step]
+    summary["reward_by_step"] = [r for _, _, r in by_step]
     if measure_steps:
         summary["step_s"] = sorted(times)[len(times) // 2] if times else None
         # the update phase alone (the losses' forward and backward, the optimizer), each measured step; the step
@@ -603,20 +604,26 @@ def part_trainer(p: Part) -> dict:
     result = {"step_config": one, "steps": steps, "run_config": run}
     if "sharded" in pieces and p.time_left() > 0:  # issue 16: one sharded GRPO run, memory per rank
         result["sharded"] = sharded_run({**one, "algo": "grpo", "losses": "fused"}, p)
-    if "run" in pieces and p.time_left() > 0:
-        s = _train({**run, "algo": "grpo", "losses": "fused"}, p.device, measure_steps=False)
+    # the learning run, then its control: the same run (prompts, sampling seeds) with the weights held by a
+    # learning rate of 1e-30, so that the fifths' rewards say what training changed, not what the prompts did
+    for piece, over in (("run", {}), ("control", {"lr": 1e-30})):
+        if piece not in pieces or p.time_left() <= 0:
+            continue
+        s = _train({**run, "algo": "grpo", "losses": "fused", **over}, p.device, measure_steps=False)
         # per step: whether the fused update's time falls after the first steps (Triton's compilations of new
         # shapes) -- issue 15's step-time gap
-        result["run"] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
-                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step")}
-        print(f"  {s['steps']} GRPO steps in {s['wall_s']} s: reward {s['reward_first_fifth']:.3f} (first fifth) -> "
-              f"{s['reward_last_fifth']:.3f} (last fifth)", flush=True)
-    result["ok"] = ("run" in result or "run" not in pieces) and all("step_s" in s for s in steps)
+        result[piece] = {k: s[k] for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
+                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step",
+                                           "reward_by_step")}
+        result[piece]["lr"] = over.get("lr")
+        print(f"  {s['steps']} GRPO steps{' (control: lr 1e-30)' if over else ''} in {s['wall_s']} s: reward "
+              f"{s['reward_first_fifth']:.3f} (first fifth) -> {s['reward_last_fifth']:.3f} (last fifth)", flush=True)
+    result["ok"] = all(x in result for x in ("run", "control") if x in pieces) and all("step_s" in s for s in steps)
     return {"trainer": result}
 
 
-# the trainer part's pieces (--trainer-only): the per-step rows, the sharded run, the learning run
-TRAINER_PIECES = ("rows", "sharded", "run")
+# the trainer part's pieces (--trainer-only): the per-step rows, the sharded run, the learning run and its control
+TRAINER_PIECES = ("rows", "sharded", "run", "control")
 SHARDED_PROCESSES = 2
 
 
@@ -849,7 +856,7 @@ def render_markdown(record: dict) -> str:
                          f"{_num(r['speedup'], '.2f')}x | {_num(r.get('vs_best_peer'), '.2f') + 'x' if _num(r.get('vs_best_peer'), '.2f') else ''} |")
     lines += _model_lines(record)
     tr = record.get("trainer")
-    if tr and (tr.get("steps") or tr.get("sharded") or tr.get("run")):
+    if tr and (tr.get("steps") or tr.get("sharded") or tr.get("run") or tr.get("control")):
         if tr.get("steps"):  # empty where the call ran only the sharded or learning pieces (--trainer-only)
             lines += ["", "| trainer step | losses | activation checkpointing | step s | update s (each measured step) "
                       "| update peak MiB |", "| --- | --- | --- | ---: | ---: | ---: |"]
@@ -870,10 +877,18 @@ def render_markdown(record: dict) -> str:
                              f"{_num(r.get('resident_mib'), '.1f')} | {_num(r.get('max_allocated_mib'), '.1f')} |")
         elif sharded:
             lines += ["", f"Sharded GRPO: failed (returncode {sharded.get('returncode')})."]
-        run = tr.get("run")
-        if run:
-            lines += ["", f"{run['steps']} GRPO steps ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "
+        for piece in ("run", "control"):
+            run = tr.get(piece)
+            if not run:
+                continue
+            what = "GRPO steps" if piece == "run" else "GRPO steps of the control (lr 1e-30: the weights held)"
+            lines += ["", f"{run['steps']} {what} ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "
                           f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
+            rewards = run.get("reward_by_step") or []  # absent in records before it existed
+            if rewards:
+                fifth = max(1, len(rewards) // 5)
+                fifths = [sum(rewards[i:i + fifth]) / len(rewards[i:i + fifth]) for i in range(0, len(rewards), fifth)]
+                lines.append(f"Mean reward by fifth: {', '.join(f'{r:.3f}' for r in fifths)}.")
             updates = run.get("update_s_by_step") or []  # absent in records before it existed
             if updates:
                 lines.append(f"Update phase per step (s): {', '.join(f'{u:.3f}' for u in updates)}; whole steps (s): "

@@ -125,6 +125,9 @@ def test_every_part_runs_with_dry_run_on_the_cpu(tmp_path):
     assert all(len(s["update_s"]) == 1 and 0 < s["update_s"][0] < s["step_s"] for s in steps)
     run = record["trainer"]["run"]
     assert run["steps"] == 3 and len(run["update_s_by_step"]) == len(run["step_s_by_step"]) == 3
+    control = record["trainer"]["control"]  # the same run with the weights held (lr 1e-30)
+    assert control["steps"] == 3 and control["lr"] == 1e-30 and len(control["reward_by_step"]) == 3
+    assert "GRPO steps of the control (lr 1e-30: the weights held)" in gpu.render_markdown(record)
     assert all(0 < u < t for u, t in zip(run["update_s_by_step"], run["step_s_by_step"]))
     sharded = record["trainer"]["sharded"]  # issue 16: 2 processes under torchrun, shard = fsdp, each measured
     assert sharded["ok"] and sorted(r["rank"] for r in sharded["ranks"]) == [0, 1]
@@ -227,9 +230,16 @@ def test_trainer_part_runs_only_the_pieces_named(tmp_path, monkeypatch):
     trained.clear()
     monkeypatch.setattr(gpu, "_train", lambda values, device, measure_steps, before_update=None: trained.append(values)
                         or {k: 1 for k in ("steps", "wall_s", "reward_first_fifth", "reward_last_fifth",
-                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step")})
+                                           "solved_last_fifth", "step_s_by_step", "update_s_by_step",
+                                           "reward_by_step")})
     got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
     assert got["steps"] == [] and got["run"]["steps"] == 1 and len(trained) == 1 and got["ok"]
+    assert "control" not in got and "lr" not in trained[0]
+    args.trainer_only = "run,control"  # the learning run and its control: the same run with the weights held
+    trained.clear()
+    got = gpu.part_trainer(gpu.Part(args, torch.device("cpu")))["trainer"]
+    assert len(trained) == 2 and trained[1] == {**trained[0], "lr": 1e-30} and got["ok"]
+    assert got["run"]["lr"] is None and got["control"]["lr"] == 1e-30
 
 
 def test_pytest_workers_default_and_override():
