@@ -835,7 +835,8 @@ def render_markdown(record: dict) -> str:
             lines += [f"- ... and {len(failures) - 40} more"] if len(failures) > 40 else []
         probe = t.get("k3_accuracy")  # absent in records before it existed
         if probe:
-            state = "" if probe.get("ok") else f" (returncode {probe.get('returncode')}, interrupted {probe.get('interrupted')})"
+            state = ("" if probe.get("ok") else
+                     f" (returncode {probe.get('returncode')}, interrupted {probe.get('interrupted')})")
             lines += ["", f"The float32 k3 case's errors by provider (`{probe.get('command')}`){state}:", "", "```",
                       probe.get("output", "").strip(), "```"]
     m = record.get("memcheck")
@@ -882,8 +883,9 @@ def render_markdown(record: dict) -> str:
             if not run:
                 continue
             what = "GRPO steps" if piece == "run" else "GRPO steps of the control (lr 1e-30: the weights held)"
-            lines += ["", f"{run['steps']} {what} ({run['wall_s']} s): mean reward {_num(run['reward_first_fifth'], '.3f')} "
-                          f"in the first fifth, {_num(run['reward_last_fifth'], '.3f')} in the last."]
+            lines += ["", f"{run['steps']} {what} ({run['wall_s']} s): mean reward "
+                          f"{_num(run['reward_first_fifth'], '.3f')} in the first fifth, "
+                          f"{_num(run['reward_last_fifth'], '.3f')} in the last."]
             rewards = run.get("reward_by_step") or []  # absent in records before it existed
             if rewards:
                 fifth = max(1, len(rewards) // 5)

@@ -118,15 +118,15 @@ def fsdp_wrap(inner: nn.Module, *, frozen: bool = False, offload: bool = False) 
 
     extra = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     blocks = transformer_blocks(inner)
-    for group in blocks + _other_dtype_modules(inner, blocks):
+    groups = blocks + _other_dtype_modules(inner, blocks)  # found before sharding changes the parameters' sizes
+    for group in groups:
         fully_shard(group, **extra)
     root = ShardedRoot(inner)
     # the root's default keeps its parameters gathered after forward, for the backward that follows. torch 2.13
     # honours an explicit True on the root (a version that keeps the root gathered regardless costs memory, not results)
     fully_shard(root, **({"reshard_after_forward": True} if frozen else {}), **extra)
     # each group's reshard-after-forward as wrapped here (FSDP2's defaults: True but for the root), for gathered()
-    root.reshard_after_forward = [(group, True) for group in blocks + _other_dtype_modules(inner, blocks)]
-    root.reshard_after_forward.append((root, frozen))
+    root.reshard_after_forward = [(group, True) for group in groups] + [(root, frozen)]
     return root
 
 
