@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from bench import harness
 from bench.harness import Case, Unavailable
 from rlkernels import _extension
 from rlkernels import advantages as A
@@ -101,7 +102,9 @@ def eager_whiten(x, mask, eps=1e-8):
 
 def whiten_cases(device: torch.device) -> list[Case]:
     """masked_whiten of float32 advantages: read x (4 bytes) and the mask (1), write float32 (4): 9 bytes per
-    element; at least two passes over x are needed (statistics, then the output), the bound counts one."""
+    element; the statistics come before any output, so x is read twice, but the bound counts one read from DRAM (the
+    fused CUDA kernel's second read is the block's own share, from L1/L2). On CUDA the csrc row is the default
+    (RLKERNELS_WHITEN unset: the fused cooperative kernel) and "csrc passes" the three passes it replaces."""
     B, T = (64, 512) if device.type == "cpu" else (1024, 4096)
 
     def make_inputs():
@@ -114,6 +117,9 @@ def whiten_cases(device: torch.device) -> list[Case]:
         providers["triton"] = lambda x, m: A._whiten_triton(x, m, True, 1e-8)
     if _extension.load() is not None and (device.type == "cpu" or _extension.has_cuda_kernels()):
         providers["csrc"] = lambda x, m: A._whiten_csrc(x, m, True, 1e-8)
+        if device.type == "cuda":
+            providers["csrc passes"] = harness.with_env(A.WHITEN_ENV, "passes",
+                                                        lambda x, m: A._whiten_csrc(x, m, True, 1e-8))
     return [Case("masked_whiten", f"B={B} T={T} float32", 9 * B * T, 6 * B * T, "memory", make_inputs, providers)]
 
 

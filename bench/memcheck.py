@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 
 import rlkernels
+from bench.harness import env_set
 from rlkernels import _extension
+from rlkernels import advantages as A
 
 V, H = 1000, 24  # odd vocabulary (not a multiple of any block) and hidden size
 B, T = 3, 37  # [B, T] token layout; N = B * T rows
@@ -124,6 +126,10 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
     def masked_whiten():
         return _finite(rlkernels.masked_whiten(rand(B, T), mask))  # [B, T]
 
+    def masked_whiten_passes():  # the CUDA kernels' other path (the default is one cooperative kernel)
+        with env_set(A.WHITEN_ENV, "passes"):
+            return masked_whiten()
+
     return {
         "logprobs bf16 fwd+bwd": logprobs,
         "logprobs out-of-range labels -> NaN": logprobs_out_of_range,
@@ -137,10 +143,11 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
         "gae": gae,
         "group_advantages": group_advantages,
         "masked_whiten": masked_whiten,
+        "masked_whiten passes": masked_whiten_passes,
     }
 
 
-CSRC_CASES = ("gae", "group_advantages", "masked_whiten")  # the ops with a csrc kernel
+CSRC_CASES = ("gae", "group_advantages", "masked_whiten", "masked_whiten passes")  # the ops with a csrc kernel
 
 
 def backends(device: torch.device) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import rlkernels
+from bench import harness
 from rlkernels import advantages as A
 
 
@@ -120,13 +121,18 @@ def _group(backend: str):
     return make
 
 
-def _whiten(device: torch.device, tiny: bool) -> Callable[[], object]:
-    """masked_whiten's CUDA kernels (partial moments, merge, apply) at B=1024 T=4096 float32: the H100 measured
-    31.2 us, 2.5x the one-read-one-write bound; their durations say which of the three takes it."""
-    B, T = (4, 64) if tiny else (1024, 4096)
-    x = torch.randn(B, T, device=device)  # [B, T]
-    m = torch.rand(B, T, device=device) > 0.1  # [B, T]
-    return lambda: A._whiten_csrc(x, m, True, 1e-8)
+def _whiten(path: str):
+    """masked_whiten's CUDA kernels at B=1024 T=4096 float32, one path (RLKERNELS_WHITEN): "fused", the one
+    cooperative kernel, or "passes" (partial moments, merge, apply: an H200 measured 10.3 + 4.2 + 9.9 us under ncu,
+    NVIDIA_H200-2026-11-27-lease2.json)."""
+
+    def make(device: torch.device, tiny: bool) -> Callable[[], object]:
+        B, T = (4, 64) if tiny else (1024, 4096)
+        x = torch.randn(B, T, device=device)  # [B, T]
+        m = torch.rand(B, T, device=device) > 0.1  # [B, T]
+        return harness.with_env(A.WHITEN_ENV, path, lambda: A._whiten_csrc(x, m, True, 1e-8))
+
+    return make
 
 
 def _policy(device: torch.device, tiny: bool) -> Callable[[], object]:
@@ -148,7 +154,7 @@ CASES = {
     "logits_policy_loss": _logits_policy(False), "logits two-op": _logits_policy(True),  # N=8192 V=151936 bf16
     "gae csrc": _gae("csrc"), "gae triton": _gae("triton"),  # B=1024 T=4096 bf16
     "group csrc": _group("csrc"),  # 2^20 scores, groups of 16
-    "whiten csrc": _whiten,  # B=1024 T=4096 float32
+    "whiten csrc": _whiten("fused"), "whiten csrc passes": _whiten("passes"),  # B=1024 T=4096 float32
     "policy_loss": _policy,  # PPO fwd+bwd, B=256 T=4096 float32
     "group triton": _group("triton"),  # late: under ncu it outlasted the part's share on the H100
     # last: their GEMM-sized kernels are replayed per section under ncu (see LINEAR_PROFILE_SIZE)

@@ -203,7 +203,8 @@ at::Tensor masked_whiten_impl(const at::Tensor& x, const at::Tensor& mask, bool 
   return out;
 }
 
-at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, double eps) {
+// `fused` picks between the CUDA kernels' two paths (advantages_cuda.cu); the CPU has one
+at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, double eps, bool /*fused*/) {
   TORCH_CHECK(x.is_contiguous() && mask.is_contiguous() && x.sizes() == mask.sizes(),
               "rlkernels_csrc::masked_whiten: x and mask must be contiguous and of one shape");
   TORCH_CHECK(mask.scalar_type() == at::kBool, "rlkernels_csrc::masked_whiten: mask must be bool");
@@ -218,7 +219,7 @@ at::Tensor masked_whiten_cpu(const at::Tensor& x, const at::Tensor& mask, bool s
 TORCH_LIBRARY(rlkernels_csrc, m) {
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)");
   m.def("group_advantages(Tensor scores, Tensor perm, Tensor starts, int group_size, int mode, float eps) -> Tensor");
-  m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, float eps) -> Tensor");
+  m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, float eps, bool fused) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_csrc, CPU, m) {

@@ -16,9 +16,13 @@
 // shuffles within each W-lane segment (one coalesced read, one write); otherwise one warp per group, three passes
 // over the (L1-resident) group.
 // masked_whiten: per-block (count, pivot, mean - pivot, M2) from chunks of 8 consecutive values a thread (16-byte
-// loads where aligned) by Chan merges, one block merges them (and rescues an overflow, see whiten_merge_kernel),
-// then every block of a third kernel normalizes its share, kUnroll loads per thread in flight.
+// loads where aligned) by Chan merges; by default in one cooperative kernel that, after a grid barrier, merges them
+// in every block and normalizes the block's own chunks (whiten_fused_kernel); else (misaligned memory, no cooperative
+// launch, RLKERNELS_WHITEN=passes) one block merges them (and rescues an overflow, see kRescueDown) and every block
+// of a third kernel normalizes its share, kUnroll loads per thread in flight.
 #include <atomic>
+
+#include <cooperative_groups.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -92,7 +96,9 @@ __device__ __forceinline__ float approx_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-#include "whiten_kernels.h"  // Moments, the three whiten kernels, whiten_parts
+// A barrier of the whole grid of a cooperative launch (fences included): cooperative_groups' own, inlined (no -rdc)
+__device__ __forceinline__ void grid_sync() { cooperative_groups::this_grid().sync(); }
+#include "whiten_kernels.h"  // Moments, the fused whiten kernel, the three passes, whiten_parts
 
 template <typename T>
 int gae_launch(const void* rewards, const void* values, const uint8_t* mask, float* adv, float* ret, int64_t B,
@@ -104,10 +110,31 @@ int gae_launch(const void* rewards, const void* values, const uint8_t* mask, flo
   return static_cast<int>(cudaGetLastError());
 }
 
+bool cooperative_launch_supported();
+
 template <typename T>
 int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
-                  bool shift_mean, cudaStream_t stream) {
+                  bool shift_mean, bool fused, cudaStream_t stream) {
   if (N == 0) return 0;
+  // The cooperative launch is refused (nothing runs) where the grid would not be resident at once: whiten_parts
+  // keeps it within one wave of every whitening kernel, so that is not expected; any refusal falls to the passes.
+  auto launch_cooperative = [stream](auto kernel, int blocks, auto... args) {
+    cudaLaunchAttribute cooperative{};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.blockDim = dim3(kWhitenThreads);
+    config.stream = stream;
+    config.attrs = &cooperative;
+    config.numAttrs = 1;
+    if (cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return true;
+    cudaGetLastError();  // the refusal must not surface as a later launch's error
+    return false;
+  };
+  if (fused && cooperative_launch_supported() &&
+      whiten_fused(static_cast<const T*>(x), mask, out, part, num_parts, N, eps, shift_mean, launch_cooperative))
+    return static_cast<int>(cudaGetLastError());
   whiten_passes(static_cast<const T*>(x), mask, out, part, num_parts, N, eps, shift_mean,
                 [stream](auto kernel, int blocks, auto... args) {
                   kernel<<<static_cast<unsigned>(blocks), kWhitenThreads, 0, stream>>>(args...);
@@ -149,30 +176,59 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
 
 namespace {
 
-// Blocks of whiten_partial_kernel<T, *> one wave of the current device holds (SMs x resident blocks per SM, the
-// fewer of its two variants), from the occupancy calculator, once per device and dtype; kMaxWhitenParts if the
-// runtime cannot say.
+constexpr int kMaxDevices = 64;
+
+// Blocks of the whitening kernels one wave of the current device holds (SMs x resident blocks per SM of the one that
+// fits fewest: the statistics pass's two variants and the fused kernel, whose grid must be resident at once), from
+// the occupancy calculator, once per device and dtype; kMaxWhitenParts if the runtime cannot say (a cooperative
+// launch of more blocks than fit is refused, and the passes run).
 template <typename T>
 int whiten_resident_blocks() {
-  constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return kMaxWhitenParts;
   int blocks = cached[device].load(std::memory_order_relaxed);
   if (blocks > 0) return blocks;
-  int sms = 0, per_sm = 0, per_sm_scalar = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, whiten_partial_kernel<T, true>, kWhitenThreads, 0) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_scalar, whiten_partial_kernel<T, false>, kWhitenThreads,
-                                                    0) != cudaSuccess ||
-      sms < 1 || per_sm < 1 || per_sm_scalar < 1) {
+  int sms = 0, fewest = 0;
+  bool known = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms >= 1;
+  auto per_sm = [&](auto kernel) {
+    int n = 0;
+    known = known && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWhitenThreads, 0) == cudaSuccess &&
+            n >= 1;
+    fewest = fewest == 0 || n < fewest ? n : fewest;
+  };
+  per_sm(whiten_partial_kernel<T, true>);
+  per_sm(whiten_partial_kernel<T, false>);
+  per_sm(whiten_fused_kernel<T>);
+  if (!known) {
     cudaGetLastError();  // clear the failed query's error: it must not surface as a later launch's
     return kMaxWhitenParts;
   }
-  blocks = sms * (per_sm < per_sm_scalar ? per_sm : per_sm_scalar);
+  blocks = sms * fewest;
   cached[device].store(blocks, std::memory_order_relaxed);
   return blocks;
+}
+
+// Whether the current device runs cooperative launches (every Volta and later GPU does, outside some MPS and
+// virtualised setups), once per device.
+bool cooperative_launch_supported() {
+  static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int known = cached[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, cudaDevAttrCooperativeLaunch, device) != cudaSuccess) {
+      cudaGetLastError();
+      value = 0;
+    }
+    known = value != 0 ? 2 : 1;
+    cached[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
 }
 
 }  // namespace
@@ -189,14 +245,14 @@ int whiten_partials(int dtype, int64_t N) {
 }
 
 int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,
-                  float eps, bool shift_mean, cudaStream_t stream) {
+                  float eps, bool shift_mean, bool fused, cudaStream_t stream) {
   switch (dtype) {
     case kFloat32:
-      return whiten_launch<float>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+      return whiten_launch<float>(x, mask, out, part, num_parts, N, eps, shift_mean, fused, stream);
     case kFloat16:
-      return whiten_launch<__half>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+      return whiten_launch<__half>(x, mask, out, part, num_parts, N, eps, shift_mean, fused, stream);
     case kBFloat16:
-      return whiten_launch<__nv_bfloat16>(x, mask, out, part, num_parts, N, eps, shift_mean, stream);
+      return whiten_launch<__nv_bfloat16>(x, mask, out, part, num_parts, N, eps, shift_mean, fused, stream);
     default:
       return -1;
   }

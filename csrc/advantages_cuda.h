@@ -23,7 +23,9 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
 // the merged statistics and the scale they are of)
 int whiten_partials(int dtype, int64_t N);
 
+// fused: one cooperative kernel where it can run (aligned memory, a device with cooperative launches), else (and
+// with fused false) the three passes; `part` serves both
 int masked_whiten(int dtype, const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N,
-                  float eps, bool shift_mean, cudaStream_t stream);
+                  float eps, bool shift_mean, bool fused, cudaStream_t stream);
 
 }  // namespace rlkernels_cuda

@@ -70,7 +70,7 @@ at::Tensor group_advantages_cuda(const at::Tensor& scores, const at::Tensor& per
   return out;
 }
 
-at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, double eps) {
+at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool shift_mean, double eps, bool fused) {
   TORCH_CHECK(x.sizes() == mask.sizes() && mask.scalar_type() == at::kBool,
               "rlkernels_csrc::masked_whiten: mask must be bool of the shape of x");
   c10::cuda::CUDAGuard guard(x.device());
@@ -82,7 +82,7 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
   check(rlkernels_cuda::masked_whiten(dtype_code(xc), xc.data_ptr(), reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()),
                                       out.data_ptr<float>(), part.data_ptr<float>(), parts, N, static_cast<float>(eps),
-                                      shift_mean, c10::cuda::getCurrentCUDAStream()),
+                                      shift_mean, fused, c10::cuda::getCurrentCUDAStream()),
         "masked_whiten");
   return out;
 }

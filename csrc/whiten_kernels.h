@@ -1,12 +1,19 @@
-// masked_whiten's CUDA kernels: per-block partial moments (whiten_partial_kernel), one block merging them
-// (whiten_merge_kernel, with its overflow rescue), and the normalisation (whiten_apply_kernel); launched by
+// masked_whiten's CUDA kernels. The default path is ONE cooperative kernel (whiten_fused_kernel): every block
+// forms the partial moments of its share, a grid barrier, every block merges all the partials itself (the same
+// order everywhere, so the same bits), then normalizes its own share, which it read a moment ago (from L1/L2): x and
+// the mask are read from DRAM once and the output written once, in one launch. It needs the whole chunks 16-byte
+// aligned in x and in the output and a device that runs cooperative launches; otherwise, and with
+// RLKERNELS_WHITEN=passes, the three passes: per-block partial moments (whiten_partial_kernel), one block merging
+// them (whiten_merge_kernel, with its overflow rescue), and the normalisation (whiten_apply_kernel). Launched by
 // advantages_cuda.cu's whiten_launch with whiten_parts(N) blocks. A header of its own, included by
 // advantages_cuda.cu inside its namespace, so that the tests can also compile the kernels with the host compiler
 // under a warp emulator (tests/cuda_emulated/) and check them on the CPU against the float64 truth. It includes
-// nothing: the includer provides int64_t, uint8_t, uintptr_t, kItems / load8 / load8_mask (vector_loads.h),
-// to_float(T), isfinite, rsqrtf, fmaxf, fmaf, approx_rcp, __shfl_xor_sync,
-// __syncthreads, __shared__, blockIdx / threadIdx / blockDim / gridDim and the CUDA keywords (nvcc's own, or the
-// emulator's), and kMaxWhitenParts (advantages_cuda.h).
+// nothing: the includer provides int64_t, uint8_t, uintptr_t, float4 / make_float4, kItems / load8 / load8_mask
+// (vector_loads.h), to_float(T), isfinite, rsqrtf, fmaxf, fmaf, approx_rcp, __ldcg, __shfl_xor_sync, grid_sync() (a
+// barrier of every thread of a cooperative launch's grid, its memory fences included), __syncthreads, __shared__,
+// blockIdx / threadIdx / blockDim / gridDim and the CUDA keywords (nvcc's own, or the emulator's), and
+// kMaxWhitenParts (advantages_cuda.h). __shared__ state never lives across a grid_sync() (the emulator runs one
+// block at a time between them).
 #pragma once
 
 constexpr int kWhitenThreads = 256;
@@ -170,13 +177,8 @@ inline int whiten_head(const uint8_t* mask) {
   return static_cast<int>((8 - reinterpret_cast<uintptr_t>(mask) % 8) % 8);
 }
 
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kWhitenThreads)
-    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part,
-                          int64_t N, int head) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const Moments mo =
-      block_moments<kVec>(x, mask, head, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, stride, N, 1.f);
+// Thread 0 writes the block's moments to its slot of `part` ([num_parts, 4]: count, pivot, mean - pivot, M2).
+__device__ __forceinline__ void publish(float* part, const Moments& mo) {
   if (threadIdx.x == 0) {
     part[4 * blockIdx.x + 0] = mo.n;
     part[4 * blockIdx.x + 1] = mo.k;
@@ -185,23 +187,124 @@ __global__ void __launch_bounds__(kWhitenThreads)
   }
 }
 
+// The partial moments merged by one block's threads (thread j takes parts j, j + blockDim, ..., then block_merge):
+// one fixed order, so every block that runs it gets the same bits. Read through L2 (__ldcg), never a stale L1 line:
+// the fused kernel writes `part` again during its rescue, after every block has read it once.
+__device__ Moments merge_parts(const float* part, int num_parts) {
+  Moments mo{0.f, 0.f, 0.f, 0.f};
+  for (int j = threadIdx.x; j < num_parts; j += blockDim.x)
+    mo = merge(mo, Moments{__ldcg(part + 4 * j), __ldcg(part + 4 * j + 1), __ldcg(part + 4 * j + 2),
+                           __ldcg(part + 4 * j + 3)});
+  return block_merge(mo);
+}
+
+// Rescue: float32 squares overflow past deviations of ~1.8e19 (and merges of means ~1e15 apart over ~1e9
+// entries), leaving the mean or M2 inf/NaN; then x is read once more to form the moments of x·2^-100 (exact
+// scaling; the deviations that overflowed stay far above float32's smallest normal there). Finite data never takes
+// it; masked-in NaN/inf do, and give NaN as before.
 constexpr float kRescueDown = 0x1p-100f, kRescueUp = 0x1p100f;
 
-// One block: the partials merged into stats[5] = (count, k, mean - k, M2, scale), the moments of x·scale.
-// Rescue: float32 squares overflow past deviations of ~1.8e19 (and merges of means ~1e15 apart over ~1e9
-// entries), leaving the mean or M2 inf/NaN; then this block reads x once more and forms the moments of
-// x·2^-100 (exact scaling; the deviations that overflowed stay far above float32's smallest normal there).
-// Finite data never takes it; masked-in NaN/inf do, and give NaN as before.
+__device__ __forceinline__ bool overflowed(const Moments& mo) { return !isfinite(mo.k + mo.mu) || !isfinite(mo.m2); }
+
+// The output of value v from the merged moments of x·scale: ((v·scale - k) - mu)·rstd, plus the mean where it is
+// kept (shift_mean false). Both paths normalise through these two.
+struct Normalisation {
+  float scale, k, mu, rstd, mean;
+  bool shift_mean;
+};
+
+__device__ __forceinline__ Normalisation normalisation(const Moments& mo, float scale, float eps, bool shift_mean) {
+  const float var = mo.n > 1.f ? mo.m2 / (mo.n - 1.f) : 0.f;
+  const float rstd = rsqrtf(var + eps * scale * scale);  // the rescue's eps·2^-200 is 0: negligible beside var
+  const float mean = (mo.k + mo.mu) * (scale == 1.f ? 1.f : kRescueUp);  // rounded only where added back
+  return {scale, mo.k, mo.mu, rstd, mean, shift_mean};
+}
+
+__device__ __forceinline__ float normalise(const Normalisation& z, float v) {
+  const float y = ((v * z.scale - z.k) - z.mu) * z.rstd;
+  return z.shift_mean ? y : y + z.mean;
+}
+
+// ---------------------------------------------------------------- the fused path: one cooperative kernel
+
+// out = normalise(x) over the chunks block_moments gave this thread (whole chunks first, first + stride, ...; the
+// partial chunks before the first and after the last whole one element by element): the values it has just read,
+// from L1 or L2. A whole chunk: one (16-bit) or two (float32) 16-byte loads and two 16-byte stores; x + head and
+// out + head are 16-byte aligned (whiten_fusable), so the stores of a warp's 32 consecutive chunks are 1 KiB of
+// whole sectors.
+template <typename T>
+__device__ void apply_chunks(const T* __restrict__ x, float* __restrict__ out, int64_t head, int64_t first,
+                             int64_t stride, int64_t N, const Normalisation& z) {
+  const int64_t whole = N > head ? (N - head) / kItems : 0;
+  int64_t c = first;
+#pragma unroll 1  // unrolled, nvcc computes the trip count by a 64-bit division call; each chunk is 4 loads in flight
+  for (; c < whole; c += stride) {
+    const int64_t t0 = head + c * kItems;
+    float v[kItems];
+    load8<true>(x, t0, N, v);
+    float4* o = reinterpret_cast<float4*>(out + t0);
+    o[0] = make_float4(normalise(z, v[0]), normalise(z, v[1]), normalise(z, v[2]), normalise(z, v[3]));
+    o[1] = make_float4(normalise(z, v[4]), normalise(z, v[5]), normalise(z, v[6]), normalise(z, v[7]));
+  }
+  if (c == whole) {  // the one thread whose chunks reach the count of whole chunks: the last partial one
+#pragma unroll 1
+    for (int64_t i = head + whole * kItems; i < N; ++i) out[i] = normalise(z, to_float(x[i]));
+  }
+  if (first == 0) {  // the head before the first whole chunk
+#pragma unroll 1
+    for (int64_t i = 0; i < head && i < N; ++i) out[i] = normalise(z, to_float(x[i]));
+  }
+}
+
+// The whole op in one launch of num_parts blocks, all resident at once (a cooperative launch): the partial moments
+// of the block's chunks into `part`, a grid barrier, every block merging all of them (merge_parts: the same result
+// in every block, so every block takes the rescue or none; the rescue is the grid's, its first pass again at
+// 2^-100 between two more barriers), then the block's own chunks normalised. DRAM sees x and the mask read once and
+// the output written once (the second read of x hits L1/L2: a block's share of 16 MiB over 792 blocks is 21 KiB);
+// the three passes read x twice and pay two more launches and a one-block merge between them (an H200, B=1024
+// T=4096 float32, under ncu: 10.3 + 4.2 + 9.9 us).
+template <typename T>
+__global__ void __launch_bounds__(kWhitenThreads)
+    whiten_fused_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ out,
+                        float* part, int64_t N, int head, float eps, bool shift_mean) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int num_parts = static_cast<int>(gridDim.x);
+  publish(part, block_moments<true>(x, mask, head, first, stride, N, 1.f));
+  grid_sync();
+  Moments mo = merge_parts(part, num_parts);
+  float scale = 1.f;
+  if (overflowed(mo)) {
+    grid_sync();  // every block has read the partials before any block overwrites its own
+    publish(part, block_moments<true>(x, mask, head, first, stride, N, kRescueDown));
+    grid_sync();
+    mo = merge_parts(part, num_parts);
+    scale = kRescueDown;
+  }
+  apply_chunks(x, out, head, first, stride, N, normalisation(mo, scale, eps, shift_mean));
+}
+
+// ---------------------------------------------------------------- the three passes
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kWhitenThreads)
+    whiten_partial_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ part,
+                          int64_t N, int head) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  publish(part,
+          block_moments<kVec>(x, mask, head, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, stride, N,
+                              1.f));
+}
+
+// One block: the partials merged into stats[5] = (count, k, mean - k, M2, scale), the moments of x·scale; the
+// rescue (see kRescueDown) by this block alone.
 template <typename T>
 __global__ void __launch_bounds__(kWhitenThreads)
     whiten_merge_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, const float* __restrict__ part,
                         float* __restrict__ stats, int num_parts, int64_t N, int head) {
-  Moments mo{0.f, 0.f, 0.f, 0.f};
-  for (int j = threadIdx.x; j < num_parts; j += blockDim.x)
-    mo = merge(mo, Moments{part[4 * j], part[4 * j + 1], part[4 * j + 2], part[4 * j + 3]});
-  mo = block_merge(mo);
+  Moments mo = merge_parts(part, num_parts);
   float scale = 1.f;
-  if (!isfinite(mo.k + mo.mu) || !isfinite(mo.m2)) {  // the same on every thread: block_merge's result is shared
+  if (overflowed(mo)) {  // the same on every thread: block_merge's result is shared
     mo = block_moments<false>(x, mask, head, threadIdx.x, blockDim.x, N, kRescueDown);
     scale = kRescueDown;
   }
@@ -224,10 +327,7 @@ template <typename T>
 __global__ void __launch_bounds__(kWhitenThreads)
     whiten_apply_kernel(const T* __restrict__ x, float* __restrict__ out, const float* __restrict__ stats, int64_t N,
                         float eps, bool shift_mean) {
-  const float n = stats[0], k = stats[1], mu = stats[2], m2 = stats[3], scale = stats[4];
-  const float var = n > 1.f ? m2 / (n - 1.f) : 0.f;
-  const float rstd = rsqrtf(var + eps * scale * scale);  // the rescue's eps·2^-200 is 0: negligible beside var
-  const float mean = (k + mu) * (scale == 1.f ? 1.f : kRescueUp);  // rounded only where added back
+  const Normalisation z = normalisation(Moments{stats[0], stats[1], stats[2], stats[3]}, stats[4], eps, shift_mean);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + (kUnroll - 1) * stride < N; i += kUnroll * stride) {  // kUnroll loads in flight (see kUnroll)
@@ -235,15 +335,30 @@ __global__ void __launch_bounds__(kWhitenThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = to_float(x[i + u * stride]);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float y = ((v[u] * scale - k) - mu) * rstd;
-      out[i + u * stride] = shift_mean ? y : y + mean;
-    }
+    for (int u = 0; u < kUnroll; ++u) out[i + u * stride] = normalise(z, v[u]);
   }
-  for (; i < N; i += stride) {
-    const float y = ((to_float(x[i]) * scale - k) - mu) * rstd;
-    out[i] = shift_mean ? y : y + mean;
-  }
+  for (; i < N; i += stride) out[i] = normalise(z, to_float(x[i]));
+}
+
+// ---------------------------------------------------------------- host side
+
+// Whether the fused kernel takes these pointers: its whole chunks start 16-byte aligned in x (its loads) and in out
+// (its stores). Contiguous tensors from the caching allocator at offset 0 always do.
+template <typename T>
+inline bool whiten_fusable(const T* x, const uint8_t* mask, const float* out) {
+  const int head = whiten_head(mask);
+  return reinterpret_cast<uintptr_t>(x + head) % 16 == 0 && reinterpret_cast<uintptr_t>(out + head) % 16 == 0;
+}
+
+// The fused kernel, num_parts blocks, on `launch_cooperative(kernel, blocks, args...)` (a launch of kWhitenThreads
+// threads per block with every block resident at once; returns whether it launched). False, with nothing run, where
+// the pointers do not suit it (whiten_fusable) or the launch was refused: then the passes do the work.
+template <typename T, typename LaunchCooperative>
+bool whiten_fused(const T* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
+                  bool shift_mean, LaunchCooperative launch_cooperative) {
+  if (!whiten_fusable(x, mask, out)) return false;
+  return launch_cooperative(whiten_fused_kernel<T>, num_parts, x, mask, out, part, N, whiten_head(mask), eps,
+                            shift_mean);
 }
 
 // The three passes in order on `launch(kernel, blocks, args...)` (a kernel launch of kWhitenThreads threads per block

@@ -28,6 +28,17 @@ def forced_backend() -> str | None:
     return value
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The kernel variant the environment variable ``name`` picks (one of ``choices``, case and blanks ignored), or
+    ``""`` when it is unset or empty (the op's default). Anything else is refused by name. Read at every call, like
+    ``RLKERNELS_BACKEND``: the switches between an op's kernels (``RLKERNELS_LINEAR_FWD``,
+    ``RLKERNELS_LOGITS_POLICY``, ``RLKERNELS_WHITEN``) that the benchmarks time side by side."""
+    value = os.environ.get(name, "").strip().lower()
+    if value and value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def has_triton() -> bool:
     from rlkernels._triton import HAS_TRITON
 

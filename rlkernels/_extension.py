@@ -29,6 +29,9 @@ import warnings
 import torch
 
 NAMESPACE = "rlkernels_csrc"
+# nvcc's optimisation flags for the CUDA kernels (setup.py's ahead-of-time build passes the same); the AOT budget
+# tests (tests/test_aot_budgets.py) read the SASS of this build
+CUDA_FLAGS = ("-O3", "--use_fast_math")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # csrc/ beside the package in a source checkout; rlkernels/csrc/ inside an installed wheel
 CSRC_DIR = next(
@@ -152,7 +155,7 @@ def _build() -> None:
         sources=sources,
         extra_cflags=["-O3", *openmp_flags()] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
         extra_ldflags=openmp_flags(),
-        extra_cuda_cflags=["-O3", "--use_fast_math"] if with_cuda else None,
+        extra_cuda_cflags=list(CUDA_FLAGS) if with_cuda else None,
         build_directory=directory,
         is_python_module=False,
         verbose=os.environ.get("RLKERNELS_VERBOSE_BUILD") == "1",

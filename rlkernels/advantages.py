@@ -930,9 +930,21 @@ def _group_csrc(scores, group_size, index, mode, eps):
     return _csrc_ops().group_advantages(s, perm, starts, 0, GROUP_MODES.index(mode), float(eps))
 
 
+# masked_whiten's CUDA kernels (csrc/whiten_kernels.h; RLKERNELS_WHITEN picks, the CPU kernel has one path):
+# - "fused" (the default): one cooperative kernel -- partial moments per block, a grid barrier, every block merging
+#   them and normalising its own share -- where the memory is aligned (contiguous tensors at offset 0) and the device
+#   runs cooperative launches, else the passes. Reads x and the mask from DRAM once and writes once: predicted (not
+#   yet measured) ~13-16 us at B=1024 T=4096 float32 on an H200, against the passes' 26.6 (2.97x the 8.96 us bound);
+# - "passes": statistics, a one-block merge, normalisation: three launches, x read twice (the default until then;
+#   bench/results/NVIDIA_H200-2026-11-27.md).
+WHITEN_ENV = "RLKERNELS_WHITEN"
+WHITEN_PATHS = ("fused", "passes")
+
+
 def _whiten_csrc(x, mask, shift_mean, eps):
+    fused = (backends.env_choice(WHITEN_ENV, WHITEN_PATHS) or "fused") == "fused"
     (xf,) = _kernel_inputs(x)
-    out = _csrc_ops().masked_whiten(xf.contiguous(), mask.bool().contiguous(), bool(shift_mean), float(eps))
+    out = _csrc_ops().masked_whiten(xf.contiguous(), mask.bool().contiguous(), bool(shift_mean), float(eps), fused)
     return out.view(x.shape)
 
 
@@ -1123,6 +1135,11 @@ def masked_whiten(
     1e-7 of the standard deviation. With ``shift_mean=False`` and a mean far smaller
     than the spread (|μ| ≈ 1e-3·σ) that is ~1e-4 of ``μ`` itself, so the re-added
     mean is the output's least exact part there.
+
+    On CUDA the default is the csrc extension's one cooperative kernel (statistics, a
+    grid barrier, normalisation: x read from memory once, one launch) where the
+    memory is aligned (contiguous tensors), else its three passes;
+    ``RLKERNELS_WHITEN=passes`` forces those.
 
     With ``process_group``, ``μ`` and the variance are those of the masked entries of
     every rank of the group together: each rank gets its own part of

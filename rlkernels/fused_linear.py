@@ -708,13 +708,9 @@ def _fwd_kernel_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
     ``$RLKERNELS_LINEAR_FWD`` if set, "tma" only where it can run (sm_90 on CUDA; the interpreter on CPU tensors,
     which is how the tests check it) and "cublas" only for 16-bit inputs, else "split". Unset: "tma" on CUDA
     tensors where it can run, else "split"."""
-    import os
-
-    name = os.environ.get(FWD_KERNEL_ENV, "").strip().lower()
+    name = _backend.env_choice(FWD_KERNEL_ENV, FWD_KERNELS)
     if not name:
         return "tma" if hidden.device.type == "cuda" and _tma_ok(hidden, weight) else "split"
-    if name not in FWD_KERNELS:
-        raise ValueError(f"{FWD_KERNEL_ENV} must be one of {FWD_KERNELS}, got {name!r}")
     if name == "tma" and not _tma_ok(hidden, weight):
         return "split"
     if name == "cublas" and hidden.dtype == torch.float32:

@@ -105,7 +105,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 from dataclasses import dataclass
 
 import torch
@@ -1067,10 +1066,7 @@ LOGITS_ROWS = ("pair", "one-kernel")
 
 def _logits_row() -> str:
     """``$RLKERNELS_LOGITS_POLICY`` or "pair"; anything else is refused by name."""
-    name = os.environ.get(LOGITS_ROW_ENV, "").strip().lower() or "pair"
-    if name not in LOGITS_ROWS:
-        raise ValueError(f"{LOGITS_ROW_ENV} must be one of {LOGITS_ROWS}, got {name!r}")
-    return name
+    return _backend.env_choice(LOGITS_ROW_ENV, LOGITS_ROWS) or "pair"
 
 
 def _logits_triton(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):

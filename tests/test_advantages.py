@@ -369,6 +369,49 @@ def test_masked_whiten_shifted_data_over_many_tiles(device, backend, case, csrc_
         assert err <= REL_TOL[torch.float32], f"{backend} {case} shift_mean={shift_mean}: rel. error {err:.2e}"
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("path", adv_mod.WHITEN_PATHS)
+def test_csrc_whiten_paths_match_float64_truth(device, path, monkeypatch, csrc_ops):
+    """RLKERNELS_WHITEN picks masked_whiten's CUDA kernels: the fused cooperative kernel (contiguous memory; a grid
+    barrier between every block's statistics and its normalisation) or the three passes; either matches the float64
+    truth on float32 and bfloat16 x over many blocks (128000 elements: 63 blocks on a GPU), with masked-out NaN, on a
+    view whose memory the fused kernel cannot take (one element in: the passes serve it), with deviations whose float32
+    squares overflow (the rescue, over the grid or in one block), and with a masked-in NaN (NaN throughout). The CPU
+    kernel has one path and takes both settings."""
+    monkeypatch.setenv(adv_mod.WHITEN_ENV, path)
+    gen = torch.Generator().manual_seed(31)
+    B, T = 64, 2000
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(B, T, generator=gen) * 3 - 40).to(dtype)  # [B, T]
+        mask = torch.rand(B, T, generator=gen) < 0.75  # [B, T]
+        x[~mask] = float("nan")
+        flat_x, flat_mask = torch.cat([x.new_zeros(1), x.flatten()]), torch.cat([mask.new_ones(1), mask.flatten()])
+        cases = {"contiguous": (x, mask), "one element in": (flat_x[1:], flat_mask[1:])}
+        for name, (xs, ms) in cases.items():
+            for shift_mean in (True, False):
+                truth = reference.masked_whiten(xs.double(), ms, shift_mean=shift_mean)
+                out = run_on(device, "csrc", rlkernels.masked_whiten, xs, ms, shift_mean=shift_mean)
+                err = rel_error(out[ms], truth[ms])
+                assert err <= REL_TOL[torch.float32], (path, dtype, name, shift_mean, err)
+    huge = torch.randn(B, T, generator=gen) * 3e37  # [B, T]
+    mask = torch.rand(B, T, generator=gen) < 0.75  # [B, T]
+    truth = reference.masked_whiten(huge.double(), mask)
+    out = run_on(device, "csrc", rlkernels.masked_whiten, huge, mask)
+    assert torch.isfinite(out).all() and rel_error(out, truth) <= REL_TOL[torch.float32], path
+    huge[5, 7], mask[5, 7] = float("nan"), True
+    assert torch.isnan(run_on(device, "csrc", rlkernels.masked_whiten, huge, mask)).all(), path
+
+
+def test_whiten_path_switch_refuses_what_it_does_not_know(monkeypatch, csrc_ops):
+    monkeypatch.setenv(adv_mod.WHITEN_ENV, "one-pass")
+    with pytest.raises(ValueError, match="RLKERNELS_WHITEN"):
+        with forced_backend("csrc"):
+            rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(3, 4))
+    monkeypatch.setenv(adv_mod.WHITEN_ENV, " Passes ")  # case and blanks ignored, as for RLKERNELS_BACKEND
+    with forced_backend("csrc"):
+        rlkernels.masked_whiten(torch.randn(3, 4), torch.ones(3, 4))
+
+
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 def test_masked_whiten_degenerate(device, backend, csrc_ops):
     x = torch.randn(4, 5)
@@ -1053,33 +1096,37 @@ def test_csrc_group_kernel_plan_refuses_what_it_cannot_take(emulated_group_kerne
 
 @pytest.fixture(scope="module")
 def emulated_whiten_kernels(tmp_path_factory):
-    """``csrc/whiten_kernels.h`` (masked_whiten's three CUDA passes) under the warp emulator: a runner
-    ``(x, mask, shift_mean, x_offset, mask_offset, resident) -> (outputs, blocks, vec, head)`` for float32, bfloat16
-    or float16 x (its own dtype's bytes go in)."""
+    """``csrc/whiten_kernels.h`` (masked_whiten's CUDA kernels) under the warp emulator, chosen as the extension
+    chooses them: a runner ``(x, mask, shift_mean, x_offset, mask_offset, resident, fused) -> (outputs, blocks, vec,
+    head, ran_fused)`` for float32, bfloat16 or float16 x (its own dtype's bytes go in). ``fused``: the cooperative
+    kernel where it takes the memory (``ran_fused`` 1; ``vec`` then -1), else and with ``fused=False`` the three
+    passes (``vec``: their statistics kernel's 16-byte variant)."""
     exe = _build_emulated(tmp_path_factory, "whiten_main.cpp")
     names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
     def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, x_offset: int = 0, mask_offset: int | None = None,
-            resident: int | None = None):
+            resident: int | None = None, fused: bool = True):
         raw = x.view(torch.int32 if x.dtype == torch.float32 else torch.int16).numpy().tobytes()
         data = raw + mask.numpy().astype(np.uint8).tobytes()
         mask_offset = x_offset if mask_offset is None else mask_offset
-        wave = [] if resident is None else [str(resident)]
+        wave = -1 if resident is None else resident
         done = subprocess.run([exe, names[x.dtype], str(x.numel()), str(int(shift_mean)), "1e-8", str(x_offset),
-                               str(mask_offset), *wave], input=data, capture_output=True)
+                               str(mask_offset), str(wave), str(int(fused))], input=data, capture_output=True)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
-        blocks, vec, head = (int(v) for v in done.stderr.split()[:3])
-        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), blocks, vec, head
+        blocks, vec, head, ran_fused = (int(v) for v in done.stderr.split()[:4])
+        return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), blocks, vec, head, ran_fused
 
     return run
 
 
 def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulated_whiten_kernels):
-    """masked_whiten's CUDA kernels from their own source on the CPU: sizes from one element to far past the block
-    cap (8 in the driver, 1024 in the extension; the pivot search, whole chunks of 8 and the partial chunks at both
-    ends), shifted data (1e6 + noise: the pivots), an empty and a one-entry mask, scores whose squares overflow
-    float32 (the merge kernel's rescue pass), a masked-in NaN (NaN throughout) and masked-out NaN/inf (reaching no
-    other output), memory offset alike (the 16-byte path after a head) and differently (x element by element), and
+    """masked_whiten's CUDA kernels from their own source on the CPU, the fused cooperative kernel (several blocks
+    meeting at its grid barriers) and the three passes: sizes from one element to far past the block cap (8 in the
+    driver, 1024 in the extension; the pivot search, whole chunks of 8 and the partial chunks at both ends), shifted
+    data (1e6 + noise: the pivots), an empty and a one-entry mask, scores whose squares overflow float32 (the rescue:
+    the fused kernel's over the grid, the merge kernel's in one block), a masked-in NaN (NaN throughout) and
+    masked-out NaN/inf (reaching no other output), memory offset alike (the 16-byte paths after a head: the fused
+    kernel where the output's chunks are aligned too) and differently (x element by element: the passes), and
     bfloat16 / float16 x (their 16-byte widening). AddressSanitizer fails the run on any access outside x, the mask
     and the outputs."""
     gen = torch.Generator().manual_seed(23)
@@ -1110,44 +1157,56 @@ def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulate
     byte_values = torch.tensor([0, 0, 1, 2, 127, 128, 255], dtype=torch.uint8)
     byte_mask = byte_values[torch.randint(0, 7, (2000,), generator=gen)]  # [2000]
     cases.append(("mask bytes", torch.randn(2000, generator=gen), byte_mask))
-    # (x offset, mask offset) in elements -> (16-byte loads of x, head): the driver's allocations are 16-byte aligned
+    # (x offset, mask offset) in elements -> (16-byte loads of x, head): the driver's allocations are 16-byte aligned;
+    # the fused kernel takes the layouts whose x and output chunks are both 16-byte aligned (here: those with
+    # 16-byte loads of x, the output offset as x is)
     layouts = {torch.float32: {(0, 0): (1, 0), (1, 1): (1, 7), (3, 1): (0, 7)},
                torch.bfloat16: {(0, 0): (1, 0), (3, 3): (1, 5), (2, 1): (0, 7)}}
+    ran = set()
     for name, x, mask in cases:
         for dtype in (torch.float32, torch.bfloat16):
             xd = x.to(dtype)  # [N]
-            for shift_mean in (True, False):
+            for shift_mean, fused in ((True, True), (False, True), (False, False)):
                 truth = reference.masked_whiten(xd.double(), mask, shift_mean=shift_mean)  # [N]
                 for (x_offset, mask_offset), (want_vec, want_head) in layouts[dtype].items():
-                    out, blocks, vec, head = emulated_whiten_kernels(xd, mask, shift_mean, x_offset, mask_offset)
-                    where = (name, dtype, shift_mean, x_offset, mask_offset)
+                    out, blocks, vec, head, ran_fused = emulated_whiten_kernels(xd, mask, shift_mean, x_offset,
+                                                                                mask_offset, fused=fused)
+                    where = (name, dtype, shift_mean, x_offset, mask_offset, fused)
                     assert blocks == min(8, max(1, -(-x.numel() // 1024))), (where, blocks)  # the driver's cap: 8
-                    assert (vec, head) == (want_vec, want_head), where
+                    assert ran_fused == (fused and want_vec == 1), where
+                    assert (vec, head) == ((-1 if ran_fused else want_vec), want_head), where
+                    ran.add((ran_fused, blocks > 1))
                     assert torch.equal(torch.isnan(out), torch.isnan(truth)), where
                     fin = torch.isfinite(truth)
                     assert torch.equal(torch.isfinite(out), fin), where
                     if fin.any():
                         err = rel_error(out[fin], truth[fin])
                         assert err <= REL_TOL[torch.float32], (where, err)
+    assert ran == {(True, True), (True, False), (False, True), (False, False)}  # each path with one and many blocks
     half = (torch.randn(3001, generator=gen) * 4 - 2).half()  # float16's widening (no 16-byte path differs)
     half_mask = torch.rand(3001, generator=gen) < 0.6
-    for x_offset, mask_offset in ((0, 0), (5, 5), (1, 6)):
-        out, *_ = emulated_whiten_kernels(half, half_mask, False, x_offset, mask_offset)
-        truth = reference.masked_whiten(half.double(), half_mask, shift_mean=False)  # [3001]
-        assert rel_error(out, truth) <= REL_TOL[torch.float32], (x_offset, mask_offset)
+    for fused in (True, False):
+        for x_offset, mask_offset in ((0, 0), (5, 5), (1, 6)):
+            out, *_, ran_fused = emulated_whiten_kernels(half, half_mask, False, x_offset, mask_offset, fused=fused)
+            assert ran_fused == (fused and x_offset == mask_offset)  # (5, 5): head 3, x + 3 + 5 elements aligned
+            truth = reference.masked_whiten(half.double(), half_mask, shift_mean=False)  # [3001]
+            assert rel_error(out, truth) <= REL_TOL[torch.float32], (x_offset, mask_offset, fused)
     # far past the cap: 8 blocks, ~20 chunks per thread
     N = 40003
     x = torch.randn(N, generator=gen) * 2 - 5
     mask = torch.rand(N, generator=gen) < 0.6
-    out, blocks, _, _ = emulated_whiten_kernels(x, mask, True)
-    assert blocks == 8
-    assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
+    for fused in (True, False):
+        out, blocks, _, _, ran_fused = emulated_whiten_kernels(x, mask, True, fused=fused)
+        assert blocks == 8 and ran_fused == fused
+        assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
     # a device that holds fewer blocks than the cap (the extension passes SMs x blocks per SM): the grid is one wave
     # of them, each thread taking more chunks; nonsense (0) still gives one block
     for resident, want in ((3, 3), (1, 1), (0, 1), (100, 8)):
-        out, blocks, _, _ = emulated_whiten_kernels(x, mask, False, resident=resident)
-        assert blocks == want, (resident, blocks)
-        assert rel_error(out, reference.masked_whiten(x.double(), mask, shift_mean=False)) <= REL_TOL[torch.float32]
+        for fused in (True, False):
+            out, blocks, *_ = emulated_whiten_kernels(x, mask, False, resident=resident, fused=fused)
+            assert blocks == want, (resident, blocks)
+            truth = reference.masked_whiten(x.double(), mask, shift_mean=False)  # [N]
+            assert rel_error(out, truth) <= REL_TOL[torch.float32], (resident, fused)
 
 
 @pytest.fixture(scope="module")

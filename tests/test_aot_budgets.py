@@ -130,30 +130,56 @@ def test_the_epilogue_reader_subtracts_the_k_loop_from_the_tile_loop():
 # The CUDA defaults of gae, group_advantages and masked_whiten (csrc/advantages_cuda.cu), held to the same rule: at
 # most 5 instructions per byte an element moves (2x headroom under the 10·b line above), counted on the loop that
 # handles the elements (the whitening statistics' chunk loop, 8 values a thread; the apply pass's grid-stride loop,
-# kUnroll = 4 values a thread; GAE's tile loop, kItems = 8 tokens a thread) or, for the group kernel (8 scores a lane,
-# once), the whole kernel up to EXIT with every mode's branch. Bytes per element: whitening statistics x + mask (T +
-# 1), apply x + float32 out (T + 4), GAE rewards, values, mask and two float32 outputs (2T + 9), groups a float32
-# score in and out (8).
+# kUnroll = 4 values a thread; GAE's tile loop, kItems = 8 tokens a thread; the fused whitening kernel's statistics and
+# normalisation chunk loops together, 8 values a thread) or, for the group kernel (8 scores a lane, once), the whole
+# kernel up to EXIT with every mode's branch. Bytes per element: whitening statistics x + mask (T + 1), apply x +
+# float32 out (T + 4), fused whitening x + mask + float32 out (T + 5: its second read of x is the block's own share,
+# from L1/L2), GAE rewards, values, mask and two float32 outputs (2T + 9), groups a float32 score in and out (8).
+# Built as the extension builds them (rlkernels._extension.CUDA_FLAGS).
 CSRC_KERNELS = {  # name in the mangled symbol -> (elements per counted block, bytes per element given T's size)
     "whiten_partial_kernel": (8, lambda t: t + 1),
     "whiten_apply_kernel": (4, lambda t: t + 4),
+    "whiten_fused_kernel": (8, lambda t: t + 5),
     "gae_kernel": (8, lambda t: 2 * t + 9),
     "group_segment_kernel": (8, lambda t: 8),
 }
-# Over the rule today (sm_90, nvcc 13.0), each with its figure, tested not to grow: none. (Until this stop: the
-# 16-bit whitening statistics at 21.75 per value, the 16-bit GAE at 65.75 / 80.9 per token, the group segment
-# kernel at 48.6 / 55.6 per score.)
-CSRC_OVER: dict[tuple[str, int], float] = {}
+# Over the rule today (sm_90, nvcc 13.0), by a fragment of the mangled name, each with its figure, tested not to grow:
+# the group segment kernel's element-by-element variant (kVec false: a group size not a multiple of 4, or scores not
+# 16-byte aligned) at 41.5 per score as the extension builds it (--use_fast_math; 40.0 with plain -O3, the flags this
+# test used before 2026-11-28); its 16-byte variant, the one groups of 16 at offset 0 take, is within the rule.
+# (Earlier: the 16-bit whitening statistics at 21.75 per value, the 16-bit GAE at 65.75 / 80.9 per token, the group
+# segment kernel at 48.6 / 55.6 per score.)
+CSRC_OVER: dict[str, float] = {"group_segment_kernelILb0E": 41.5}
 
 
 def _csrc_facts():
     import os
 
+    from rlkernels._extension import CUDA_FLAGS
     from rlkernels.testing.aot import nvcc_kernel_facts
     from tests.helpers import nvcc_or_skip
 
     source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "advantages_cuda.cu")
-    return nvcc_kernel_facts(source, 90, nvcc_or_skip())
+    return nvcc_kernel_facts(source, 90, nvcc_or_skip(), flags=(*CUDA_FLAGS, "-std=c++17"))
+
+
+def _fused_whiten_loops(k) -> tuple[int, int]:
+    """The fused whitening kernel's two element loops, by what they hold (its merges, barriers and rescue make other,
+    wider backward-branch ranges): the statistics chunk loop (the mask's 8-byte load and the chunk mean's MUFU.RCP)
+    and the normalisation chunk loop (its 16-byte stores), neither holding a barrier."""
+    bodies = [b for b in k.loop_bodies() if not any("BAR" in t for t in b)]
+    stats = [len(b) for b in bodies if any("LDG.E.64" in t for t in b) and any("MUFU.RCP" in t for t in b)]
+    apply = [len(b) for b in bodies if any("STG.E.128" in t for t in b)]
+    assert stats and apply, k.name
+    return max(stats), max(apply)
+
+
+def _count(kind: str, k) -> int:
+    if kind == "group_segment_kernel":
+        return k.instructions_to_exit()
+    if kind == "whiten_fused_kernel":
+        return sum(_fused_whiten_loops(k))
+    return k.largest_loop_instructions()
 
 
 def _element_size(mangled: str) -> int:
@@ -173,7 +199,7 @@ def test_csrc_memory_bound_kernels_meet_their_instruction_budgets():
         seen.add(kind)
         elements, bytes_of = CSRC_KERNELS[kind]
         size = _element_size(k.name)
-        count = k.instructions_to_exit() if kind == "group_segment_kernel" else k.largest_loop_instructions()
+        count = _count(kind, k)
         assert count > 0, k.name
         per_element = count / elements
         budget = 5.0 * bytes_of(size)
@@ -181,7 +207,7 @@ def test_csrc_memory_bound_kernels_meet_their_instruction_budgets():
         lines.append(f"{k.name[-60:]}: {per_element:.2f} per element (budget {budget:.0f}), {k.registers} registers, "
                      f"{ctas} CTAs/SM")
         assert k.spill_bytes == 0 and ctas >= 2, lines[-1]
-        known = CSRC_OVER.get((kind, size))
+        known = next((figure for fragment, figure in CSRC_OVER.items() if fragment in k.name), None)
         if per_element > (known if known is not None else budget):
             over.append(lines[-1] + (f" (recorded {known})" if known is not None else ""))
     print("\n" + "\n".join(lines))

@@ -308,6 +308,12 @@ class CudaKernelFacts:
         counts = [sum(1 for a, _, _ in rows if lo <= a <= hi) for lo, hi in _loops(rows)]
         return max(counts, default=0)
 
+    def loop_bodies(self) -> list[list[str]]:
+        """Every loop's instructions (a backward branch's range, in address order), nested loops separately: for a
+        kernel whose element loops are told apart by what they hold."""
+        rows = sass_instructions(self.sass)
+        return [[text for a, text, _ in rows if lo <= a <= hi] for lo, hi in _loops(rows)]
+
     def instructions_to_exit(self) -> int:
         """SASS instructions from the first to the kernel's last ``EXIT``: a kernel whose threads each handle a
         fixed number of elements once, every branch's code counted."""

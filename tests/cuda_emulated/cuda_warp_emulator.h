@@ -3,15 +3,20 @@
 // as a host thread, all of the block's at once; a shuffle is an exchange through the warp's slots between two
 // barriers of its 32 lanes (all 32 reach every shuffle, as the full-mask shuffles require on a GPU);
 // __syncthreads is a barrier of the block's threads; __shared__ variables are function-local statics (shared by
-// the block's threads; blocks run one after another). Memory is plain host memory, so AddressSanitizer
-// (-fsanitize=address) sees any read or write out of bounds.
+// the block's threads; blocks run one after another). A cooperative launch (launch_cooperative) gives every thread
+// of the grid a host thread and runs one block at a time between grid_sync() barriers, so that a block's
+// registers (locals) live across them and its __shared__ statics are its own while it runs. Memory is plain host
+// memory, so AddressSanitizer (-fsanitize=address) sees any read or write out of bounds.
 #pragma once
+#include <atomic>
 #include <barrier>
 #include <bit>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -100,6 +105,28 @@ struct Block {  // one block's barriers, fresh for each block (a finished thread
   std::vector<Warp> warps;
 };
 
+// A cooperative grid's turns: block b's j-th turn (j = the grid barriers it has passed) comes when `turn` reaches
+// j * blocks + b; a block hands the turn on at each grid_sync() and when its last thread returns.
+struct Grid {
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned long long turn = 0;
+  unsigned blocks = 0;
+  void wait_for(unsigned long long t) {
+    std::unique_lock<std::mutex> lock(m);
+    cv.wait(lock, [&] { return turn == t; });
+  }
+  void pass() {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      ++turn;
+    }
+    cv.notify_all();
+  }
+};
+inline thread_local Grid* grid = nullptr;
+inline thread_local unsigned long long turns = 0;  // grid barriers this thread has passed
+
 // kernel<<<blocks, threads>>>(args...): threads a multiple of 32. One host thread per thread of a block, kept for
 // every block; a block starts when every thread has finished the one before (its __shared__ statics are reused).
 template <typename Kernel, typename... Args>
@@ -127,6 +154,41 @@ void launch(unsigned blocks, unsigned threads, Kernel kernel, Args... args) {
     });
   }
   for (auto& t : pool) t.join();
+}
+
+// A cooperative launch of kernel over blocks x threads (threads a multiple of 32): a host thread for every thread of
+// the grid, one block running at a time (see Grid), grid_sync() a barrier of all of them. Returns true (launched).
+template <typename Kernel, typename... Args>
+bool launch_cooperative(unsigned blocks, unsigned threads, Kernel kernel, Args... args) {
+  std::vector<std::unique_ptr<Block>> state;
+  for (unsigned b = 0; b < blocks; ++b) state.push_back(std::make_unique<Block>(threads));
+  std::vector<std::atomic<unsigned>> finished(blocks);
+  Grid shared_grid;
+  shared_grid.blocks = blocks;
+  std::vector<std::thread> pool;
+  for (unsigned b = 0; b < blocks; ++b) {
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([&, b, t] {
+        Block& here = *state[b];
+        blockIdx.x = b;
+        threadIdx.x = t;
+        blockDim.x = threads;
+        gridDim.x = blocks;
+        warp = &here.warps[t / 32];
+        lane = static_cast<int>(t % 32);
+        block = &here.sync;
+        grid = &shared_grid;
+        turns = 0;
+        shared_grid.wait_for(b);
+        kernel(args...);
+        here.sync.arrive_and_drop();
+        here.warps[t / 32].sync.arrive_and_drop();
+        if (finished[b].fetch_add(1) + 1 == threads) shared_grid.pass();  // the block's last thread: the next turn
+      });
+    }
+  }
+  for (auto& t : pool) t.join();
+  return true;
 }
 }  // namespace emulated
 
@@ -162,3 +224,17 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
 inline int __ffs(unsigned x) { return x == 0 ? 0 : std::countr_zero(x) + 1; }  // 1 + the lowest set bit; 0 for 0
 
 inline void __syncthreads() { emulated::block->arrive_and_wait(); }
+
+// cooperative_groups::this_grid().sync() of a launch_cooperative grid: the block's threads meet, its first hands the
+// turn on, and all wait for the block's next turn (after every other block has reached the barrier too)
+inline void grid_sync() {
+  __syncthreads();
+  if (threadIdx.x == 0) emulated::grid->pass();
+  ++emulated::turns;
+  emulated::grid->wait_for(emulated::turns * emulated::grid->blocks + blockIdx.x);
+}
+
+template <typename T>
+T __ldcg(const T* p) {  // a load through L2 only, on a GPU; here memory is one
+  return *p;
+}
