@@ -20,6 +20,7 @@
 // in every block and normalizes the block's own chunks (whiten_fused_kernel); else (misaligned memory, no cooperative
 // launch, RLKERNELS_WHITEN=passes) one block merges them (and rescues an overflow, see kRescueDown) and every block
 // of a third kernel normalizes its share, kUnroll loads per thread in flight.
+#include <algorithm>
 #include <atomic>
 
 #include <cooperative_groups.h>
@@ -113,12 +114,28 @@ int gae_launch(const void* rewards, const void* values, const uint8_t* mask, flo
 bool cooperative_launch_supported();
 
 template <typename T>
+int whiten_resident_blocks(bool fused);
+
+// Whether `stream` is capturing into a CUDA graph (an unanswerable query counts as capturing: the plain path)
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// `part` holds 4 * num_parts + 5 floats (num_parts = whiten_partials: enough for either path's grid)
+template <typename T>
 int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, int num_parts, int64_t N, float eps,
                   bool shift_mean, bool fused, cudaStream_t stream) {
   if (N == 0) return 0;
-  // The cooperative launch is refused (nothing runs) where the grid would not be resident at once: whiten_parts
-  // keeps it within one wave of every whitening kernel, so that is not expected; any refusal falls to the passes.
-  auto launch_cooperative = [stream](auto kernel, int blocks, auto... args) {
+  // A refused cooperative launch (too large a grid to be resident at once, or no support: nothing ran) falls to the
+  // passes; any other error is the call's. Not taken while the stream is being captured into a CUDA graph: a launch
+  // refused there would have invalidated the capture, and the passes capture plainly.
+  cudaError_t fused_error = cudaSuccess;
+  auto launch_cooperative = [stream, &fused_error](auto kernel, int blocks, auto... args) {
     cudaLaunchAttribute cooperative{};
     cooperative.id = cudaLaunchAttributeCooperative;
     cooperative.val.cooperative = 1;
@@ -128,13 +145,19 @@ int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, i
     config.stream = stream;
     config.attrs = &cooperative;
     config.numAttrs = 1;
-    if (cudaLaunchKernelEx(&config, kernel, args...) == cudaSuccess) return true;
-    cudaGetLastError();  // the refusal must not surface as a later launch's error
-    return false;
+    const cudaError_t error = cudaLaunchKernelEx(&config, kernel, args...);
+    if (error == cudaErrorCooperativeLaunchTooLarge || error == cudaErrorNotSupported) {
+      cudaGetLastError();  // the refusal must not surface as a later launch's error
+      return false;
+    }
+    fused_error = error;
+    return true;
   };
-  if (fused && cooperative_launch_supported() &&
-      whiten_fused(static_cast<const T*>(x), mask, out, part, num_parts, N, eps, shift_mean, launch_cooperative))
-    return static_cast<int>(cudaGetLastError());
+  const int fused_blocks = std::min(num_parts, whiten_parts(N, whiten_resident_blocks<T>(true)));
+  if (fused && cooperative_launch_supported() && !capturing(stream) &&
+      whiten_fused(static_cast<const T*>(x), mask, out, part, fused_blocks, N, eps, shift_mean, launch_cooperative))
+    return static_cast<int>(fused_error != cudaSuccess ? (cudaGetLastError(), fused_error) : cudaGetLastError());
+  num_parts = std::min(num_parts, whiten_parts(N, whiten_resident_blocks<T>(false)));
   whiten_passes(static_cast<const T*>(x), mask, out, part, num_parts, N, eps, shift_mean,
                 [stream](auto kernel, int blocks, auto... args) {
                   kernel<<<static_cast<unsigned>(blocks), kWhitenThreads, 0, stream>>>(args...);
@@ -178,16 +201,19 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// Blocks of the whitening kernels one wave of the current device holds (SMs x resident blocks per SM of the one that
-// fits fewest: the statistics pass's two variants and the fused kernel, whose grid must be resident at once), from
-// the occupancy calculator, once per device and dtype; kMaxWhitenParts if the runtime cannot say (a cooperative
-// launch of more blocks than fit is refused, and the passes run).
+// Blocks of one whitening path's kernels one wave of the current device holds (SMs x resident blocks per SM of the
+// kernel that fits fewest: the fused kernel, whose grid must be resident at once, or the statistics pass's two
+// variants), from the occupancy calculator, once per device, dtype and path; kMaxWhitenParts if the runtime cannot
+// say (a cooperative launch of more blocks than fit is refused, and the passes run).
 template <typename T>
-int whiten_resident_blocks() {
-  static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet
+int whiten_resident_blocks(bool fused) {
+  static std::atomic<int> cached[2][kMaxDevices];  // 0: not asked yet
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return kMaxWhitenParts;
-  int blocks = cached[device].load(std::memory_order_relaxed);
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return kMaxWhitenParts;
+  }
+  int blocks = cached[fused][device].load(std::memory_order_relaxed);
   if (blocks > 0) return blocks;
   int sms = 0, fewest = 0;
   bool known = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms >= 1;
@@ -197,15 +223,18 @@ int whiten_resident_blocks() {
             n >= 1;
     fewest = fewest == 0 || n < fewest ? n : fewest;
   };
-  per_sm(whiten_partial_kernel<T, true>);
-  per_sm(whiten_partial_kernel<T, false>);
-  per_sm(whiten_fused_kernel<T>);
+  if (fused) {
+    per_sm(whiten_fused_kernel<T>);
+  } else {
+    per_sm(whiten_partial_kernel<T, true>);
+    per_sm(whiten_partial_kernel<T, false>);
+  }
   if (!known) {
     cudaGetLastError();  // clear the failed query's error: it must not surface as a later launch's
     return kMaxWhitenParts;
   }
   blocks = sms * fewest;
-  cached[device].store(blocks, std::memory_order_relaxed);
+  cached[fused][device].store(blocks, std::memory_order_relaxed);
   return blocks;
 }
 
@@ -233,14 +262,22 @@ bool cooperative_launch_supported() {
 
 }  // namespace
 
+namespace {
+template <typename T>
+int whiten_partials_of() {  // the larger of the two paths' one-wave grids
+  const int fused = whiten_resident_blocks<T>(true), passes = whiten_resident_blocks<T>(false);
+  return fused > passes ? fused : passes;
+}
+}  // namespace
+
 int whiten_partials(int dtype, int64_t N) {
   switch (dtype) {
     case kFloat16:
-      return whiten_parts(N, whiten_resident_blocks<__half>());
+      return whiten_parts(N, whiten_partials_of<__half>());
     case kBFloat16:
-      return whiten_parts(N, whiten_resident_blocks<__nv_bfloat16>());
+      return whiten_parts(N, whiten_partials_of<__nv_bfloat16>());
     default:
-      return whiten_parts(N, whiten_resident_blocks<float>());
+      return whiten_parts(N, whiten_partials_of<float>());
   }
 }
 

@@ -18,8 +18,8 @@ int gae(int dtype, const void* rewards, const void* values, const uint8_t* mask,
 int group_advantages(const float* scores, float* out, const int64_t* perm, const int64_t* starts, int64_t G,
                      int64_t group_size, int mode, float eps, cudaStream_t stream);
 
-// number of partial moments masked_whiten uses for N elements of `dtype` on the current device, at most one wave
-// of its statistics kernel (the size of `part` is 4 * that + 5: count, pivot, mean - pivot, M2 of each share, then
+// number of partial moments masked_whiten may use for N elements of `dtype` on the current device: the larger of its
+// two paths' one-wave grids (the size of `part` is 4 * that + 5: count, pivot, mean - pivot, M2 of each share, then
 // the merged statistics and the scale they are of)
 int whiten_partials(int dtype, int64_t N);
 

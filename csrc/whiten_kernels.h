@@ -18,12 +18,12 @@
 
 constexpr int kWhitenThreads = 256;
 
-// Blocks of the statistics and apply passes for N elements: one per 4 strides of the block, at most
-// kMaxWhitenParts (the size of `part` is 4 * that + 5) and at most `resident`, the blocks of the statistics
-// kernel the device holds at once (SMs x blocks per SM; the apply kernel holds at least as many). Both passes are
-// grid-stride loops, so a grid past one wave gains nothing and loses much: its last blocks ran in a second round
-// on a fraction of the SMs (1024 blocks where an H100/H200 holds 6 x 132 = 792 of the 36-register statistics
-// kernel: 232 blocks, each with a full share, on under a third of the machine).
+// Blocks of a whitening grid for N elements: one per 4 strides of the block, at most kMaxWhitenParts (the size of
+// `part` is 4 * that + 5) and at most `resident`, the blocks of the path's kernels the device holds at once (SMs x
+// blocks per SM: the fused kernel's grid must be resident at once; the passes' statistics kernel holds no more than
+// the apply kernel). Every loop is grid-stride, so a grid past one wave gains nothing and loses much: its last blocks
+// ran in a second round on a fraction of the SMs (1024 blocks where an H100/H200 then held 6 x 132 = 792 of the
+// statistics kernel: 232 blocks, each with a full share, on under a third of the machine).
 inline int whiten_parts(int64_t N, int resident = kMaxWhitenParts) {
   const int cap = resident < 1 ? 1 : (resident < kMaxWhitenParts ? resident : kMaxWhitenParts);
   const int64_t blocks = (N + kWhitenThreads * 4 - 1) / (kWhitenThreads * 4);
@@ -263,8 +263,10 @@ __device__ void apply_chunks(const T* __restrict__ x, float* __restrict__ out, i
 // the output written once (the second read of x hits L1/L2: a block's share of 16 MiB over 792 blocks is 21 KiB);
 // the three passes read x twice and pay two more launches and a one-block merge between them (an H200, B=1024
 // T=4096 float32, under ncu: 10.3 + 4.2 + 9.9 us).
+// (5 blocks an SM: ptxas then takes 48 registers on sm_80 and sm_90 with no spill; left to itself it took 40 on sm_90
+// but squeezed sm_80 into 32 with a spill)
 template <typename T>
-__global__ void __launch_bounds__(kWhitenThreads)
+__global__ void __launch_bounds__(kWhitenThreads, 5)
     whiten_fused_kernel(const T* __restrict__ x, const uint8_t* __restrict__ mask, float* __restrict__ out,
                         float* part, int64_t N, int head, float eps, bool shift_mean) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -369,37 +369,80 @@ def test_masked_whiten_shifted_data_over_many_tiles(device, backend, case, csrc_
         assert err <= REL_TOL[torch.float32], f"{backend} {case} shift_mean={shift_mean}: rel. error {err:.2e}"
 
 
+def _cuda_kernels_of(fn) -> list[str]:
+    """The names of the CUDA kernels ``fn()`` launches (torch.profiler, CUPTI)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("path", adv_mod.WHITEN_PATHS)
 def test_csrc_whiten_paths_match_float64_truth(device, path, monkeypatch, csrc_ops):
     """RLKERNELS_WHITEN picks masked_whiten's CUDA kernels: the fused cooperative kernel (contiguous memory; a grid
     barrier between every block's statistics and its normalisation) or the three passes; either matches the float64
-    truth on float32 and bfloat16 x over many blocks (128000 elements: 63 blocks on a GPU), with masked-out NaN, on a
-    view whose memory the fused kernel cannot take (one element in: the passes serve it), with deviations whose float32
-    squares overflow (the rescue, over the grid or in one block), and with a masked-in NaN (NaN throughout). The CPU
-    kernel has one path and takes both settings."""
+    truth on float32 and bfloat16 x (128000 elements: 125 blocks on a GPU; 2^20: a full one-wave grid, more partials
+    than a block has threads), with masked-out NaN, on a view whose memory the fused kernel cannot take (one element
+    in: the passes serve it), with deviations whose float32 squares overflow (the rescue, over the grid or in one
+    block; also in the first block's share alone), and with a masked-in NaN (NaN throughout). On CUDA the profiler
+    shows which kernels ran, and a captured CUDA graph replays them. The CPU kernel has one path and takes both
+    settings."""
     monkeypatch.setenv(adv_mod.WHITEN_ENV, path)
     gen = torch.Generator().manual_seed(31)
-    B, T = 64, 2000
-    for dtype in (torch.float32, torch.bfloat16):
-        x = (torch.randn(B, T, generator=gen) * 3 - 40).to(dtype)  # [B, T]
+    for B, T in ((64, 2000), (1024, 1024)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(B, T, generator=gen) * 3 - 40).to(dtype)  # [B, T]
+            mask = torch.rand(B, T, generator=gen) < 0.75  # [B, T]
+            x[~mask] = float("nan")
+            flat_x = torch.cat([x.new_zeros(1), x.flatten()])  # [1 + B*T]
+            flat_mask = torch.cat([mask.new_ones(1), mask.flatten()])  # [1 + B*T]
+            cases = {"contiguous": (x, mask), "one element in": (flat_x[1:], flat_mask[1:])}
+            for name, (xs, ms) in cases.items():
+                for shift_mean in (True, False):
+                    truth = reference.masked_whiten(xs.double(), ms, shift_mean=shift_mean)
+                    out = run_on(device, "csrc", rlkernels.masked_whiten, xs, ms, shift_mean=shift_mean)
+                    err = rel_error(out[ms], truth[ms])
+                    assert err <= REL_TOL[torch.float32], (path, B, dtype, name, shift_mean, err)
+                if device == "cuda":
+                    xd, md = on_device(device, xs, keep_offset=True)[0], on_device(device, ms, keep_offset=True)[0]
+                    with forced_backend("csrc"):
+                        names = _cuda_kernels_of(lambda: rlkernels.masked_whiten(xd, md))
+                    fused_ran = any("whiten_fused_kernel" in n for n in names)
+                    assert fused_ran == (path == "fused" and name == "contiguous"), (path, name, names)
+                    assert fused_ran or any("whiten_partial_kernel" in n for n in names), (path, name, names)
+        huge = torch.randn(B, T, generator=gen) * 3e37  # [B, T]
         mask = torch.rand(B, T, generator=gen) < 0.75  # [B, T]
-        x[~mask] = float("nan")
-        flat_x, flat_mask = torch.cat([x.new_zeros(1), x.flatten()]), torch.cat([mask.new_ones(1), mask.flatten()])
-        cases = {"contiguous": (x, mask), "one element in": (flat_x[1:], flat_mask[1:])}
-        for name, (xs, ms) in cases.items():
-            for shift_mean in (True, False):
-                truth = reference.masked_whiten(xs.double(), ms, shift_mean=shift_mean)
-                out = run_on(device, "csrc", rlkernels.masked_whiten, xs, ms, shift_mean=shift_mean)
-                err = rel_error(out[ms], truth[ms])
-                assert err <= REL_TOL[torch.float32], (path, dtype, name, shift_mean, err)
-    huge = torch.randn(B, T, generator=gen) * 3e37  # [B, T]
-    mask = torch.rand(B, T, generator=gen) < 0.75  # [B, T]
-    truth = reference.masked_whiten(huge.double(), mask)
-    out = run_on(device, "csrc", rlkernels.masked_whiten, huge, mask)
-    assert torch.isfinite(out).all() and rel_error(out, truth) <= REL_TOL[torch.float32], path
-    huge[5, 7], mask[5, 7] = float("nan"), True
-    assert torch.isnan(run_on(device, "csrc", rlkernels.masked_whiten, huge, mask)).all(), path
+        lopsided = torch.randn(B, T, generator=gen)  # [B, T]
+        lopsided.view(-1)[:2048] = torch.randn(2048, generator=gen) * 3e37  # the first block's share alone
+        for name, xs in (("huge", huge), ("huge in the first block's share", lopsided)):
+            truth = reference.masked_whiten(xs.double(), mask, shift_mean=False)
+            out = run_on(device, "csrc", rlkernels.masked_whiten, xs, mask, shift_mean=False)
+            assert torch.isfinite(out).all() and rel_error(out, truth) <= REL_TOL[torch.float32], (path, B, name)
+        huge[5, 7], mask[5, 7] = float("nan"), True
+        assert torch.isnan(run_on(device, "csrc", rlkernels.masked_whiten, huge, mask)).all(), (path, B)
+    if device == "cuda":
+        _whiten_in_a_cuda_graph(gen)
+
+
+def _whiten_in_a_cuda_graph(gen):
+    """masked_whiten's CUDA kernels inside a captured CUDA graph (torch.cuda.graph, as torch.compile's
+    reduce-overhead mode captures): while the stream captures the passes run (a refused cooperative launch would
+    invalidate the capture); replays with new inputs match the float64 truth."""
+    x = torch.randn(512, 999, generator=gen).cuda()  # [B, T] the graph's static input
+    mask = (torch.rand(512, 999, generator=gen) < 0.7).cuda()  # [B, T]
+    with forced_backend("csrc"):
+        rlkernels.masked_whiten(x, mask)  # warm-up outside the capture (extension load, caches)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = rlkernels.masked_whiten(x, mask)  # [B, T]
+    for scale in (1.0, 5.0, 1e6):
+        fresh = torch.randn(512, 999, generator=gen) * scale + 3  # [B, T]
+        x.copy_(fresh)
+        graph.replay()
+        truth = reference.masked_whiten(fresh.double(), mask.cpu())
+        assert rel_error(out.cpu(), truth) <= REL_TOL[torch.float32], scale
 
 
 def test_whiten_path_switch_refuses_what_it_does_not_know(monkeypatch, csrc_ops):
@@ -798,12 +841,15 @@ def test_triton_aot_compile(arch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_nvcc_compiles_cuda_sources(arch, tmp_path):
+    """Every CUDA source compiles for sm_80 and sm_90 with the extension's own flags (_extension.CUDA_FLAGS), every
+    kernel without a spill."""
     nvcc = nvcc_or_skip()
     sources = sorted(f for f in os.listdir(CSRC_DIR) if f.endswith(".cu"))
     assert sources
     for src in sources:
         result = subprocess.run(
-            [nvcc, "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+            [nvcc, "-c", *_extension.CUDA_FLAGS, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+             "-Xptxas", "-v",
              os.path.join(CSRC_DIR, src), "-o", str(tmp_path / f"{src}.{arch}.o")],
             capture_output=True, text=True,
         )
@@ -1026,7 +1072,9 @@ def _build_emulated(tmp_path_factory, main: str) -> str:
     exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
     base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
             os.path.join(EMULATED_DIR, main), "-o", exe]
-    built = subprocess.run(base[:1] + ["-fsanitize=address"] + base[1:], capture_output=True, text=True)
+    # AddressSanitizer, and UBSan's alignment check: a 16-byte vector access through a misaligned pointer aborts
+    built = subprocess.run(base[:1] + ["-fsanitize=address,alignment", "-fno-sanitize-recover=alignment"] + base[1:],
+                           capture_output=True, text=True)
     if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
         built = subprocess.run(base, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
@@ -1111,7 +1159,8 @@ def emulated_whiten_kernels(tmp_path_factory):
         mask_offset = x_offset if mask_offset is None else mask_offset
         wave = -1 if resident is None else resident
         done = subprocess.run([exe, names[x.dtype], str(x.numel()), str(int(shift_mean)), "1e-8", str(x_offset),
-                               str(mask_offset), str(wave), str(int(fused))], input=data, capture_output=True)
+                               str(mask_offset), str(wave), str(int(fused))], input=data, capture_output=True,
+                              timeout=600)  # a grid barrier the blocks do not all reach must fail, not hang
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         blocks, vec, head, ran_fused = (int(v) for v in done.stderr.split()[:4])
         return torch.from_numpy(np.frombuffer(done.stdout, dtype=np.float32).copy()), blocks, vec, head, ran_fused
@@ -1199,6 +1248,16 @@ def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulate
         out, blocks, _, _, ran_fused = emulated_whiten_kernels(x, mask, True, fused=fused)
         assert blocks == 8 and ran_fused == fused
         assert rel_error(out, reference.masked_whiten(x.double(), mask)) <= REL_TOL[torch.float32]
+    # squares that overflow in block 0's share alone (elements 0..2047: its threads' first chunks): only that
+    # block's partial moments are inf, so every block must see them before block 0 replaces them with the rescue's
+    # (the fused kernel's grid barrier between its merge and the rescue's first pass)
+    lopsided = x.clone()
+    lopsided[:2048] = torch.randn(2048, generator=gen) * 3e37
+    for fused in (True, False):
+        out, blocks, _, _, ran_fused = emulated_whiten_kernels(lopsided, mask, False, fused=fused)
+        assert blocks == 8 and ran_fused == fused
+        truth = reference.masked_whiten(lopsided.double(), mask, shift_mean=False)  # [N]
+        assert rel_error(out, truth) <= REL_TOL[torch.float32], fused
     # a device that holds fewer blocks than the cap (the extension passes SMs x blocks per SM): the grid is one wave
     # of them, each thread taking more chunks; nonsense (0) still gives one block
     for resident, want in ((3, 3), (1, 1), (0, 1), (100, 8)):

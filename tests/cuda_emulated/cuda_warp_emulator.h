@@ -14,6 +14,8 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -106,12 +108,16 @@ struct Block {  // one block's barriers, fresh for each block (a finished thread
 };
 
 // A cooperative grid's turns: block b's j-th turn (j = the grid barriers it has passed) comes when `turn` reaches
-// j * blocks + b; a block hands the turn on at each grid_sync() and when its last thread returns.
+// j * blocks + b; a block hands the turn on at each grid_sync() and when its last thread returns. On a GPU a grid
+// barrier that some block never reaches hangs (or that a block reaches more often than the others): here a grid
+// barrier reached after a block returned aborts at once, and launch_cooperative aborts when the blocks passed
+// different numbers of barriers, each with a message on stderr.
 struct Grid {
   std::mutex m;
   std::condition_variable cv;
   unsigned long long turn = 0;
-  unsigned blocks = 0;
+  unsigned blocks = 0, returned = 0;
+  std::vector<unsigned> barriers;  // grid barriers each block has passed
   void wait_for(unsigned long long t) {
     std::unique_lock<std::mutex> lock(m);
     cv.wait(lock, [&] { return turn == t; });
@@ -122,6 +128,15 @@ struct Grid {
       ++turn;
     }
     cv.notify_all();
+  }
+  void arrive(unsigned b) {  // block b's first thread at a grid barrier
+    std::lock_guard<std::mutex> lock(m);
+    if (returned > 0) {
+      std::fprintf(stderr, "grid_sync: block %u reached a grid barrier after %u block(s) returned without it\n", b,
+                   returned);
+      std::abort();
+    }
+    ++barriers[b];
   }
 };
 inline thread_local Grid* grid = nullptr;
@@ -165,6 +180,7 @@ bool launch_cooperative(unsigned blocks, unsigned threads, Kernel kernel, Args..
   std::vector<std::atomic<unsigned>> finished(blocks);
   Grid shared_grid;
   shared_grid.blocks = blocks;
+  shared_grid.barriers.assign(blocks, 0);
   std::vector<std::thread> pool;
   for (unsigned b = 0; b < blocks; ++b) {
     for (unsigned t = 0; t < threads; ++t) {
@@ -183,11 +199,24 @@ bool launch_cooperative(unsigned blocks, unsigned threads, Kernel kernel, Args..
         kernel(args...);
         here.sync.arrive_and_drop();
         here.warps[t / 32].sync.arrive_and_drop();
-        if (finished[b].fetch_add(1) + 1 == threads) shared_grid.pass();  // the block's last thread: the next turn
+        if (finished[b].fetch_add(1) + 1 == threads) {  // the block's last thread: the next turn
+          {
+            std::lock_guard<std::mutex> lock(shared_grid.m);
+            ++shared_grid.returned;
+          }
+          shared_grid.pass();
+        }
       });
     }
   }
   for (auto& t : pool) t.join();
+  for (unsigned b = 1; b < blocks; ++b) {
+    if (shared_grid.barriers[b] != shared_grid.barriers[0]) {
+      std::fprintf(stderr, "grid_sync: block %u passed %u grid barriers, block 0 %u\n", b, shared_grid.barriers[b],
+                   shared_grid.barriers[0]);
+      std::abort();
+    }
+  }
   return true;
 }
 }  // namespace emulated
@@ -229,7 +258,10 @@ inline void __syncthreads() { emulated::block->arrive_and_wait(); }
 // turn on, and all wait for the block's next turn (after every other block has reached the barrier too)
 inline void grid_sync() {
   __syncthreads();
-  if (threadIdx.x == 0) emulated::grid->pass();
+  if (threadIdx.x == 0) {
+    emulated::grid->arrive(blockIdx.x);
+    emulated::grid->pass();
+  }
   ++emulated::turns;
   emulated::grid->wait_for(emulated::turns * emulated::grid->blocks + blockIdx.x);
 }
