@@ -18,6 +18,15 @@ def tensor(x, name: str) -> torch.Tensor:
     return x
 
 
+def process_group(group, name: str = "process_group"):
+    """``group`` when it is a ``torch.distributed.ProcessGroup`` (the caller handles None); else TypeError naming it
+    (a rank, a backend name or ``"world"`` is not a group: pass ``torch.distributed.group.WORLD``)."""
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
 def floating(x, name: str) -> torch.Tensor:
     tensor(x, name)
     if x.dtype not in _FLOAT_DTYPES:
@@ -66,7 +75,7 @@ def same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str) -> No
 
 
 def same_device(*named: tuple[torch.Tensor | None, str]) -> torch.device:
-    present = [(t, n) for t, n in named if t is not None]
+    present = [(tensor(t, n), n) for t, n in named if t is not None]  # a non-tensor: TypeError naming it, not later
     first, first_name = present[0]
     for t, n in present[1:]:
         if t.device != first.device:

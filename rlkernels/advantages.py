@@ -553,9 +553,7 @@ def _validate_whiten(*, x, mask, shift_mean, eps, process_group) -> tuple[bool, 
     _checks.same_device((x, "x"), (mask, "mask"))
     eps = _checks.non_negative(eps, "eps")
     if process_group is not None:
-        dist = torch.distributed
-        if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}")
+        _checks.process_group(process_group)
     return _checks.flag(shift_mean, "shift_mean"), eps
 
 
@@ -1353,7 +1351,9 @@ def _process_kernel(
         for s0 in range(0, S, BLOCK_S):
             s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
             end = tl.load(e_ptr + row.to(tl.int64)[:, None] * stride_eb + s.to(tl.int64)[None, :] * stride_es, mask=w, other=-1)
-            z = tl.where(w, (x * down - mean) * scale, 0.0)  # [BLOCK_R, BLOCK_S]; 0 * NaN stays NaN, as in the reference
+            # [BLOCK_R, BLOCK_S]; a constant group's steps exactly 0 (its inf or lone NaN too, as in the reference:
+            # scale 0 alone made (inf - inf)·0 NaN); elsewhere NaN stays NaN
+            z = tl.where(w & (constant == 0), (x * down - mean) * scale, 0.0)
             covers = end[:, None, :] >= t[None, :, None]  # [BLOCK_R, BLOCK_T, BLOCK_S]
             adv += block_sum(tl.where(covers, z[:, None, :], 0.0), 2)
         offs = row.to(tl.int64)[:, None] * T + t[None, :]

@@ -396,7 +396,9 @@ def _torch_layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOp
       token, in the compute dtype, rounded once to the weight's dtype: no float32 ``[V, H]`` accumulator). Pass 2
       writes ``d_weight``'s block ``[v0, v1)`` over bytes ``[v0·H·w, v1·H·w)``; the tile's blocks not yet read
       start at ``V·H·w - N·V·c + v1·N·c``, which is past that since ``(V - v1)(H·w - N·c) >= 0`` (the block being
-      read is first moved to the scratch buffer, :class:`_Tile`).
+      read is first moved to the scratch buffer, :class:`_Tile`). Where ``V·H`` is odd (16-bit weights: ``H`` odd,
+      so ``H·w - N·c = 2(H - 2N) >= 2`` bytes) the tile starts one weight element earlier, at a whole float32, and
+      ``(V - v1)(H·w - N·c) >= 2`` bytes still holds for every block before the last.
     - ``"two-op"``: no three-GEMM op at all, but :func:`_two_op` (``linear_logprobs`` then ``policy_loss``: four
       GEMMs, the two-op path's memory, the head's gradient formed in the backward). Taken (a) for 16-bit weights
       that the tile does not fit: three GEMMs then need either a tile of every token (``N·V`` float32, larger than
@@ -469,7 +471,10 @@ def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, 
     tile_buf = None
     if in_grad:  # the tile: the last N·V compute-dtype elements' worth of d_weight's buffer
         flat = d_weight.view(-1)  # [V·H]
-        tile_buf = flat[flat.numel() - N * V * cdt.itemsize // weight.dtype.itemsize:].view(cdt)  # [N·V]
+        per = cdt.itemsize // weight.dtype.itemsize  # weight elements per compute-dtype element
+        start = flat.numel() - N * V * per
+        start -= start % per  # a whole compute-dtype element in (V·H odd with 16-bit weights: one element earlier)
+        tile_buf = flat[start:start + N * V * per].view(cdt)  # [N·V]
     tile = _Tile(n_max, V, cdt, dev, buf=tile_buf)
     # a 16-bit weight is widened _WIDEN_ROWS rows at a time (never a float32 copy of the weight; a view for
     # float32), and a one-chunk 16-bit d_weight formed that many rows at a time in float32, then rounded once

@@ -64,7 +64,9 @@ def padded_index(cu_seqlens: torch.Tensor | list[int], total: int, name: str = "
     bounds = check_cu_seqlens(cu_seqlens, total, name)
     # sizes from the Python ints (static while torch.compile traces a list of boundaries)
     sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    S, Tmax = len(sizes), max(sizes, default=0)
+    # (not max(..., default=0): once a compiled step's boundaries change, dynamo traces them as symbols and cannot
+    # trace that keyword)
+    S, Tmax = len(sizes), (max(sizes) if sizes else 0)
     lengths = torch.tensor(sizes, dtype=torch.long)  # [S]
     seq = torch.repeat_interleave(torch.arange(S), lengths, output_size=total)  # [total]: each token's sequence
     starts = torch.tensor(bounds[:-1], dtype=torch.long)  # [S]

@@ -75,6 +75,7 @@ def check_group(process_group, vocab_start, V_local: int, name: str = "weight") 
                          "row (rank r of an even split holds [r·V/P, (r+1)·V/P))")
     if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
         raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
+    _checks.process_group(process_group)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group needs torch.distributed initialised (dist.init_process_group)")
     if V_local + vocab_start >= 1 << 24:

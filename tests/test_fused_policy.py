@@ -907,15 +907,17 @@ def test_aot_compiles_every_config_without_spills(arch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.02], ids=["no-entropy", "entropy"])
-def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, monkeypatch):
+@pytest.mark.parametrize("H", [40, 41], ids=["VH-even", "VH-odd"])
+def test_one_chunk_tile_in_weight_grad(dtype, entropy_coef, H, monkeypatch):
     """N·c <= H·w: one chunk whose logits tile lives in the tail of d_weight's buffer, d_weight written block by
     block over it (16-bit: rounded once, returned in the weight's dtype). Blocks of 200 columns, so the blocks
     d_weight is written over are read first (without the entropy term dz is moved out of the tile before
-    GEMM 3); an upstream other than 1; against the float64 truth and the chunked path."""
+    GEMM 3); an upstream other than 1; against the float64 truth and the chunked path. V·H odd (H = 41): the
+    float32 tile in a bf16 buffer starts one element earlier, at a whole float32 (it failed to view before)."""
     monkeypatch.setattr(fused_policy, "_VBLOCK_MIN", 16)
     monkeypatch.setattr(fused_policy, "_BLOCK_ELEMS", 18 * 50)  # 18 tokens: blocks of 50·4 columns, the last 117
     monkeypatch.setattr(fused_policy, "_WIDEN_ROWS", 64)  # bf16: GEMMs over 64 weight rows at a time (the last 8)
-    x = _inputs(3, 6, 40, 317, seed=17)  # N = 18 <= H/2 = 20
+    x = _inputs(3, 6, H, 317, seed=17)  # N = 18 <= H/2 = 20
     options = dict(kl_coef=0.05, entropy_coef=entropy_coef, temperature=0.9, agg="token-mean")
     h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
     opt = fused_policy._validate(head_input=h, head_name="hidden", weight=w, labels=x["labels"], bias=None,

@@ -223,6 +223,34 @@ def test_boundaries_as_a_list_compile_with_fullgraph(backend):
         rlkernels.policy_loss(logp, old, adv, mask, cu_seqlens=[0, 3.0, 9])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_boundaries_that_change_per_batch_compile_with_fullgraph(backend):
+    """A training loop passes each batch's boundaries as a list to one compiled step: once they change, dynamo's
+    automatic dynamic shapes trace the list's ints as symbols (the padded view's S and Tmax then symbolic); every
+    batch still compiles whole and equals the eager losses and gradients, the number of sequences changing too."""
+    gen = torch.Generator().manual_seed(13)
+    total = 9
+
+    def step(lp, old, adv, mask, bounds):
+        pg, _ = rlkernels.policy_loss(lp, old, adv, mask, cu_seqlens=bounds, agg="seq-mean-token-mean")
+        vf, _ = rlkernels.value_loss(lp, old, adv, mask, cu_seqlens=bounds, clip=0.2)
+        return pg + vf
+
+    with forced_backend(backend):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for bounds in ([0, 3, 9], [0, 5, 9], [0, 2, 4, 9], [0, 1, 1, 8, 9], [0, 9]):
+            logp = (-torch.rand(1, total, generator=gen)).requires_grad_()  # [1, total]
+            old, adv = -torch.rand(1, total, generator=gen), torch.randn(1, total, generator=gen)  # [1, total] each
+            mask = torch.rand(1, total, generator=gen) < 0.8  # [1, total]
+            got = compiled(logp, old, adv, mask, bounds)
+            (g_got,) = torch.autograd.grad(got, logp)
+            want = step(logp, old, adv, mask, bounds)
+            (g_want,) = torch.autograd.grad(want, logp)
+            torch.testing.assert_close(got, want, msg=str(bounds))
+            torch.testing.assert_close(g_got, g_want, msg=str(bounds))
+
+
 from rlkernels import hf  # noqa: E402
 from tests.test_hf import V, _tiny  # noqa: E402
 

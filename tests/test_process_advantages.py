@@ -112,6 +112,27 @@ def test_empty_inputs(backend):
         assert out.shape == (B, T) and out.dtype == torch.float32 and not out.any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+def test_constant_groups_are_exactly_zero_whatever_their_values(backend, mode):
+    """A group whose valid step rewards are all equal contributes exactly 0 on every backend, also when they are
+    ±inf (where r - mean is NaN), and so does a group with fewer than two valid steps, even a NaN one; NaN in a group
+    of two or more valid steps stays NaN there."""
+    inf, nan = float("inf"), float("nan")
+    rewards = torch.tensor([[inf, inf], [inf, inf],  # group 0: one value, +inf
+                            [-inf, 0.0], [-inf, 0.0],  # group 1: -inf and 0 twice each: not constant (NaN)
+                            [nan, 0.0], [0.0, 0.0],  # group 2: its second step masked out below: one NaN step
+                            [1.0, 2.0], [3.0, nan]])  # group 3: a NaN among others: NaN
+    ends = torch.tensor([[0, 2], [1, 2]] * 4)  # [8, 2]
+    mask = torch.ones(8, 2, dtype=torch.bool)
+    mask[4, 1] = mask[5] = False  # group 2 keeps one valid step, the NaN
+    truth = reference.process_advantages(rewards.double(), ends, 3, step_mask=mask, group_size=2, mode=mode)
+    out = run(backend, rewards, ends, 3, step_mask=mask, group_size=2, mode=mode)  # [8, 3]
+    assert torch.equal(out[:2], torch.zeros(2, 3)) and torch.equal(out[4:6], torch.zeros(2, 3)), out
+    assert torch.equal(torch.isnan(out), torch.isnan(truth)), (out, truth)
+    assert torch.isnan(out[6:]).any()
+
+
 def test_refuses_bad_inputs_naming_the_argument():
     r, e = torch.randn(4, 3), torch.randint(0, 5, (4, 3))  # [B, S] x2
     e[2, 1] = 5  # a valid step ending at T
@@ -134,6 +155,8 @@ def test_refuses_bad_inputs_naming_the_argument():
         ((r, e, 5), {}, ValueError, "group_size or index"),
         ((r, e, 5), {"group_size": 2, "index": torch.zeros(4, dtype=torch.int64)}, ValueError, "group_size or index"),
         ((r, e, 5), {"index": torch.zeros(3, dtype=torch.int64)}, ValueError, "index"),
+        ((r, e, 5), {"index": [0, 0, 1, 1]}, TypeError, "index"),  # a list, not a tensor
+        ((r, e, 5), {"index": torch.zeros(4)}, TypeError, "index"),  # float ids
         ((r, e, -1), {"group_size": 2}, ValueError, "T"),
         ((r, e, 5.0), {"group_size": 2}, TypeError, "T"),
         ((r, e, 5), {"group_size": 2, "mode": "rloo"}, ValueError, "mode"),

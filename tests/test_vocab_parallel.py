@@ -296,6 +296,13 @@ def test_arguments_are_refused_by_name():
         rlkernels.linear_logprobs(hidden, weight, labels, process_group=object())
     with pytest.raises(ValueError, match="vocab_start must be an int >= 0"):
         rlkernels.linear_logprobs(hidden, weight, labels, process_group=object(), vocab_start=-3)
+    for not_a_group in ("world", 0, object()):  # a backend name, a rank: not a ProcessGroup
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+            rlkernels.linear_logprobs(hidden, weight, labels, process_group=not_a_group, vocab_start=0)
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup"):
+            rlkernels.linear_policy_loss(hidden.view(2, 7, -1), weight, labels.view(2, 7), torch.zeros(2, 7),
+                                         torch.zeros(2, 7), torch.ones(2, 7), process_group=not_a_group,
+                                         vocab_start=0)
     with pytest.raises(ValueError, match="vocab_start is given without process_group"):
         rlkernels.linear_policy_loss(hidden, weight, labels, torch.zeros(2, 7), torch.zeros(2, 7),
                                      torch.ones(2, 7), vocab_start=5)
