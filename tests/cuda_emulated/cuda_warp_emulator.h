@@ -142,6 +142,23 @@ struct Grid {
 inline thread_local Grid* grid = nullptr;
 inline thread_local unsigned long long turns = 0;  // grid barriers this thread has passed
 
+// The host thread that runs thread t of block b: its indices, warp, lane and barriers
+inline void enter(Block& here, unsigned b, unsigned t, unsigned blocks, unsigned threads) {
+  blockIdx.x = b;
+  threadIdx.x = t;
+  blockDim.x = threads;
+  gridDim.x = blocks;
+  warp = &here.warps[t / 32];
+  lane = static_cast<int>(t % 32);
+  block = &here.sync;
+}
+
+// Its kernel returned: a finished thread no longer holds back the block's barriers (as on a GPU)
+inline void leave(Block& here, unsigned t) {
+  here.sync.arrive_and_drop();
+  here.warps[t / 32].sync.arrive_and_drop();
+}
+
 // kernel<<<blocks, threads>>>(args...): threads a multiple of 32. One host thread per thread of a block, kept for
 // every block; a block starts when every thread has finished the one before (its __shared__ statics are reused).
 template <typename Kernel, typename... Args>
@@ -154,16 +171,9 @@ void launch(unsigned blocks, unsigned threads, Kernel kernel, Args... args) {
     pool.emplace_back([&, t] {
       for (unsigned b = 0; b < blocks; ++b) {
         Block& here = *state[b];
-        blockIdx.x = b;
-        threadIdx.x = t;
-        blockDim.x = threads;
-        gridDim.x = blocks;
-        warp = &here.warps[t / 32];
-        lane = static_cast<int>(t % 32);
-        block = &here.sync;
+        enter(here, b, t, blocks, threads);
         kernel(args...);
-        here.sync.arrive_and_drop();  // a finished thread no longer holds back the barriers (as on a GPU)
-        here.warps[t / 32].sync.arrive_and_drop();
+        leave(here, t);
         between.arrive_and_wait();
       }
     });
@@ -186,19 +196,12 @@ bool launch_cooperative(unsigned blocks, unsigned threads, Kernel kernel, Args..
     for (unsigned t = 0; t < threads; ++t) {
       pool.emplace_back([&, b, t] {
         Block& here = *state[b];
-        blockIdx.x = b;
-        threadIdx.x = t;
-        blockDim.x = threads;
-        gridDim.x = blocks;
-        warp = &here.warps[t / 32];
-        lane = static_cast<int>(t % 32);
-        block = &here.sync;
+        enter(here, b, t, blocks, threads);
         grid = &shared_grid;
         turns = 0;
         shared_grid.wait_for(b);
         kernel(args...);
-        here.sync.arrive_and_drop();
-        here.warps[t / 32].sync.arrive_and_drop();
+        leave(here, t);
         if (finished[b].fetch_add(1) + 1 == threads) {  // the block's last thread: the next turn
           {
             std::lock_guard<std::mutex> lock(shared_grid.m);
