@@ -430,6 +430,15 @@ def test_an_infinite_value_is_refused_at_start_up(name):
     ({"steps": 3, "save_every": 3}, "save_every"),
     ({"reward_norm": "batch"}, "reward_norm"),  # group z-scores undo any shift and scale of the scores
     ({"reward_norm": "running", "kl_coef": 0.0}, "reward_norm"),
+    ({"reward_norm": "batch", "kl_in": "reward"}, "reward_norm"),  # the KL is subtracted after the z-scores
+    ({"reward_norm": "batch", "reward_norm_shift": False, "advantage": "dr_grpo"}, "reward_norm_shift"),
+    ({"reward_norm": "running", "reward_norm_shift": False, "advantage": "rloo"}, "reward_norm_shift"),
+    ({"kl_coef": 0.1, "ref_update_every": 2, "ref_mix_alpha": 1.0}, "ref_update_every"),  # alpha 1 copies anyway
+    ({"kl_coef": 1e39}, "kl_coef"),  # past float32: the losses would refuse it inside step 1
+    ({"epochs": 2, "clip_high": 1e39}, "clip_high"),
+    ({"entropy_coef": -1e39}, "entropy_coef"),
+    ({"algo": "ppo", "epochs": 2, "value_clip": 1e39}, "value_clip"),
+    ({"temperature": 1e-40}, "temperature"),  # 1 / temperature overflows float32
 ])
 def test_a_flag_that_would_do_nothing_is_refused(values, name):
     with pytest.raises(ConfigError, match=f"^{name}:"):
@@ -447,8 +456,14 @@ def test_what_those_refusals_still_accept():
     assert from_dict({"steps": 3, "save_every": 2}).save_every == 2
     assert from_dict({"steps": 3, "save_every": 0}).save_every == 0
     for values in ({"reward_norm": "batch", "reward_clip": 1.0}, {"reward_norm": "batch", "advantage": "dr_grpo"},
-                   {"reward_norm": "running", "advantage": "rloo"}, {"reward_norm": "batch", "kl_in": "reward"}):
+                   {"reward_norm": "running", "advantage": "rloo"},
+                   {"reward_norm": "batch", "reward_norm_shift": False, "reward_clip": 2.0},
+                   {"algo": "ppo", "reward_norm": "batch", "reward_norm_shift": False}):
         assert from_dict(values).reward_norm == values["reward_norm"], values
+    assert from_dict({"kl_coef": 0.1, "ref_mix_alpha": 1.0}).ref_mix_alpha == 1.0
+    for recipe in ("deepseek-grpo", "instructgpt"):  # a recipe's KL placement is not recorded once kl_coef is 0
+        cfg = from_dict({"recipe": recipe, "kl_coef": 0.0})
+        assert (cfg.kl_in, cfg.kl_estimator) == (None, None), recipe
 
 
 def test_model_directory_and_reward_callable_are_checked_at_start_up(tmp_path):

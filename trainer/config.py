@@ -254,14 +254,22 @@ class TrainConfig:
             self._refuse("save_every", f"it is not below steps ({self.steps}): no checkpoint comes before the one "
                                        "every run writes at its end (save_every 0)")
         if (self.algo == "grpo" and self.advantage == "grpo" and self.reward_norm != "none"
-                and self.was_set("reward_norm") and self.reward_clip is None
-                and (self.kl_coef == 0 or self.kl_in in (None, "loss"))):
+                and self.was_set("reward_norm") and self.reward_clip is None):
+            # (the KL in the reward does not change this: its per-token terms are subtracted from the group
+            # advantages, which are formed from the scores alone; knobs.grpo_token_advantages)
             self._refuse("reward_norm", "advantage 'grpo' z-scores each group's scores, which undoes any shift and "
-                                        "scale of them (set reward_clip, put the KL in the reward, or use advantage "
-                                        "'dr_grpo' or 'rloo' for it to matter)")
+                                        "scale of them (set reward_clip, or use advantage 'dr_grpo' or 'rloo' for "
+                                        "it to matter)")
+        if (self.algo == "grpo" and self.was_set("reward_norm_shift") and self.reward_norm != "none"
+                and self.reward_clip is None):
+            self._refuse("reward_norm_shift", "GRPO's group advantages subtract each group's mean, which undoes any "
+                                              "shift of the scores (set reward_clip for it to matter)")
         if self.ref_update_every > self.steps:
             self._refuse("ref_update_every", f"it is larger than steps ({self.steps}), so no step would copy the "
                                              "policy into the reference")
+        if self.ref_mix_alpha == 1 and self.was_set("ref_update_every") and self.ref_update_every > 0:
+            self._refuse("ref_update_every", "ref_mix_alpha is 1: every step's mix already copies the policy into "
+                                             "the reference")
         if self.ref_mix_alpha > 0 and self.ref_update_every == 1:
             self._refuse("ref_mix_alpha", "ref_update_every is 1: every step copies the policy into the reference, "
                                           "and a step that copies does not also mix")
@@ -315,7 +323,7 @@ class TrainConfig:
     def _resolve(self) -> None:
         """Fill the None defaults that depend on other fields (config.json records the resolved values):
         clip_high <- clip_low; with a reference model, kl_in <- 'loss' (GRPO) or 'reward' (PPO) and
-        kl_estimator <- 'k3' in the loss, 'k1' in the reward."""
+        kl_estimator <- 'k3' in the loss, 'k1' in the reward; without one (kl_coef 0) both None."""
         if self.clip_high is None:
             self.clip_high = self.clip_low
         if self.kl_coef > 0:
@@ -323,6 +331,8 @@ class TrainConfig:
                 self.kl_in = "loss" if self.algo == "grpo" else "reward"
             if self.kl_estimator is None:
                 self.kl_estimator = "k3" if self.kl_in == "loss" else "k1"
+        else:  # no KL anywhere: a recipe's placement and estimator are not recorded as if they applied
+            self.kl_in = self.kl_estimator = None
 
     def _bad(self, name: str, why: str):
         raise ConfigError(f"{name}: {why} (got {getattr(self, name)!r})")
@@ -363,6 +373,18 @@ class TrainConfig:
         for name in ("lr", "critic_lr", "temperature"):
             if not getattr(self, name) > 0:
                 self._bad(name, "must be > 0")
+        # what the losses take in float32 (kernels and torch rows alike) is refused here as the ops would refuse it,
+        # before any model loads, not inside step 1
+        from rlkernels import _checks
+
+        checks = [(name, _checks.finite) for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef",
+                                                      "value_clip", "value_coef")]
+        for name, check in checks + [("temperature", lambda value, _name: _checks.temperature(value))]:
+            if getattr(self, name) is not None:
+                try:
+                    check(getattr(self, name), name)
+                except ValueError as error:
+                    self._bad(name, str(error).removeprefix(f"{name} ").rsplit(", got ", 1)[0])
         for name in ("clip_low", "kl_coef", "entropy_coef", "weight_decay", "max_grad_norm", "value_coef"):
             if not getattr(self, name) >= 0:
                 self._bad(name, "must be >= 0")
