@@ -155,8 +155,10 @@ int whiten_launch(const void* x, const uint8_t* mask, float* out, float* part, i
   };
   const int fused_blocks = std::min(num_parts, whiten_parts(N, whiten_resident_blocks<T>(true)));
   if (fused && cooperative_launch_supported() && !capturing(stream) &&
-      whiten_fused(static_cast<const T*>(x), mask, out, part, fused_blocks, N, eps, shift_mean, launch_cooperative))
-    return static_cast<int>(fused_error != cudaSuccess ? (cudaGetLastError(), fused_error) : cudaGetLastError());
+      whiten_fused(static_cast<const T*>(x), mask, out, part, fused_blocks, N, eps, shift_mean, launch_cooperative)) {
+    const cudaError_t last = cudaGetLastError();  // read (and cleared) either way
+    return static_cast<int>(fused_error != cudaSuccess ? fused_error : last);
+  }
   num_parts = std::min(num_parts, whiten_parts(N, whiten_resident_blocks<T>(false)));
   whiten_passes(static_cast<const T*>(x), mask, out, part, num_parts, N, eps, shift_mean,
                 [stream](auto kernel, int blocks, auto... args) {
@@ -260,9 +262,6 @@ bool cooperative_launch_supported() {
   return known == 2;
 }
 
-}  // namespace
-
-namespace {
 template <typename T>
 int whiten_partials_of() {  // the larger of the two paths' one-wave grids
   const int fused = whiten_resident_blocks<T>(true), passes = whiten_resident_blocks<T>(false);

@@ -377,9 +377,10 @@ class TrainConfig:
         # before any model loads, not inside step 1
         from rlkernels import _checks
 
-        checks = [(name, _checks.finite) for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef",
-                                                      "value_clip", "value_coef")]
-        for name, check in checks + [("temperature", lambda value, _name: _checks.temperature(value))]:
+        checks = dict.fromkeys(("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "value_clip",
+                                "value_coef"), _checks.finite)
+        checks["temperature"] = _checks.invertible  # the logits are scaled by 1 / temperature
+        for name, check in checks.items():
             if getattr(self, name) is not None:
                 try:
                     check(getattr(self, name), name)
