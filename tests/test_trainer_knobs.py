@@ -4,17 +4,21 @@ options, the critic from the reward model, the ratio-outside metric, and the ref
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlkernels import reference
-from rlkernels.trainer import knobs, loop
+from rlkernels.trainer import checkpoint, knobs, loop
+from rlkernels.trainer.__main__ import main
 from rlkernels.trainer.config import ConfigError, TrainConfig, from_dict
 from rlkernels.trainer.data import tiny_tokenizer
 from rlkernels.trainer.loop import Trainer, read_metrics
 from rlkernels.trainer.models import tiny_model
-from tests.test_trainer import DISTINCT, _designed_batch, tiny
+from tests.helpers import in_gloo_group
+from tests.test_trainer import CLI, DISTINCT, _designed_batch, _one_line_error, tiny
+from tests.test_trainer_process import TWO_STEPS
 
 
 def _state(module) -> dict:
@@ -464,6 +468,157 @@ def test_what_those_refusals_still_accept():
     for recipe in ("deepseek-grpo", "instructgpt"):  # a recipe's KL placement is not recorded once kl_coef is 0
         cfg = from_dict({"recipe": recipe, "kl_coef": 0.0})
         assert (cfg.kl_in, cfg.kl_estimator) == (None, None), recipe
+
+
+# ------------------------------------------------------------------ ratio 'sequence' where it changes nothing
+
+
+@pytest.mark.parametrize("agg", reference.AGG_MODES)
+def test_sequence_ratio_is_the_token_ratio_at_ratio_one_with_outcome_advantages(tmp_path, agg):
+    """Why ratio 'sequence' is refused under GRPO with one epoch of one minibatch: every ratio is then exactly 1
+    (old = the update's own log-probs, detached), and with one advantage per sequence GSPO's gradient, -A / n on
+    each of a sequence's n tokens, summed over them, is the token ratio's -A, in every agg mode (KL in the loss
+    included). With advantages that differ along a sequence (step rewards, a KL in the reward) it is not."""
+    cfg = tiny(tmp_path, losses="eager", reward=DISTINCT, agg=agg, kl_coef=0.05)  # ratio 'token'; KL in the loss
+    tr = Trainer(cfg)
+    _perturb(tr.ref.model, 3)
+    batch = tr.advantages(tr.score_tokens(_designed_batch(tr)))
+    assert batch.old_logp is None and batch.advantages.dim() == 1  # on-policy; one advantage per sequence
+
+    def grads(ratio, advantages):
+        tr.policy.zero_grad(set_to_none=True)
+        mb = dataclasses.replace(batch, advantages=advantages)
+        loss, logs = loop.minibatch_loss(dataclasses.replace(cfg, ratio=ratio), tr.ops, tr.policy_lp, None, mb)
+        assert logs["policy/ratio_mean"] == 1.0 and logs["policy/kl"] > 0
+        loss.backward()
+        return [p.grad.clone() for p in tr.policy.parameters() if p.grad is not None]
+
+    for token, sequence in zip(grads("token", batch.advantages), grads("sequence", batch.advantages), strict=True):
+        torch.testing.assert_close(sequence, token, rtol=1e-5, atol=1e-7)
+    R = batch.mask.shape[1]
+    along = batch.advantages[:, None] * torch.linspace(0.2, 1.8, R)  # [B, R] advantages that change along a sequence
+    token, sequence = grads("token", along), grads("sequence", along)
+    assert max(float((s - t).abs().max()) for s, t in zip(sequence, token)) > 1e-3
+
+
+@pytest.mark.parametrize("values", [
+    {"ratio": "sequence"},  # the default: GRPO, reward 'exact_format', KL in the loss
+    {"ratio": "sequence", "kl_coef": 0.0, "reward": "exact", "agg": "seq-mean-token-sum"},
+    {"ratio": "sequence", "reward": "format", "kl_in": "loss", "entropy_coef": 0.01},
+    {"ratio": "sequence", "epochs": 1, "minibatches": 1, "reward": "exact_format", "advantage": "rloo"},
+    {"recipe": "gspo", "ratio": "sequence", "minibatches": 1},  # set again by the user: the recipe's 4 undone
+])
+def test_sequence_ratio_with_an_outcome_rule_is_refused_at_start_up(values):
+    with pytest.raises(ConfigError, match=r"^ratio: reward '\w+' gives outcome rewards .* exactly 1"):
+        from_dict(values)
+
+
+def test_sequence_ratio_with_a_reward_model_is_refused_at_start_up(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ConfigError, match="^ratio: reward .* gives outcome rewards"):
+        from_dict({"ratio": "sequence", "reward": str(tmp_path / "rm")})
+    assert from_dict({"ratio": "sequence", "reward": str(tmp_path / "rm"), "epochs": 2}).ratio == "sequence"
+
+
+@pytest.mark.parametrize("over", [dict(kl_coef=0.0), dict(kl_coef=0.05, agg="seq-mean-token-sum-norm")])
+def test_sequence_ratio_refused_at_the_first_outcome_batch_before_any_update(tmp_path, monkeypatch, over):
+    """A 'module:function' says what it returns only when called: refused at the first batch, naming ratio,
+    before any loss or optimizer step, and the fresh run leaves nothing behind."""
+    cfg = tiny(tmp_path, losses="eager", reward=DISTINCT, ratio="sequence", **over)  # accepted at start-up
+    tr = Trainer(cfg)
+    losses, steps = [], []
+    monkeypatch.setattr(loop, "minibatch_loss", lambda *args, **kwargs: losses.append(1))
+    monkeypatch.setattr(tr.optimizer, "step", lambda *args, **kwargs: steps.append(1))
+    before = _state(tr.policy)
+    with pytest.raises(ConfigError, match="^ratio: the reward .*distinct_in_group' returned outcome rewards"):
+        tr.run()
+    assert losses == [] and steps == [] and tr.step == 0
+    _assert_state(tr.policy, before)
+    assert checkpoint.run_files(tmp_path) == []  # no config.json, metrics or checkpoint: the folder takes a rerun
+
+
+def test_sequence_ratio_refused_at_the_first_batch_from_the_command_line(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path), "--reward", DISTINCT]
+    assert main(CLI + out + ["--ratio", "sequence"]) == 2
+    err = _one_line_error(capsys, "ratio: the reward")
+    assert "outcome rewards" in err and "epochs or minibatches above 1" in err
+    assert main(CLI + out + ["--ratio", "sequence", "--epochs", "2", "--steps", "1"]) == 0  # same folder, no overwrite
+
+
+@pytest.mark.parametrize("over", [
+    dict(epochs=2),
+    dict(minibatches=2),
+    dict(reward=TWO_STEPS, kl_coef=0.0),  # process supervision: per-token advantages
+    dict(reward=TWO_STEPS, kl_coef=0.05, advantage="dr_grpo"),
+    dict(kl_coef=0.05, kl_in="reward"),  # the KL's return to go makes the advantages per token
+    dict(algo="ppo"),  # GAE: per-token advantages (the KL in the reward by default)
+    dict(algo="ppo", kl_coef=0.0),
+])
+def test_sequence_ratio_still_runs_where_it_matters(tmp_path, over):
+    cfg = tiny(tmp_path, losses="eager", reward=over.pop("reward", DISTINCT), ratio="sequence", steps=1, **over)
+    tr = Trainer(cfg)
+    before = _state(tr.policy)
+    assert tr.run()["steps"] == 1
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["step"] == 1
+    assert any(not torch.equal(tr.policy.state_dict()[n], w) for n, w in before.items())  # an update was applied
+
+
+RANK_STEPS = {"rank": None}  # the process whose reward function returns step rewards (set in the worker)
+
+
+def steps_in_one_rank(prompts, completions, answers, completion_tokens):
+    import torch.distributed as dist
+
+    if dist.get_rank() == RANK_STEPS["rank"]:  # one step per completion, ending at its last token
+        return [[(float(i % 3), len(t) - 1)] for i, t in enumerate(completion_tokens)]
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def _ratio_worker(rank, world, init_file, out_dir, cfg_dict, steps_rank):
+    in_gloo_group(rank, world, f"file://{init_file}", _ratio_work, rank, out_dir, cfg_dict, steps_rank)
+
+
+def _ratio_work(rank, out_dir, cfg_dict, steps_rank):
+    RANK_STEPS["rank"] = steps_rank
+    tr = Trainer(from_dict(cfg_dict))
+    try:
+        tr.score(tr.rollout(1), 1)
+        said = "accepted"
+    except ConfigError as error:
+        said = str(error)
+    (Path(out_dir) / f"ratio{rank}.txt").write_text(said)
+
+
+@pytest.mark.parametrize("steps_rank", [None, 1])
+def test_sequence_ratio_first_batch_decided_by_every_process(tmp_path, steps_rank):
+    """Under torchrun each process scores its own share: the refusal is taken together (one process's step
+    rewards make the ratio matter), so no process stops while the others wait for it."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0, ratio="sequence",
+                    reward=f"{__name__}:steps_in_one_rank")
+    torch.multiprocessing.spawn(_ratio_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict, steps_rank),
+                                nprocs=2, join=True)
+    said = [(tmp_path / f"ratio{rank}.txt").read_text() for rank in range(2)]
+    if steps_rank is None:
+        assert all(s.startswith("ratio: the reward") for s in said), said
+    else:
+        assert said == ["accepted", "accepted"]
+
+
+def test_sequence_ratio_accepted_at_start_up_where_it_may_matter(tmp_path):
+    for values in ({"ratio": "sequence", "epochs": 2}, {"ratio": "sequence", "minibatches": 2},
+                   {"ratio": "sequence", "reward": "steps", "task": "prefix_sums"},
+                   {"ratio": "sequence", "kl_in": "reward"}, {"ratio": "sequence", "algo": "ppo"},
+                   {"ratio": "sequence", "reward": DISTINCT},  # a callable: decided at its first batch
+                   {"recipe": "gspo"}, {"recipe": "gspo", "minibatches": 1},  # the recipe's ratio, not the user's
+                   {"ratio": "token"}):
+        assert from_dict(values).ratio == values.get("ratio", "sequence"), values
 
 
 def test_model_directory_and_reward_callable_are_checked_at_start_up(tmp_path):

@@ -84,7 +84,13 @@ class TrainConfig:
     dual_clip: typing.Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages, or None. Combines with ratio 'sequence' (the bound applies to every token of a sequence with a negative advantage). Needs epochs * minibatches > 1 (refused otherwise: every ratio is exactly 1)."""
     ratio: str = "token"
-    """Importance ratio: 'token' (PPO/GRPO) or 'sequence' (GSPO)."""
+    """Importance ratio: 'token' (PPO/GRPO) or 'sequence' (GSPO). 'sequence' changes nothing, and is refused, under
+    GRPO with one epoch of one minibatch (every ratio exactly 1), no KL in the per-token reward (kl_coef 0 or kl_in
+    'loss') and outcome rewards (one score per completion: every token of a sequence has the same advantage A, and
+    GSPO's gradient of -A * s, s = exp(mean_t(logp - old_logp)), is -A / n on each of the sequence's n tokens, the
+    token ratio's -A in every agg mode): at start-up for the rules 'exact', 'format', 'exact_format' and a reward
+    model, at the first batch for a 'module:function' (judged by what it returns there: floats, or step
+    rewards for at least one completion)."""
     agg: str = "token-mean"
     """Loss aggregation: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
     advantage: str = "grpo"
@@ -236,6 +242,9 @@ class TrainConfig:
                 if self.was_set(name):
                     self._refuse(name, "with one epoch of one minibatch every importance ratio is exactly 1, so "
                                        "no clip applies (set epochs or minibatches above 1)")
+        if self.sequence_ratio_needs_steps() and self._reward_is_outcome():
+            self._refuse("ratio", f"reward {self.reward!r} gives outcome rewards (one score per completion), "
+                                  + SEQUENCE_RATIO_WHY)
         if self.algo == "ppo" and self.epochs * self.minibatches == 1 and self.was_set("value_clip"):
             self._refuse("value_clip", "with one epoch of one minibatch the critic's values are still its old values "
                                        "when the value loss is taken, so the clip never applies (set epochs or "
@@ -313,6 +322,25 @@ class TrainConfig:
         if local % self.minibatches:
             self._bad("minibatches", f"must divide each process's batch, prompts_per_step * group_size / {world} "
                                      f"processes = {local} rows")
+
+    def sequence_ratio_needs_steps(self) -> bool:
+        """Whether the user's ``ratio`` 'sequence' changes the update only where the rewards are step rewards:
+        GRPO with one epoch of one minibatch (every importance ratio exactly 1) and no KL in the per-token
+        reward. With outcome rewards every token of a sequence then has the same advantage, and the sequence
+        ratio gives the token ratio's gradient (see the field's documentation): it is refused, at start-up for
+        a reward known to give outcome rewards, else at the first batch whose rewards are outcome rewards
+        (:meth:`trainer.loop.Trainer.score`)."""
+        kl_in_reward = self.kl_coef > 0 and self.kl_in == "reward"  # kl_in None resolves to 'loss' under GRPO
+        return (self.ratio == "sequence" and self.was_set("ratio") and self.algo == "grpo"
+                and self.epochs * self.minibatches == 1 and not kl_in_reward)
+
+    def _reward_is_outcome(self) -> bool:
+        """Whether ``reward`` gives outcome rewards whatever it is asked (a rule of
+        :data:`trainer.rewards.OUTCOME_RULES` or a reward model); a 'module:function' is known only at its first
+        batch."""
+        from .rewards import OUTCOME_RULES
+
+        return self.reward in OUTCOME_RULES or self._reward_is_model()
 
     def _reward_is_model(self) -> bool:
         """Whether ``reward`` names a reward-model directory (else a built-in rule or a module:function)."""
@@ -468,6 +496,12 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+# Why ratio 'sequence' is refused where TrainConfig.sequence_ratio_needs_steps holds and the rewards are outcome rewards
+SEQUENCE_RATIO_WHY = ("so every token of a sequence has the same advantage, and GRPO with one epoch of one minibatch "
+                      "has every importance ratio exactly 1, where the sequence ratio (GSPO) gives the token ratio's "
+                      "gradient (set epochs or minibatches above 1, or put a KL in the reward: kl_coef > 0 with "
+                      "kl_in 'reward')")
 
 TINY_TASKS = ("max_digit", "sum_mod10", "first_digit", "prefix_sums", "prefix_max")
 

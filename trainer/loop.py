@@ -261,6 +261,7 @@ class Trainer:
         self.step = 0
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
+        self._first_batch_scored = False  # the first batch says whether the reward function gives step rewards
 
     def _initial_model_config(self) -> TrainConfig:
         """The config the policy is first built from: ``cfg``, but on a resume of the tiny model (random weights
@@ -351,7 +352,9 @@ class Trainer:
 
     def score(self, batch: Rollout, step: int) -> Rollout:
         """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each) and,
-        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied."""
+        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied. The first
+        batch scored decides the refusals that depend on whether the rewards are step rewards
+        (:func:`process.check_outcome_ratio`; later batches too: :func:`process.check_process_advantage`)."""
         if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
             batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
         lengths = batch.mask.long().sum(-1)  # [B] response tokens
@@ -361,6 +364,9 @@ class Trainer:
             scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
         except process.RewardError as error:
             raise process.RewardError(f"{error} (reward {self.cfg.reward!r}, step {step})") from None
+        if not self._first_batch_scored:
+            self._check_outcome_ratio(steps is None)
+            self._first_batch_scored = True
         if steps is not None:
             process.check_process_advantage(self.cfg)
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
@@ -373,6 +379,19 @@ class Trainer:
         scores, steps = process.eos_penalty(scores, steps, batch.eos, self.cfg.missing_eos_penalty, lengths)
         fields = dict(zip(("step_rewards", "step_ends", "step_mask"), steps)) if steps is not None else {}
         return dataclasses.replace(batch, scores=scores, **fields)
+
+    def _check_outcome_ratio(self, outcome: bool) -> None:
+        """At the first batch scored, before any update: refuse ``ratio`` 'sequence' where it changes nothing with
+        outcome rewards (:func:`process.check_outcome_ratio`) when ``outcome`` (the batch's rewards are outcome
+        rewards) holds in every process (one process's step rewards make it matter; all refuse, or none)."""
+        if not self.cfg.sequence_ratio_needs_steps():  # the same in every process: no collective otherwise
+            return
+        if self.distributed:
+            flag = torch.tensor([int(outcome)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            outcome = bool(flag)
+        if outcome:
+            process.check_outcome_ratio(self.cfg)
 
     @torch.no_grad()
     def score_tokens(self, batch: Rollout) -> Rollout:
@@ -726,7 +745,7 @@ class Trainer:
 
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress or self.rank != 0, desc=cfg.algo, dynamic_ncols=True)
         wall = time.perf_counter()
-        interrupted = False
+        interrupted = refused = False
         try:
             while self.step < cfg.steps:
                 metrics = self.train_step(self.step + 1)
@@ -747,12 +766,19 @@ class Trainer:
                     break
             if self.step > self._resumed_from:  # a resume with nothing left to run keeps its checkpoint as is
                 self.save()
+        except ConfigError:  # e.g. refused at the first batch, where the reward function's output decides
+            refused = True
+            raise
         finally:
             bar.close()
             if log is not None:
                 log.close()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            if refused and not cfg.resume and self.step == self._resumed_from and self.rank == 0:
+                # nothing was trained: a fresh run leaves no run behind, so the corrected command takes the same folder
+                for name in ("config.json", "metrics.jsonl"):
+                    (self.out / name).unlink(missing_ok=True)
         summary = self.summarize(time.perf_counter() - wall, interrupted)
         return summary
 

@@ -225,3 +225,15 @@ def check_process_advantage(cfg) -> None:
     if cfg.algo == "grpo" and cfg.advantage not in PROCESS_MODES:
         raise ConfigError(f"advantage: the reward returned step rewards (process supervision), which take "
                           f"{list(PROCESS_MODES)} (got {cfg.advantage!r})")
+
+
+def check_outcome_ratio(cfg) -> None:
+    """GRPO's ratio 'sequence' with one epoch of one minibatch and no KL in the reward changes nothing with outcome
+    rewards (:meth:`TrainConfig.sequence_ratio_needs_steps`): raised at the first batch when its rewards are
+    outcome rewards, since only the reward function's output says so (rules and reward models are refused at
+    start-up). The trainer calls it before any update."""
+    from .config import SEQUENCE_RATIO_WHY
+
+    if cfg.sequence_ratio_needs_steps():
+        cfg._refuse("ratio", f"the reward {cfg.reward!r} returned outcome rewards (one float per completion) at the "
+                             f"first batch, {SEQUENCE_RATIO_WHY}")

@@ -70,6 +70,7 @@ def steps(prompts, completions, answers, completion_tokens=None):
 
 
 REWARDS: dict[str, Callable] = {"exact": exact, "format": format_, "exact_format": exact_format, "steps": steps}
+OUTCOME_RULES = ("exact", "format", "exact_format")  # the rules that return one float per completion ('steps': steps)
 
 
 def check_reward_spec(spec: str) -> str:
