@@ -23,16 +23,16 @@ def extension_modules():
     sys.path.insert(0, here)
     # the JIT build's rules: -fopenmp for at::parallel_for's pragma; CUDA kernels with a CUDA torch, nvcc and a
     # target (a visible GPU or TORCH_CUDA_ARCH_LIST, e.g. "8.0;9.0" for a wheel built on a machine without one)
-    from rlkernels._extension import cuda_build_possible, openmp_flags
+    from rlkernels._extension import CUDA_FLAGS, CUDA_SOURCES, cuda_build_possible, openmp_flags
 
     omp = openmp_flags()
     if cuda_build_possible():
-        sources += [os.path.join(csrc, "advantages_cuda.cu"), os.path.join(csrc, "advantages_cuda_binding.cpp")]
+        sources += [os.path.join(csrc, name) for name in CUDA_SOURCES]
         ext = cpp_extension.CUDAExtension(
             "rlkernels._C",
             sources,
             include_dirs=[os.path.join(here, csrc)],
-            extra_compile_args={"cxx": ["-O3", "-DRLKERNELS_WITH_CUDA", *omp], "nvcc": ["-O3", "--use_fast_math"]},
+            extra_compile_args={"cxx": ["-O3", "-DRLKERNELS_WITH_CUDA", *omp], "nvcc": list(CUDA_FLAGS)},
             extra_link_args=omp,
         )
     else:

@@ -220,6 +220,12 @@ TORCH_LIBRARY(rlkernels_csrc, m) {
   m.def("gae(Tensor rewards, Tensor values, Tensor mask, float gamma, float lam) -> (Tensor, Tensor)");
   m.def("group_advantages(Tensor scores, Tensor perm, Tensor starts, int group_size, int mode, float eps) -> Tensor");
   m.def("masked_whiten(Tensor x, Tensor mask, bool shift_mean, float eps, bool fused) -> Tensor");
+  // logits_policy_loss's CUDA kernel (logits_policy_cuda.cu; CUDA only): 1 when it ran, 0 when it cannot take the call
+  m.def("logits_policy(Tensor logits, Tensor labels, Tensor old_logp, Tensor adv, Tensor ref_logp, Tensor mask, "
+        "Tensor weight, Tensor(a!) logp, Tensor(b!) entropy, Tensor(c!) part, Tensor(d!) d_logits, int T, "
+        "float inv_temp, int ignore_index, float ratio_min, float ratio_max, float dual_clip, float kl_coef, "
+        "float entropy_coef, bool on_policy, bool has_ref, int kl_estimator, bool has_entropy, bool entropy_grad, "
+        "bool write_grad) -> int");
 }
 
 TORCH_LIBRARY_IMPL(rlkernels_csrc, CPU, m) {

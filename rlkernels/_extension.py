@@ -39,7 +39,7 @@ CSRC_DIR = next(
     os.path.join(os.path.dirname(_PACKAGE_DIR), "csrc"),
 )
 CPU_SOURCES = ("advantages.cpp",)
-CUDA_SOURCES = ("advantages_cuda.cu", "advantages_cuda_binding.cpp")
+CUDA_SOURCES = ("advantages_cuda.cu", "advantages_cuda_binding.cpp", "logits_policy_cuda.cu", "logits_policy_binding.cpp")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "ops": None, "error": None, "warned": False, "announced": False}

@@ -109,7 +109,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernels import _backend, _checks, losses, reference
+from rlkernels import _backend, _checks, _extension, losses, reference
 from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
@@ -985,8 +985,12 @@ def _logits_kernel_signature(ty: str) -> dict:
     return {**ptrs, **sizes, **dict.fromkeys(flags, "constexpr")}
 
 
-def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """ratio="token": :func:`_logits_policy_kernel`, one launch; the same outputs as :func:`_logits_torch`."""
+def _logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions, launch):
+    """ratio="token" in ONE kernel launch, ``launch(rows, labels, old, adv, ref, mask, w, logp, ent, part, d_logits,
+    T, opt, on_policy, has_ref)`` -> whether it ran (the Triton kernel always runs; the CUDA cluster kernel may
+    refuse a call, then this returns None and nothing was written). The host work around it is the same for both:
+    the aggregation weights ``w`` [B] from the mask, the per-token inputs as flat float32, then the loss and the
+    metrics from the kernel's per-token partial sums. Same outputs as :func:`_logits_torch`."""
     B, T, V = logits.shape
     N = B * T
     dev = logits.device
@@ -1002,18 +1006,9 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
     ent = torch.empty(N, dtype=torch.float32, device=dev)  # [N]
     part = torch.empty(N, operator.index(losses.NSLOTS), dtype=torch.float32, device=dev)  # [N, NSLOTS]
     d_logits = torch.empty(N, V, dtype=logits.dtype, device=dev) if opt.grad_input else None  # [N, V]
-    if N:
-        cfg = _sm._launch_config(V)
-        _logits_policy_kernel.launch(
-            (N,), rows, labels.reshape(N).contiguous(), old, adv, ref, m, w_b, logp, ent, part,
-            d_logits if d_logits is not None else logp, rows.stride(0), rows.stride(1), rows.shape[1], T, V,
-            1.0 / opt.temperature, opt.ignore_index, opt.clip_low, opt.clip_high,
-            math.inf if opt.dual_clip is None else opt.dual_clip, opt.kl_coef, opt.entropy_coef,
-            ON_POLICY=old_logp is None, HAS_REF=ref_logp is not None,
-            KL_EST=reference.KL_ESTIMATORS.index(opt.kl_estimator) if ref_logp is not None else 0,
-            HAS_ENT=opt.with_entropy, ENT_GRAD=opt.entropy_coef != 0, WRITE_GRAD=d_logits is not None,
-            **_sm._fwd_constexprs(cfg, TRITON_DTYPE_NAMES[logits.dtype]), INTERPRETED=dev.type == "cpu",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if N and not launch(rows, labels.reshape(N).contiguous(), old, adv, ref, m, w_b, logp, ent, part, d_logits, T, opt,
+                        old_logp is None, ref_logp is not None):
+        return None
     totals = part.sum(0)  # [NSLOTS]
     if not opt.with_entropy:
         ent.zero_()  # as the torch row: no entropy asked, zeros
@@ -1021,6 +1016,46 @@ def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, o
     empty = logits.new_empty(0)
     return (loss, losses._masked_means(totals, losses._POLICY_METRIC_SLOTS), logp.reshape(B, T), ent.reshape(B, T),
             empty if d_logits is None else d_logits.reshape(B, T, V))
+
+
+def _launch_triton_token(rows, labels, old, adv, ref, m, w_b, logp, ent, part, d_logits, T, opt, on_policy, has_ref):
+    """:func:`_logits_policy_kernel`, a program per token row; always runs."""
+    V = rows.shape[2]
+    cfg = _sm._launch_config(V)
+    _logits_policy_kernel.launch(
+        (labels.numel(),), rows, labels, old, adv, ref, m, w_b, logp, ent, part,
+        d_logits if d_logits is not None else logp, rows.stride(0), rows.stride(1), rows.shape[1], T, V,
+        1.0 / opt.temperature, opt.ignore_index, opt.clip_low, opt.clip_high,
+        math.inf if opt.dual_clip is None else opt.dual_clip, opt.kl_coef, opt.entropy_coef,
+        ON_POLICY=on_policy, HAS_REF=has_ref, KL_EST=reference.KL_ESTIMATORS.index(opt.kl_estimator) if has_ref else 0,
+        HAS_ENT=opt.with_entropy, ENT_GRAD=opt.entropy_coef != 0, WRITE_GRAD=d_logits is not None,
+        **_sm._fwd_constexprs(cfg, TRITON_DTYPE_NAMES[rows.dtype]), INTERPRETED=rows.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return True
+
+
+def _logits_triton_token(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """ratio="token": :func:`_logits_policy_kernel`, one launch; the same outputs as :func:`_logits_torch`."""
+    return _logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, _launch_triton_token)
+
+
+def _launch_cluster_token(rows, labels, old, adv, ref, m, w_b, logp, ent, part, d_logits, T, opt, on_policy, has_ref):
+    """The csrc extension's cluster kernel (csrc/logits_policy_kernel.h): a cluster of blocks per token row holding
+    the row in their shared memory; False where it cannot take the call (V not a multiple of 16 bytes' elements, a
+    row longer than 8 blocks' chunks, misaligned rows, a GPU without clusters and a row over one block's chunk)."""
+    return bool(_extension.load().logits_policy(
+        rows, labels, old, adv, ref, m, w_b, logp, ent, part, d_logits if d_logits is not None else logp, T,
+        1.0 / opt.temperature, opt.ignore_index, 1.0 - opt.clip_low, 1.0 + opt.clip_high,
+        math.inf if opt.dual_clip is None else opt.dual_clip, opt.kl_coef, opt.entropy_coef, on_policy, has_ref,
+        reference.KL_ESTIMATORS.index(opt.kl_estimator) if has_ref else 0, opt.with_entropy, opt.entropy_coef != 0,
+        d_logits is not None))
+
+
+def _logits_cluster_token(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
+    """ratio="token" in the csrc cluster kernel, or None where it cannot run (see :func:`_launch_cluster_token`)."""
+    if not (logits.is_cuda and _extension.has_cuda_kernels()):
+        return None
+    return _logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, _launch_cluster_token)
 
 
 def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
@@ -1050,11 +1085,16 @@ def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, op
     return loss, metrics, logp, ent, logits.new_empty(0) if d_logits is None else d_logits
 
 
-# Which Triton row serves ratio="token" (RLKERNELS_LOGITS_POLICY; GSPO always takes the pair):
+# Which CUDA row serves ratio="token" (RLKERNELS_LOGITS_POLICY; GSPO always takes the pair):
 # - "pair" (the default): the logprobs kernels around the policy loss (_logits_triton_pair): a read pass for the
 #   statistics, the policy loss over [B, T], then a read-and-write pass for d_logits -- three passes over [N, V];
 # - "one-kernel": _logits_policy_kernel, a program per token that reads its row, forms the token's loss
-#   coefficients in registers and re-reads the row to write d_logits (two passes when the re-read hits L2).
+#   coefficients in registers and re-reads the row to write d_logits (two passes when the re-read hits L2);
+# - "cluster": the csrc extension's kernel (csrc/logits_policy_kernel.h): a cluster of blocks per token row holds the
+#   row in shared memory (at most 80 KB a block: 4 blocks at V = 151936 bf16, on Hopper; one block before it), so
+#   the logits are read from DRAM once and d_logits written once -- the two-pass bound by construction. Where it
+#   cannot take a call (see _launch_cluster_token) the pair runs. Not yet measured on a GPU (checked on the CPU
+#   under tests/cuda_emulated/); the default moves to it only if `make gpu` measures it faster.
 # Measured on an H100 (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26-lease1.md, N=8192 V=151936 bf16, fwd+bwd): the
 # one kernel 4.46 ms (1.12 TB/s of its two-pass bytes), logprobs + policy_loss called separately 2.56 ms: the
 # re-read of each ~300 KB row does not stay in L2 there, so the one kernel pays three passes at a program-per-row's
@@ -1063,10 +1103,11 @@ def _logits_triton_pair(logits, labels, old_logp, advantages, mask, ref_logp, op
 # kernels took 2.0 ms (the two ops' 1.84 ms), but the backward read the upstream gradient on the host (a device sync)
 # and the host's work per call was 2.5 ms, so the two added up. Since then the upstream gradient is applied on the
 # device (_handed_out) and the pair makes the two ops' calls (bench/results/cpu-op-count-2026-11-27.txt): on the
-# next H200 run (NVIDIA_H200-2026-11-27.md, commit 14fe024) the pair took 1.821 ms, the two ops 1.884, the one
-# kernel 3.517.
+# next H200 run (NVIDIA_H200-2026-11-27-lease2.md, commit 14fe024) the pair took 1.821 ms, the two ops 1.884, the
+# one kernel 3.517; on the day's third (NVIDIA_H200-2026-11-27.md, e8bcb85) 1.866 (1.58x the two-pass bound), 1.915
+# and 3.499.
 LOGITS_ROW_ENV = "RLKERNELS_LOGITS_POLICY"
-LOGITS_ROWS = ("pair", "one-kernel")
+LOGITS_ROWS = ("pair", "one-kernel", "cluster")
 
 
 def _logits_row() -> str:
@@ -1075,11 +1116,16 @@ def _logits_row() -> str:
 
 
 def _logits_triton(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
-    """The Triton row of logits_policy_loss: the logprobs kernels around the policy loss's own implementation
-    (:func:`_logits_triton_pair`), or for ``ratio="token"`` with ``RLKERNELS_LOGITS_POLICY=one-kernel`` the one
-    kernel (see the note above). Same outputs as :func:`_logits_torch`."""
-    one = opt.ratio != "sequence" and _logits_row() == "one-kernel"
-    run = _logits_triton_token if one else _logits_triton_pair
+    """The CUDA (Triton backend) row of logits_policy_loss: the logprobs kernels around the policy loss's own
+    implementation (:func:`_logits_triton_pair`), or for ``ratio="token"`` with ``RLKERNELS_LOGITS_POLICY=one-kernel``
+    the one Triton kernel, with ``=cluster`` the csrc cluster kernel where it takes the call (see the note above).
+    Same outputs as :func:`_logits_torch`."""
+    row = _logits_row() if opt.ratio != "sequence" else "pair"
+    if row == "cluster":
+        out = _logits_cluster_token(logits, labels, old_logp, advantages, mask, ref_logp, opt)
+        if out is not None:
+            return out
+    run = _logits_triton_token if row == "one-kernel" else _logits_triton_pair
     return run(logits, labels, old_logp, advantages, mask, ref_logp, opt)
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
 
 import torch
 
@@ -178,3 +180,28 @@ def in_gloo_group(rank: int | None, world: int | None, init_method: str | None, 
         return result
     finally:
         dist.destroy_process_group()
+
+
+CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+EMULATED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulated")
+
+
+def build_emulated(tmp_path_factory, main: str) -> str:
+    """``tests/cuda_emulated/<main>`` (a CUDA kernel's own source from ``csrc/`` under the warp emulator,
+    ``cuda_warp_emulator.h``) built with the host compiler, with AddressSanitizer and UBSan's alignment check where
+    the compiler has them; the executable's path."""
+    import pytest
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
+    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
+            os.path.join(EMULATED_DIR, main), "-o", exe]
+    # AddressSanitizer, and UBSan's alignment check: a 16-byte vector access through a misaligned pointer aborts
+    built = subprocess.run(base[:1] + ["-fsanitize=address,alignment", "-fno-sanitize-recover=alignment"] + base[1:],
+                           capture_output=True, text=True)
+    if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
+        built = subprocess.run(base, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    return exe

@@ -4,7 +4,6 @@ ahead-of-time Triton and nvcc builds, the fallback without the extension, and to
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import warnings
 import zlib
@@ -16,9 +15,8 @@ import torch
 import rlkernels
 from rlkernels import _backend, _extension, reference
 from rlkernels import advantages as adv_mod
-from tests.helpers import (REL_TOL, assert_close_to_truth, backends, devices, forced_backend, in_gloo_group, nvcc_or_skip,
-                           on_device,
-                           rel_error)
+from tests.helpers import (REL_TOL, assert_close_to_truth, backends, build_emulated, devices, forced_backend,
+                           in_gloo_group, nvcc_or_skip, on_device, rel_error)
 
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
@@ -1060,33 +1058,12 @@ def test_cuda_default_is_the_measured_kernel(monkeypatch):
 
 # ---------------------------------------------------------------- the CUDA group kernel's source, emulated on the CPU
 
-EMULATED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emulated")
-
-
-def _build_emulated(tmp_path_factory, main: str) -> str:
-    """``tests/cuda_emulated/<main>`` built with the host compiler against ``csrc/`` and the warp emulator, with
-    AddressSanitizer where the compiler has it; the executable's path."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
-    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
-            os.path.join(EMULATED_DIR, main), "-o", exe]
-    # AddressSanitizer, and UBSan's alignment check: a 16-byte vector access through a misaligned pointer aborts
-    built = subprocess.run(base[:1] + ["-fsanitize=address,alignment", "-fno-sanitize-recover=alignment"] + base[1:],
-                           capture_output=True, text=True)
-    if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
-        built = subprocess.run(base, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    return exe
-
-
 @pytest.fixture(scope="module")
 def emulated_group_kernel(tmp_path_factory):
     """``csrc/group_segment_kernel.h`` (the CUDA kernel for contiguous groups of up to 256 scores and its launch
     plan) under ``tests/cuda_emulated/cuda_warp_emulator.h`` (a block's threads as host threads, shuffles and
     __syncthreads through barriers): a runner ``(scores, group_size, mode, offset) -> (outputs, plan)``."""
-    exe = _build_emulated(tmp_path_factory, "group_segment_main.cpp")
+    exe = build_emulated(tmp_path_factory, "group_segment_main.cpp")
 
     def run(scores: torch.Tensor, group_size: int, mode: str, offset: int = 0):
         G = scores.numel() // group_size
@@ -1149,7 +1126,7 @@ def emulated_whiten_kernels(tmp_path_factory):
     head, ran_fused)`` for float32, bfloat16 or float16 x (its own dtype's bytes go in). ``fused``: the cooperative
     kernel where it takes the memory (``ran_fused`` 1; ``vec`` then -1), else and with ``fused=False`` the three
     passes (``vec``: their statistics kernel's 16-byte variant)."""
-    exe = _build_emulated(tmp_path_factory, "whiten_main.cpp")
+    exe = build_emulated(tmp_path_factory, "whiten_main.cpp")
     names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
     def run(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool, x_offset: int = 0, mask_offset: int | None = None,
@@ -1272,7 +1249,7 @@ def test_csrc_whiten_kernels_source_run_on_the_cpu_under_a_warp_emulator(emulate
 def emulated_gae_kernel(tmp_path_factory):
     """``csrc/gae_kernel.h`` (gae's CUDA kernel, float32 inputs, launched by its own ``gae_passes``) under the warp
     emulator: a runner ``(rewards, values, mask, gamma, lam, offset) -> (advantages, returns, vec)``."""
-    exe = _build_emulated(tmp_path_factory, "gae_main.cpp")
+    exe = build_emulated(tmp_path_factory, "gae_main.cpp")
 
     def run(rewards, values, mask, gamma, lam, offset=0):
         B, T = rewards.shape

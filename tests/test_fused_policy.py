@@ -3,7 +3,11 @@ reference.policy_loss, in float64), forward and backward, every option, and agai
 from __future__ import annotations
 
 import contextlib
+import math
+import subprocess
 import zlib
+
+import numpy as np
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ import rlkernels
 from rlkernels import _backend, fused_policy
 from rlkernels import reference as ref
 from rlkernels._host import option_values
-from tests.helpers import (DTYPES, EAGER_SLACK, assert_close_to_truth, devices, forced_backend, noncontiguous,
+from tests.helpers import (DTYPES, EAGER_SLACK, assert_close_to_truth, build_emulated, devices, forced_backend, noncontiguous,
                            rel_error)
 
 BACKENDS = ("torch", "reference")  # the ops' CPU rows; the Triton rows (interpreter on CPU) have their own tests
@@ -554,6 +558,142 @@ def test_logits_triton_row_matches_float64_truth_and_the_torch_row(dtype, agg, V
         assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
     one = row == "one-kernel" and options.get("ratio") != "sequence"
     assert set(ran) == {"_logits_triton_token" if one else "_logits_triton_pair"}
+
+
+# ---------------------------------------------------------------- the csrc cluster kernel, emulated on the CPU
+
+_EMULATED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@pytest.fixture(scope="module")
+def emulated_cluster_launch(tmp_path_factory):
+    """``csrc/logits_policy_kernel.h`` (logits_policy_loss's CUDA cluster kernel) from its own source under the warp
+    emulator (``tests/cuda_emulated/``: a cluster's blocks as host threads taking turns between cluster barriers,
+    each with shared memory of its own, poisoned when it returns; AddressSanitizer and UBSan's alignment check):
+    ``make(max_chunk_bytes, plans)`` gives a launch with :func:`fused_policy._launch_cluster_token`'s signature that
+    runs it, its plan's chunks capped at ``max_chunk_bytes`` (so that small rows take clusters of several blocks),
+    appending each call's ``(ranks, chunk)`` to ``plans``."""
+    exe = build_emulated(tmp_path_factory, "logits_policy_main.cpp")
+
+    def make(max_chunk_bytes: int, plans: list):
+        def launch(rows, labels, old, adv, ref_, m, w_b, logp, ent, part, d_logits, T, opt, on_policy, has_ref):
+            O, I, V = rows.shape
+            span = (O - 1) * rows.stride(0) + (I - 1) * rows.stride(1) + V
+            storage = torch.as_strided(rows, (span,), (1,))  # [span]: every row from the first one's start
+            raw = lambda t: t.contiguous().view(torch.uint8).numpy().tobytes()  # noqa: E731
+            data = b"".join(raw(t) for t in (storage, labels, old, adv, ref_, m, w_b))
+            options = [1.0 / opt.temperature, opt.ignore_index, 1.0 - opt.clip_low, 1.0 + opt.clip_high,
+                       math.inf if opt.dual_clip is None else opt.dual_clip, opt.kl_coef, opt.entropy_coef,
+                       int(on_policy), int(has_ref), ref.KL_ESTIMATORS.index(opt.kl_estimator) if has_ref else 0,
+                       int(opt.with_entropy), int(opt.entropy_coef != 0), int(d_logits is not None)]
+            args = [exe, _EMULATED_DTYPES[rows.dtype], O, I, V, rows.stride(0), rows.stride(1), span, T,
+                    max_chunk_bytes, *options]
+            done = subprocess.run([str(a) for a in args], input=data, capture_output=True, timeout=600)
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
+            ranks, chunk = (int(v) for v in done.stderr.split()[:2])
+            plans.append((ranks, chunk))
+            if ranks == 0:
+                return False
+            N = labels.numel()
+            out = np.frombuffer(done.stdout, dtype=np.uint8)
+            floats = torch.from_numpy(out[: 4 * N * 10].copy()).view(torch.float32)  # logp, entropy, part
+            logp.copy_(floats[:N])
+            ent.copy_(floats[N:2 * N])
+            part.copy_(floats[2 * N:].view(N, -1))
+            if d_logits is not None:
+                d_logits.copy_(torch.from_numpy(out[4 * N * 10:].copy()).view(d_logits.dtype).view(N, V))
+            return True
+
+        return launch
+
+    return make
+
+
+CLUSTER_CASES = [  # (dtype, agg, V, layout, max_chunk_bytes, ranks, options): every agg, estimator and dtype
+    (torch.float32, "token-mean", 4096, "noncontiguous", 4096, 4,
+     dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0, temperature=1.3)),
+    (torch.bfloat16, "seq-mean-token-sum", 1000, "sliced", 256, 8,  # 125 vectors: 7 blocks of 16, one of 13
+     dict(kl_coef=0.1, kl_estimator="k2", clip_high=0.28, return_entropy=True)),
+    (torch.float16, "seq-mean-token-mean", 1000, "contiguous", 80 * 1024, 1,
+     dict(temperature=0.7, kl_coef=0.05, kl_estimator="k1")),
+    (torch.float32, "seq-mean-token-sum-norm", 1000, "on-policy", 1024, 4,
+     dict(entropy_coef=0.01, kl_coef=0.05, kl_estimator="abs", norm_length=8.0)),
+    (torch.bfloat16, "token-mean", 2048, "contiguous", 1024, 4, dict(clip_low=3e-4, clip_high=4e-4)),
+]
+
+
+@pytest.mark.parametrize("dtype, agg, V, layout, max_chunk, ranks, options", CLUSTER_CASES,
+                         ids=lambda o: str(o).removeprefix("torch.") if not isinstance(o, dict) else
+                         ",".join(f"{k}={v}" for k, v in o.items()))
+def test_csrc_cluster_kernel_source_matches_float64_truth_under_a_warp_emulator(
+        emulated_cluster_launch, dtype, agg, V, layout, max_chunk, ranks, options, monkeypatch):
+    """The CUDA cluster row of logits_policy_loss (RLKERNELS_LOGITS_POLICY=cluster) from its kernel's own source on
+    the CPU: the op end to end (its host code, fused_policy._logits_token_row, around the emulated kernel) against
+    the float64 truth, forward and backward, with a row split over clusters of 1 to 8 blocks (the last one shorter
+    where the vectors do not divide), an ignored label, masked-out and empty rows, every agg mode and estimator."""
+    plans = []
+    launch = emulated_cluster_launch(max_chunk, plans)
+
+    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
+        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
+
+    monkeypatch.setattr(fused_policy, "_logits_triton", cluster_row)
+    monkeypatch.setitem(fused_policy._LOGITS_IMPLS, "triton", cluster_row)
+    B, T = 3, 5
+    x = _inputs(B, T, 8, V, seed=zlib.crc32(f"{agg}{V}".encode()) % 1000)
+    x["labels"][1, 2] = -100  # a masked-in ignored label: log-prob 0, no gradient
+    x["mask"][1, 2] = True
+    if layout == "on-policy":
+        x["old_logp"] = None
+    logits = _layout((torch.randn(B, T, V, generator=_gen(V)) * 2).to(dtype), layout)  # [B, T, V]
+    upstream = 1.0 if dtype != torch.float32 else 1.4
+    loss, metrics, grad = _check_logits_against_truth(logits, x, dict(options, agg=agg), dtype, "triton", upstream)
+    assert torch.count_nonzero(grad[1, 2]) == 0 and torch.count_nonzero(grad[~x["mask"]]) == 0
+    assert plans and all(p[0] == ranks for p in plans)
+    if layout == "on-policy":
+        assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["clipfrac"]) == 0.0
+
+
+def test_csrc_cluster_kernel_poisons_a_row_with_nan_or_inf_and_refuses_unaligned_vocabularies(
+        emulated_cluster_launch, monkeypatch):
+    """A NaN or +inf logit gives its row NaN log-prob and gradient, as the other rows (a -inf one is a probability
+    of 0); a vocabulary that is not a whole number of 16-byte vectors is refused by the plan (the pair runs)."""
+    plans = []
+    launch = emulated_cluster_launch(512, plans)
+
+    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
+        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
+
+    B, T, V = 2, 3, 512
+    x = _inputs(B, T, 8, V, seed=3)
+    x["mask"][:] = True
+    x["labels"][0, 1] = 7
+    logits = torch.randn(B, T, V, generator=_gen(4)).to(torch.bfloat16)  # [B, T, V]
+    logits[0, 0, 300] = float("nan")
+    logits[0, 1, 5] = float("inf")
+    logits[1, 0, 9] = float("-inf")
+    opt = fused_policy._validate(head_input=logits, head_name="logits", weight=None, labels=x["labels"], bias=None,
+                                 old_logp=x["old_logp"], advantages=x["advantages"], mask=x["mask"], ref_logp=None,
+                                 temperature=1.0, ignore_index=-100, return_entropy=True,
+                                 policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                    kl_coef=0.0, kl_estimator="k3", entropy_coef=0.01, agg="token-mean",
+                                                    norm_length=None),
+                                 grads=(True, False, False))
+    args = (logits, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, opt)
+    got = cluster_row(*args)
+    want = fused_policy._logits_torch(*args)
+    assert plans == [(2, 256)]
+    _, _, logp, ent, d_logits = got
+    for bad in ((0, 0), (0, 1)):
+        assert torch.isnan(logp[bad]) and torch.isnan(d_logits[bad]).all()
+    assert torch.isfinite(logp[1]).all() and torch.isfinite(d_logits[1].float()).all()
+    assert d_logits[1, 0, 9] == 0
+    torch.testing.assert_close(logp[1], want[2][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent[1], want[3][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_logits[1].float(), want[4][1].float(), rtol=2e-2, atol=1e-4)
+    odd = torch.randn(B, T, 1001, generator=_gen(5)).to(torch.bfloat16)  # [B, T, 1001]: not whole 16-byte vectors
+    assert cluster_row(odd, x["labels"], x["old_logp"], x["advantages"], x["mask"], None, opt) is None
+    assert plans[-1] == (0, 0)
 
 
 def test_logits_row_refuses_an_unknown_name(monkeypatch):

@@ -5,8 +5,12 @@
 // __syncthreads is a barrier of the block's threads; __shared__ variables are function-local statics (shared by
 // the block's threads; blocks run one after another). A cooperative launch (launch_cooperative) gives every thread
 // of the grid a host thread and runs one block at a time between grid_sync() barriers, so that a block's
-// registers (locals) live across them and its __shared__ statics are its own while it runs. Memory is plain host
-// memory, so AddressSanitizer (-fsanitize=address) sees any read or write out of bounds.
+// registers (locals) live across them and its __shared__ statics are its own while it runs. A cluster launch
+// (launch_cluster) runs the clusters one after another, each like a cooperative grid of its blocks between
+// cluster_sync() barriers, every block with dynamic shared memory of its own that the others reach through
+// cluster_remote(); a block's shared memory is overwritten with 0xff bytes (NaN) when it returns, so that a read of
+// it after its owner finished shows. Memory is plain host memory, so AddressSanitizer (-fsanitize=address) sees any
+// read or write out of bounds.
 #pragma once
 #include <atomic>
 #include <barrier>
@@ -20,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -46,6 +51,8 @@ struct alignas(16) uint4 {
 };
 using std::fmax;
 using std::isfinite;
+inline float log1pf(float x) { return std::log1p(x); }
+inline float expm1f(float x) { return std::expm1(x); }
 using std::sqrt;
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
@@ -76,6 +83,30 @@ inline float to_float(__half h) {
   else
     magnitude = std::ldexp(static_cast<float>(mantissa | 0x400u), static_cast<int>(exponent) - 25);
   return sign ? -magnitude : magnitude;
+}
+
+// float to the 16-bit types, rounded to nearest even as the device's __float2bfloat16_rn / __float2half_rn
+inline void from_float(float g, float* p) { *p = g; }
+inline void from_float(float g, __nv_bfloat16* p) {
+  unsigned x;
+  std::memcpy(&x, &g, sizeof x);
+  p->bits = g != g ? static_cast<uint16_t>(0x7fc0u | ((x >> 16) & 0x8000u))
+                   : static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline void from_float(float g, __half* p) {
+  unsigned x;
+  std::memcpy(&x, &g, sizeof x);
+  const unsigned sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  unsigned h;
+  if (ax > 0x7f800000u)
+    h = 0x7e00u;  // NaN
+  else if (ax >= 0x477ff000u)
+    h = 0x7c00u;  // >= 65520: rounds to inf
+  else if (ax >= 0x38800000u)  // a normal half (>= 2^-14): re-bias the exponent, round at bit 13
+    h = (ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u) >> 13;
+  else  // a subnormal half (or 0): units of 2^-24, the product exact, ties to even
+    h = static_cast<unsigned>(std::nearbyint(std::fabs(g) * 16777216.0f));
+  p->bits = static_cast<uint16_t>(sign | h);
 }
 
 namespace emulated {
@@ -222,6 +253,70 @@ bool launch_cooperative(unsigned blocks, unsigned threads, Kernel kernel, Args..
   }
   return true;
 }
+
+// A cluster's state: the turns of its blocks (a Grid of `ranks` blocks) and each block's dynamic shared memory
+struct Cluster {
+  Grid turns;
+  std::vector<std::unique_ptr<unsigned char[]>> shared;  // [ranks], each `shared_bytes` (new[]: 16-byte aligned)
+  size_t shared_bytes = 0;
+};
+inline thread_local Cluster* cluster = nullptr;
+inline thread_local unsigned cluster_block = 0;  // this block's rank in its cluster
+
+// kernel over `blocks` blocks of `threads` in clusters of `ranks` consecutive blocks (blocks a multiple of ranks),
+// each block with `shared_bytes` of dynamic shared memory (dynamic_shared()); the clusters run one after another.
+template <typename Kernel, typename... Args>
+void launch_cluster(unsigned blocks, unsigned ranks, unsigned threads, size_t shared_bytes, Kernel kernel,
+                    Args... args) {
+  if (ranks == 0 || blocks % ranks != 0) {
+    std::fprintf(stderr, "launch_cluster: %u blocks do not divide into clusters of %u\n", blocks, ranks);
+    std::abort();
+  }
+  for (unsigned first = 0; first < blocks; first += ranks) {
+    Cluster here_cluster;
+    here_cluster.turns.blocks = ranks;
+    here_cluster.turns.barriers.assign(ranks, 0);
+    here_cluster.shared_bytes = shared_bytes;
+    for (unsigned r = 0; r < ranks; ++r) {
+      here_cluster.shared.emplace_back(new unsigned char[shared_bytes + 16]);
+      std::memset(here_cluster.shared.back().get(), 0xff, shared_bytes + 16);  // uninitialised: NaN
+    }
+    std::vector<std::unique_ptr<Block>> state;
+    for (unsigned r = 0; r < ranks; ++r) state.push_back(std::make_unique<Block>(threads));
+    std::vector<std::atomic<unsigned>> finished(ranks);
+    std::vector<std::thread> pool;
+    for (unsigned r = 0; r < ranks; ++r) {
+      for (unsigned t = 0; t < threads; ++t) {
+        pool.emplace_back([&, r, t] {
+          Block& here = *state[r];
+          enter(here, first + r, t, blocks, threads);
+          cluster = &here_cluster;
+          cluster_block = r;
+          turns = 0;
+          here_cluster.turns.wait_for(r);
+          kernel(args...);
+          leave(here, t);
+          if (finished[r].fetch_add(1) + 1 == threads) {  // the block's last thread: its memory is gone, next turn
+            std::memset(here_cluster.shared[r].get(), 0xff, shared_bytes + 16);
+            {
+              std::lock_guard<std::mutex> lock(here_cluster.turns.m);
+              ++here_cluster.turns.returned;
+            }
+            here_cluster.turns.pass();
+          }
+        });
+      }
+    }
+    for (auto& t : pool) t.join();
+    for (unsigned r = 1; r < ranks; ++r) {
+      if (here_cluster.turns.barriers[r] != here_cluster.turns.barriers[0]) {
+        std::fprintf(stderr, "cluster_sync: block %u passed %u cluster barriers, block 0 %u\n", r,
+                     here_cluster.turns.barriers[r], here_cluster.turns.barriers[0]);
+        std::abort();
+      }
+    }
+  }
+}
 }  // namespace emulated
 
 // CUDA's semantics with a width: lanes form segments of `width`; source lanes are relative to the segment
@@ -259,14 +354,35 @@ inline void __syncthreads() { emulated::block->arrive_and_wait(); }
 
 // cooperative_groups::this_grid().sync() of a launch_cooperative grid: the block's threads meet, its first hands the
 // turn on, and all wait for the block's next turn (after every other block has reached the barrier too)
-inline void grid_sync() {
+namespace emulated {
+inline void turn_barrier(Grid& g, unsigned b) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    emulated::grid->arrive(blockIdx.x);
-    emulated::grid->pass();
+    g.arrive(b);
+    g.pass();
   }
-  ++emulated::turns;
-  emulated::grid->wait_for(emulated::turns * emulated::grid->blocks + blockIdx.x);
+  ++turns;
+  g.wait_for(turns * g.blocks + b);
+}
+}  // namespace emulated
+inline void grid_sync() { emulated::turn_barrier(*emulated::grid, blockIdx.x); }
+
+// cooperative_groups::this_cluster().sync() of a launch_cluster cluster, its block rank, a block's dynamic shared
+// memory and map_shared_rank(p, rank): the same offset in block `rank`'s (p must lie in this block's)
+inline void cluster_sync() { emulated::turn_barrier(emulated::cluster->turns, emulated::cluster_block); }
+inline int cluster_rank() { return static_cast<int>(emulated::cluster_block); }
+inline void* dynamic_shared() { return emulated::cluster->shared[emulated::cluster_block].get(); }
+template <typename P>
+P* cluster_remote(P* p, int rank) {
+  using Byte = std::conditional_t<std::is_const_v<P>, const unsigned char, unsigned char>;
+  const auto* mine = emulated::cluster->shared[emulated::cluster_block].get();
+  const auto offset = reinterpret_cast<const unsigned char*>(p) - mine;
+  if (offset < 0 || static_cast<size_t>(offset) >= emulated::cluster->shared_bytes || rank < 0 ||
+      static_cast<unsigned>(rank) >= emulated::cluster->turns.blocks) {
+    std::fprintf(stderr, "cluster_remote: offset %td or rank %d outside the cluster's shared memory\n", offset, rank);
+    std::abort();
+  }
+  return reinterpret_cast<P*>(const_cast<Byte*>(emulated::cluster->shared[rank].get() + offset));
 }
 
 template <typename T>
