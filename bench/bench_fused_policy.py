@@ -227,6 +227,16 @@ def _logits_one_kernel(logits, labels, old, adv, mask, ref_logp):
         return _logits_fused(logits, labels, old, adv, mask, ref_logp)
 
 
+def _logits_cluster(logits, labels, old, adv, mask, ref_logp):
+    """logits_policy_loss with RLKERNELS_LOGITS_POLICY=cluster for the call: the csrc cluster kernel (the logits read
+    from DRAM once), or the pair where it cannot take the call."""
+    from bench.harness import env_set
+    from rlkernels import fused_policy
+
+    with env_set(fused_policy.LOGITS_ROW_ENV, "cluster"):
+        return _logits_fused(logits, labels, old, adv, mask, ref_logp)
+
+
 def _logits_step(fn):
     def step(logits, *rest):  # logits [B, T, V], the leaf
         return torch.autograd.grad(fn(logits, *rest), [logits])
@@ -253,7 +263,8 @@ def _logits_case(N: int, V: int, dtype: torch.dtype, device: torch.device) -> Ca
         make_inputs=make_inputs,
         providers={"eager": _logits_step(_logits_eager), "torch.compile": _logits_step(_logits_compiled),
                    "rlkernels two-op": _logits_step(_logits_two_op), "rlkernels": _logits_step(_logits_fused),
-                   "rlkernels one-kernel": _logits_step(_logits_one_kernel)},
+                   "rlkernels one-kernel": _logits_step(_logits_one_kernel),
+                   "rlkernels cluster": _logits_step(_logits_cluster)},
         baseline="rlkernels two-op",
     )
 

@@ -99,6 +99,19 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
                                                ref_logp=old + 0.1 * rand(B, T), kl_coef=0.04, entropy_coef=0.01)
         return _finite(loss, *_backward([loss], [logits]))
 
+    def logits_policy_loss_cluster():  # the csrc cluster kernel (RLKERNELS_LOGITS_POLICY=cluster)
+        from bench.harness import env_set
+        from rlkernels import fused_policy
+
+        V2 = 49152  # 96 KB of bf16 a row: clusters of two blocks on Hopper (before it the pair runs)
+        logits = _leaf(rand(B, T, V2, dtype=torch.bfloat16) * 3)  # [B, T, V2]
+        tokens = torch.randint(0, V2, (B, T), generator=g).to(device)  # [B, T]
+        old = -torch.rand(B, T, generator=g).to(device) * 2 - 6  # [B, T]
+        with env_set(fused_policy.LOGITS_ROW_ENV, "cluster"):
+            loss, _ = rlkernels.logits_policy_loss(logits, tokens, old, rand(B, T), mask, dual_clip=3.0,
+                                                   ref_logp=old + 0.1 * rand(B, T), kl_coef=0.04, entropy_coef=0.01)
+        return _finite(loss, *_backward([loss], [logits]))
+
     def policy_loss():
         logp = _leaf(-torch.rand(B, T, generator=g).to(device) * 3)  # [B, T]
         ref, ent = _leaf(logp.detach() + 0.2 * rand(B, T)), _leaf(rand(B, T).abs())  # [B, T] x2
@@ -137,6 +150,7 @@ def cases(device: torch.device) -> dict[str, Callable[[], bool]]:
         "linear_policy_loss fwd+bwd": linear_policy_loss,
         "logits_policy_loss GSPO fwd+bwd": logits_policy_loss,
         "logits_policy_loss PPO bf16 fwd+bwd": logits_policy_loss_token,
+        "logits_policy_loss cluster bf16 fwd+bwd": logits_policy_loss_cluster,
         "policy_loss PPO fwd+bwd": policy_loss,
         "value_loss fwd+bwd": value_loss,
         "kl_penalty k3 fwd+bwd": kl_penalty,

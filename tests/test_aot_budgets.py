@@ -213,3 +213,42 @@ def test_csrc_memory_bound_kernels_meet_their_instruction_budgets():
     print("\n" + "\n".join(lines))
     assert seen == set(CSRC_KERNELS), seen
     assert not over, "over budget:\n" + "\n".join(over)
+
+
+def test_csrc_logits_policy_cluster_kernel_meets_its_instruction_budget():
+    """logits_policy_loss's cluster kernel (csrc/logits_policy_kernel.h) on sm_90, each dtype: its two element loops
+    -- the copy of the row's chunk into shared memory with the online statistics (16-byte loads and shared stores,
+    4 vectors a thread an iteration) and the d_logits loop (shared loads, 16-byte stores) -- within 5 instructions
+    per byte an element moves (the logits read once, d_logits written once: 2·sizeof(T)), counted per element of
+    each loop's vectors; no spills; at least 2 blocks an SM with the largest chunk's shared memory."""
+    import os
+
+    from rlkernels._extension import CUDA_FLAGS
+    from rlkernels.testing.aot import ctas_per_sm, nvcc_kernel_facts
+    from tests.helpers import nvcc_or_skip
+
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "logits_policy_cuda.cu")
+    kernels = [k for k in nvcc_kernel_facts(source, 90, nvcc_or_skip(), flags=(*CUDA_FLAGS, "-std=c++17"))
+               if "logits_policy_kernelI" in k.name]
+    assert len(kernels) == 3, [k.name for k in kernels]  # float, __half, __nv_bfloat16
+    lines = []
+    for k in kernels:
+        size = _element_size(k.name)
+        vec = 16 // size
+        bodies = [b for b in k.loop_bodies() if not any("BAR" in t for t in b)]
+
+        def per_element(load: str, store: str, counted: str) -> float:
+            loops = [(len(b), sum(counted in t for t in b)) for b in bodies
+                     if any(load in t for t in b) and any(store in t for t in b)]
+            assert loops, (k.name, load, store)
+            n, vectors = max(loops, key=lambda nv: nv[1])  # the unrolled main loop
+            return n / (vectors * vec)
+
+        copy = per_element("LDG.E.128", "STS.128", "LDG.E.128")
+        grad = per_element("LDS.128", "STG.E.128", "STG.E.128")
+        budget = 5.0 * 2 * size
+        ctas = ctas_per_sm(90, k.registers, 8, k.shared_bytes + 80 * 1024 + 16)  # kLogitsMaxChunkBytes + 16
+        lines.append(f"{k.name[-60:]}: copy {copy:.2f} + d_logits {grad:.2f} per element (budget {budget:.0f}), "
+                     f"{k.registers} registers, {ctas} CTAs/SM")
+        assert k.spill_bytes == 0 and ctas >= 2 and copy + grad <= budget, lines[-1]
+    print("\n" + "\n".join(lines))

@@ -696,6 +696,49 @@ def test_csrc_cluster_kernel_poisons_a_row_with_nan_or_inf_and_refuses_unaligned
     assert plans[-1] == (0, 0)
 
 
+def _cluster_plan_ranks(V: int, dtype: torch.dtype) -> int:
+    """The blocks a row takes in the cluster kernel (csrc/logits_policy_kernel.h's logits_policy_plan), 0: refused."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    if V % vec:
+        return 0
+    vectors = V // vec
+    return next((-(-vectors // -(-vectors // r)) for r in range(1, 9) if -(-vectors // r) * 16 <= 80 * 1024), 0)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_cluster_row_matches_float64_truth_where_it_runs_and_falls_back_elsewhere(device, monkeypatch):
+    """RLKERNELS_LOGITS_POLICY=cluster: on CUDA the csrc cluster kernel serves ratio="token" where its plan takes the
+    row (V a whole number of 16-byte vectors in at most 8 blocks of 80 KB; more than one block only on Hopper): the
+    contract's V = 151936 bf16 on rows at two strides (4 blocks), 128256 float32 (7 blocks), 1000 float16 (one
+    block); the pair serves V = 4097 and GSPO, and the CPU (no CUDA kernels). Against the float64 truth, forward and
+    backward; on CUDA the profiler shows which kernels ran."""
+    monkeypatch.setenv(fused_policy.LOGITS_ROW_ENV, "cluster")
+    cases = [(torch.float16, 1000, "contiguous", {}), (torch.bfloat16, 4097, "contiguous", {}),
+             (torch.float32, 1000, "contiguous", dict(ratio="sequence"))]
+    if device == "cuda":
+        cases += [(torch.bfloat16, 151936, "sliced", dict(kl_coef=0.05, entropy_coef=0.01, dual_clip=3.0)),
+                  (torch.float32, 128256, "contiguous", dict(temperature=0.7, kl_coef=0.1, kl_estimator="k2"))]
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    for dtype, V, layout, options in cases:
+        x = _inputs(2, 3, 8, V, seed=V % 97, adv_per_seq=options.get("ratio") == "sequence", device=device)
+        logits = _layout((torch.randn(2, 3, V, generator=_gen(V)) * 2).to(dtype), layout).to(device)  # [B, T, V]
+        upstream = 1.0 if dtype != torch.float32 else 1.4
+        _check_logits_against_truth(logits, x, options, dtype, "triton", upstream)
+        if device == "cuda":
+            ranks = _cluster_plan_ranks(V, dtype)
+            expected = options.get("ratio") != "sequence" and (ranks == 1 or (ranks > 1 and hopper))
+            z = logits.detach().requires_grad_()
+            with forced_backend("triton"), torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                loss, _ = rlkernels.logits_policy_loss(z, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                                       ref_logp=x["ref_logp"], **options)
+                loss.backward()
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            ran = any("logits_policy_kernel" in n for n in names)
+            assert ran == expected, (dtype, V, ranks, names)
+
+
 def test_logits_row_refuses_an_unknown_name(monkeypatch):
     monkeypatch.setenv(fused_policy.LOGITS_ROW_ENV, "fastest")
     with pytest.raises(ValueError, match="RLKERNELS_LOGITS_POLICY"):
