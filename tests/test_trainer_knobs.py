@@ -611,6 +611,66 @@ def test_sequence_ratio_first_batch_decided_by_every_process(tmp_path, steps_ran
         assert said == ["accepted", "accepted"]
 
 
+STOPPING = {"rank": 1, "how": None}  # the process whose reward function misbehaves, and how (set in the worker)
+
+
+def misbehaves_in_one_rank(prompts, completions, answers, completion_tokens):
+    import torch.distributed as dist
+
+    if dist.get_rank() == STOPPING["rank"]:
+        if STOPPING["how"] == "nan":
+            return [float("nan")] + [0.0] * (len(completions) - 1)
+        if STOPPING["how"] == "malformed":
+            return [0.0] * (len(completions) - 1)  # one reward short
+        if STOPPING["how"] == "steps":  # step rewards, which advantage 'rloo' refuses
+            return [[(1.0, len(t) - 1)] for t in completion_tokens]
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def _stop_worker(rank, world, init_file, out_dir, cfg_dict, how):
+    in_gloo_group(rank, world, f"file://{init_file}", _stop_work, rank, out_dir, cfg_dict, how)
+
+
+def _stop_work(rank, out_dir, cfg_dict, how):
+    STOPPING["how"] = how
+    tr = Trainer(from_dict(cfg_dict))
+    try:
+        tr.score(tr.rollout(1), 1)
+        said = "scored"
+    except Exception as error:  # noqa: BLE001  (the class is what the test checks)
+        said = f"{type(error).__name__}|{error}"
+    (Path(out_dir) / f"stop{rank}.txt").write_text(said)
+
+
+@pytest.mark.parametrize("how, kind, starts", [("nan", "NonFiniteError", "non-finite reward"),
+                                               ("malformed", "RewardError", "reward:"),
+                                               ("steps", "ConfigError", "advantage:"),
+                                               (None, None, None)])
+def test_a_process_that_stops_in_the_score_phase_stops_them_all(tmp_path, how, kind, starts):
+    """Under torchrun each process runs the reward function on its own share: when one of them stops there (a NaN
+    reward, a malformed return, step rewards a flag refuses), every process stops with the same kind of error --
+    the one that stopped with its own, the others with its message (a ConfigError's still starting with the
+    field) -- instead of the others waiting for it in the next collective; the CLI's exit status is then the same
+    everywhere. Without a misbehaving process both score their batches."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0, advantage="rloo",
+                    reward=f"{__name__}:misbehaves_in_one_rank")
+    torch.multiprocessing.spawn(_stop_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict, how),
+                                nprocs=2, join=True)
+    said = [(tmp_path / f"stop{rank}.txt").read_text() for rank in range(2)]
+    if how is None:
+        assert said == ["scored", "scored"]
+        return
+    kinds = [s.split("|", 1)[0] for s in said]
+    messages = [s.split("|", 1)[1] for s in said]
+    assert kinds == [kind, kind], said
+    assert messages[1].startswith(starts), said
+    if kind == "ConfigError":
+        assert messages[0] == messages[1], said
+    else:
+        assert messages[0] == f"process 1 stopped: {messages[1]}", said
+
+
 def test_sequence_ratio_accepted_at_start_up_where_it_may_matter(tmp_path):
     for values in ({"ratio": "sequence", "epochs": 2}, {"ratio": "sequence", "minibatches": 2},
                    {"ratio": "sequence", "reward": "steps", "task": "prefix_sums"},

@@ -37,6 +37,11 @@ class NonFiniteError(RuntimeError):
     """A reward or loss was NaN/inf; the message names the step and the batch."""
 
 
+# The errors a process may stop with in the score phase while the others would go on (Trainer._stop_together), in the
+# order of their codes there; ConfigError first (its message starts with the field's name)
+STOP_TOGETHER = (ConfigError, process.RewardError, NonFiniteError)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
 class Rollout:
     """One step's batch, all tensors [B, ...] on the training device. Each phase returns a copy with the
@@ -352,9 +357,26 @@ class Trainer:
 
     def score(self, batch: Rollout, step: int) -> Rollout:
         """Score phase, rewards: the batch with ``scores`` [B] from the reward function (finite, one each) and,
-        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied. The first
-        batch scored decides the refusals that depend on whether the rewards are step rewards
-        (:func:`process.check_outcome_ratio`; later batches too: :func:`process.check_process_advantage`)."""
+        when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied. Each
+        process scores its own share with the user's reward function, so any process may stop here (a malformed or
+        non-finite reward, step rewards a flag refuses): under torchrun every process then stops with it
+        (:meth:`_stop_together`) instead of waiting for it in the next collective. The first batch scored decides
+        the refusals that depend on whether the rewards are step rewards (:func:`process.check_outcome_ratio`;
+        every batch: :func:`process.check_process_advantage` and ``reward_norm``/``reward_clip``)."""
+        error, scored, outcome = None, batch, True
+        try:
+            scored, outcome = self._score_here(batch, step)
+        except STOP_TOGETHER as caught:
+            error = caught
+        self._stop_together(error)
+        if not self._first_batch_scored:
+            self._check_outcome_ratio(outcome)
+            self._first_batch_scored = True
+        return scored
+
+    def _score_here(self, batch: Rollout, step: int) -> tuple[Rollout, bool]:
+        """:meth:`score` in this process alone (no collective): the scored batch, and whether its rewards are
+        outcome rewards (one float per completion)."""
         if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
             batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
         lengths = batch.mask.long().sum(-1)  # [B] response tokens
@@ -364,11 +386,10 @@ class Trainer:
             scores, steps = process.parse_rewards(raw, lengths)  # [B], steps or None
         except process.RewardError as error:
             raise process.RewardError(f"{error} (reward {self.cfg.reward!r}, step {step})") from None
-        if not self._first_batch_scored:
-            self._check_outcome_ratio(steps is None)
-            self._first_batch_scored = True
         if steps is not None:
             process.check_process_advantage(self.cfg)
+            if self.score_norm.active:
+                self._refuse_score_norm_of_steps()
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
@@ -378,7 +399,36 @@ class Trainer:
             )
         scores, steps = process.eos_penalty(scores, steps, batch.eos, self.cfg.missing_eos_penalty, lengths)
         fields = dict(zip(("step_rewards", "step_ends", "step_mask"), steps)) if steps is not None else {}
-        return dataclasses.replace(batch, scores=scores, **fields)
+        return dataclasses.replace(batch, scores=scores, **fields), steps is None
+
+    def _stop_together(self, error: Exception | None) -> None:
+        """Raise ``error`` (this process's, or None) -- and under torchrun make every process stop when any one
+        does: one all-reduce finds the first process (by rank) that stopped and the kind of its error; a process
+        that stopped raises its own, every other one the first one's kind with its message (broadcast), so that
+        each exits with the same status and rank 0 prints what happened wherever it happened."""
+        kinds = len(STOP_TOGETHER)
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        code = self.world * kinds if error is None else (
+            self.rank * kinds + next(i for i, kind in enumerate(STOP_TOGETHER) if isinstance(error, kind)))
+        flag = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        first, kind = divmod(int(flag), kinds)
+        if first == self.world:
+            return
+        message = [str(error) if self.rank == first else None]
+        dist.broadcast_object_list(message, src=first)
+        if error is not None:
+            raise error
+        said = message[0] if kind == 0 else f"process {first} stopped: {message[0]}"  # ConfigError: field first
+        raise STOP_TOGETHER[kind](said)
+
+    def _refuse_score_norm_of_steps(self) -> None:
+        flag = "reward_norm" if self.cfg.reward_norm != "none" else "reward_clip"
+        raise ConfigError(f"{flag}: normalises outcome scores, but the reward function returned step rewards "
+                          "(process supervision); run without it")
 
     def _check_outcome_ratio(self, outcome: bool) -> None:
         """At the first batch scored, before any update: refuse ``ratio`` 'sequence' where it changes nothing with
@@ -468,9 +518,7 @@ class Trainer:
         if not self.score_norm.active:
             return batch
         if batch.steps is not None:  # refused, not ignored: step rewards are z-scored per group or enter GAE as given
-            flag = "reward_norm" if self.cfg.reward_norm != "none" else "reward_clip"
-            raise ConfigError(f"{flag}: normalises outcome scores, but the reward function returned step rewards "
-                              "(process supervision); run without it")
+            self._refuse_score_norm_of_steps()  # (the trainer's score() has refused it already, in every process)
         pool = batch.scores  # [B]
         if self.distributed:
             parts = [torch.empty_like(batch.scores) for _ in range(self.world)]
