@@ -74,8 +74,10 @@ TOTAL_S    ?=
 # 177 s; a third call of 7 s re-ran the failing tests). Not yet run on a GPU (stop 42): the 16-bit gradient GEMMs
 # with cuBLAS's 16-bit split-K reductions off (the held layout's failing d_weight test), the torch row's logits
 # divided by the temperature after the GEMM, the tests part's k3 probe (bench/k3_accuracy.py), and (stop 43)
-# masked_whiten's fused cooperative kernel (its CUDA tests, memcheck, and the bench's csrc / csrc passes rows) --
-# all in the first call (PART=profile PROFILE_ONLY="whiten csrc" puts both of its paths under ncu); the
+# masked_whiten's fused cooperative kernel (its CUDA tests, memcheck, and the bench's csrc / csrc passes rows), and
+# (stop 44) logits_policy_loss's csrc cluster kernel (its CUDA test, memcheck case, the bench's `rlkernels cluster`
+# row) -- all in the first call (PART=profile PROFILE_ONLY="whiten csrc,logits cluster" puts both whitening paths
+# and the cluster kernel under ncu); the
 # trainer-step rows were not re-run there, and the learning run has no control on a GPU yet: the
 # second call PART=trainer TRAINER_ONLY=rows,control (the control: the 60-step run with lr 1e-30, ~45 s), and the
 # profile if the lease has time (PART=profile PROFILE_ONLY=linear_logprobs).

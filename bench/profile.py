@@ -74,8 +74,9 @@ def _logprobs(device: torch.device, tiny: bool) -> Callable[[], object]:
     return step
 
 
-def _logits_policy(two_op: bool):
-    """logits_policy_loss fwd+bwd at the bench's size and options (bench_fused_policy: N=8192 V=151936 bf16), or
+def _logits_policy(two_op: bool, row: str = "pair"):
+    """logits_policy_loss fwd+bwd at the bench's size and options (bench_fused_policy: N=8192 V=151936 bf16), in
+    its CUDA row ``row`` (RLKERNELS_LOGITS_POLICY: "cluster" is the csrc kernel that reads the logits once), or
     with ``two_op`` logprobs + policy_loss: on the H100 the op took 5.0 ms against the two ops' 2.6 ms with the
     same logprobs kernels, so the kernels' own times say whether the difference is on the GPU or the host."""
 
@@ -95,7 +96,9 @@ def _logits_policy(two_op: bool):
                 loss = rlkernels.logits_policy_loss(logits, labels, old, adv, mask, ref_logp=ref_logp, **OPTIONS)[0]
             return torch.autograd.grad(loss, [logits])
 
-        return step
+        from rlkernels import fused_policy
+
+        return harness.with_env(fused_policy.LOGITS_ROW_ENV, row, step)
 
     return make
 
@@ -152,6 +155,7 @@ def _policy(device: torch.device, tiny: bool) -> Callable[[], object]:
 CASES = {
     "logprobs": _logprobs,  # fwd+bwd with entropy, N=8192 V=151936 bf16
     "logits_policy_loss": _logits_policy(False), "logits two-op": _logits_policy(True),  # N=8192 V=151936 bf16
+    "logits cluster": _logits_policy(False, "cluster"),  # the csrc cluster kernel, the same size
     "gae csrc": _gae("csrc"), "gae triton": _gae("triton"),  # B=1024 T=4096 bf16
     "group csrc": _group("csrc"),  # 2^20 scores, groups of 16
     "whiten csrc": _whiten("fused"), "whiten csrc passes": _whiten("passes"),  # B=1024 T=4096 float32
