@@ -1541,8 +1541,11 @@ def logits_policy_loss(
 
     Equal (to float32 rounding, forward and backward) to
     ``rlkernels.policy_loss(rlkernels.logprobs(logits, labels, temperature=..., return_entropy=...), ...)``,
-    but the logits are read once (statistics and loss, chunk by chunk) and their gradient written once, in the
-    forward: two passes over ``[B, T, V]`` instead of three. The gradient has the dtype of ``logits`` and is
+    but with ``d_logits`` written in the forward, so the backward only scales it. How often the logits are read
+    depends on the row: on CUDA by default (``RLKERNELS_LOGITS_POLICY=pair``) twice (statistics, then ``d_logits``:
+    three passes over ``[B, T, V]`` with its write, as the two ops); with ``RLKERNELS_LOGITS_POLICY=cluster`` and
+    ``ratio="token"`` once where the csrc cluster kernel takes the call (two passes, the memory bound); on the CPU
+    three passes (the logprobs op's torch forward and backward). The gradient has the dtype of ``logits`` and is
     held from the forward to the backward (a ``[B, T, V]`` tensor, as the two-op path's backward would allocate).
     For 16-bit logits it is rounded to their dtype in the forward, so an upstream gradient other than 1
     (``loss.backward()`` passes 1) rounds it a second time when the backward scales it.
