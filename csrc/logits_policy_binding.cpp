@@ -32,6 +32,12 @@ int64_t logits_policy_cuda(const at::Tensor& logits, const at::Tensor& labels, c
   TORCH_CHECK(logits.dim() == 3 && logits.stride(2) == 1, "rlkernels_csrc::logits_policy: logits must be [O, I, V] "
               "with unit last stride");
   const int64_t N = logits.size(0) * logits.size(1), V = logits.size(2);
+  // every tensor on the logits' device: the kernel reads and writes them all there (the dispatcher picks this
+  // CUDA kernel when any argument is a CUDA tensor)
+  const at::Tensor* others[] = {&labels, &old_logp, &adv, &ref_logp, &mask, &weight, &logp, &entropy, &part, &d_logits};
+  for (const at::Tensor* t : others)
+    TORCH_CHECK(t->device() == logits.device(), "rlkernels_csrc::logits_policy: every tensor must be on the logits' "
+                "device ", logits.device(), ", got one on ", t->device());
   auto flat = [N](const at::Tensor& t, at::ScalarType type, const char* name) {
     TORCH_CHECK(t.numel() == N && t.is_contiguous() && t.scalar_type() == type, "rlkernels_csrc::logits_policy: ",
                 name, " must be contiguous [N] of ", type);

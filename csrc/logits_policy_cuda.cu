@@ -25,7 +25,9 @@ __device__ __forceinline__ void from_float(float g, __nv_bfloat16* p) { *p = __f
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void cluster_sync() { cooperative_groups::this_cluster().sync(); }
-__device__ __forceinline__ int cluster_rank() { return static_cast<int>(cooperative_groups::this_cluster().block_rank()); }
+__device__ __forceinline__ int cluster_rank() {
+  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+}
 template <typename P>
 __device__ __forceinline__ P* cluster_remote(P* p, int rank) {
   return cooperative_groups::this_cluster().map_shared_rank(p, static_cast<unsigned>(rank));
@@ -71,30 +73,87 @@ bool has_clusters() {
   return known == 2;
 }
 
-// The kernel's dynamic shared memory limit raised to the largest plan's, once per device and dtype
+// The dynamic shared memory a block of the kernel may use on the current device, once per device and dtype: the
+// largest plan's (kLogitsMaxChunkBytes + 16) or, on a device that opts in to less (a Turing GPU: 64 KB a block), all
+// it allows beside the kernel's static shared memory -- the attribute raised to it; 0 where it cannot be raised
+// (every plan is then refused: another path runs)
 template <typename T>
-bool allow_shared_memory() {
-  static std::atomic<int> cached[kMaxDevices];  // 0 not done, 1 failed, 2 done
+int shared_memory_limit() {
+  static std::atomic<int> cached[kMaxDevices];  // 0 not asked; else the limit + 1
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  int known = cached[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int optin = 0, limit = 0;
+    cudaFuncAttributes attributes{};
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
+        cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>) == cudaSuccess) {
+      const int room = optin - static_cast<int>(attributes.sharedSizeBytes);
+      limit = room < kLogitsMaxChunkBytes + 16 ? room : kLogitsMaxChunkBytes + 16;
+      if (limit <= 0 ||
+          cudaFuncSetAttribute(logits_policy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, limit) !=
+              cudaSuccess)
+        limit = 0;
+    }
+    cudaGetLastError();  // a failed query or setting must not surface as a later launch's error
+    known = limit + 1;
+    cached[device].store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
+// Whether clusters of `ranks` blocks run this kernel on the current device, once per device, dtype and ranks (after
+// shared_memory_limit): its code was compiled for sm_90 or later (cudaFuncAttributes::ptxVersion, the virtual
+// architecture, as cub::PtxVersion reads it: an extension built for an older one only, "8.0+PTX", runs on Hopper as
+// that PTX compiled by the driver -- the kernel's pre-Hopper branch, which has no clusters and would give every
+// block rank 0: wrong results, no error), and at least one such cluster with the largest chunk fits the device
+// (cudaOccupancyMaxActiveClusters: MPS or a green context may leave too few SMs; the launch would fail with
+// cudaErrorInvalidClusterSize, here the caller takes another path instead)
+template <typename T>
+bool clusters_fit(int ranks) {
+  static std::atomic<int> cached[kMaxDevices][kLogitsMaxRanks + 1];  // 0 not asked, 1 no, 2 yes
+  if (ranks < 2 || ranks > kLogitsMaxRanks) return false;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     cudaGetLastError();
     return false;
   }
-  int done = cached[device].load(std::memory_order_relaxed);
-  if (done == 0) {
-    const cudaError_t error = cudaFuncSetAttribute(logits_policy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   kLogitsMaxChunkBytes + 16);
+  int known = cached[device][ranks].load(std::memory_order_relaxed);
+  if (known == 0) {
+    bool fits = false;
+    cudaFuncAttributes attributes{};
+    cudaError_t error = cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>);
+    if (error == cudaSuccess && attributes.ptxVersion >= 90) {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(static_cast<unsigned>(ranks));
+      config.blockDim = dim3(kLogitsThreads);
+      config.dynamicSmemBytes = kLogitsMaxChunkBytes + 16;
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = static_cast<unsigned>(ranks);
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      int clusters = 0;
+      error = cudaOccupancyMaxActiveClusters(&clusters, logits_policy_kernel<T>, &config);
+      fits = error == cudaSuccess && clusters > 0;
+    }
     if (error != cudaSuccess) cudaGetLastError();
-    done = error == cudaSuccess ? 2 : 1;
-    cached[device].store(done, std::memory_order_relaxed);
+    known = fits ? 2 : 1;
+    cached[device][ranks].store(known, std::memory_order_relaxed);
   }
-  return done == 2;
+  return known == 2;
 }
 
 template <typename T>
 int launch(const LogitsPolicyCall& call, cudaStream_t stream) {
   const LogitsPlan plan = logits_policy_plan(static_cast<int>(sizeof(T)), call.V);
   if (plan.ranks == 0 || (plan.ranks > 1 && !has_clusters())) return kLogitsRefused;
+  if (call.N == 0) return 0;  // (before the division by inner, which is 0 for logits of shape [O, 0, V])
   // every row start 16-byte aligned: the base, and each stride that moves it
   const auto aligned = [](uint64_t bytes) { return bytes % 16 == 0; };
   const int64_t outer = (call.N + call.inner - 1) / call.inner;
@@ -103,8 +162,8 @@ int launch(const LogitsPolicyCall& call, cudaStream_t stream) {
       (call.inner > 1 && !aligned(static_cast<uint64_t>(call.stride_inner) * sizeof(T))))
     return kLogitsRefused;
   if (call.N * plan.ranks > INT32_MAX) return kLogitsRefused;
-  if (call.N == 0) return 0;
-  if (!allow_shared_memory<T>()) return kLogitsRefused;
+  if (plan.shared_bytes > shared_memory_limit<T>()) return kLogitsRefused;
+  if (plan.ranks > 1 && !clusters_fit<T>(plan.ranks)) return kLogitsRefused;
   LogitsPolicyArgs<T> a;
   a.logits = static_cast<const T*>(call.logits);
   a.labels = call.labels, a.old_logp = call.old_logp, a.adv = call.adv, a.ref_logp = call.ref_logp;

@@ -17,12 +17,12 @@
 // d_logits exactly 0 whatever their logits hold. The host (logits_policy_cuda.cu) launches it only where every
 // row start, the chunk boundaries and d_logits' rows are 16-byte aligned (V a multiple of 16 / sizeof(T)).
 //
-// Includes nothing: the includer provides vector_loads.h (widen2), int64_t, uint4, __half, __nv_bfloat16, to_float(T), from_float(float,
-// T*) (round to nearest), __uint_as_float, exp2f, log1pf, expf, expm1f, fabsf, fmaxf, fminf, __shfl_xor_sync,
-// __syncthreads, __shared__, and the cluster: cluster_sync() (a barrier of every thread of the cluster, shared
-// memory writes before it visible after it), cluster_rank(), cluster_remote(p, rank) (the address of p's
-// counterpart in the shared memory of the cluster's block `rank`) and dynamic_shared() (this block's dynamic shared
-// memory, 16-byte aligned) -- nvcc's own (logits_policy_cuda.cu) or tests/cuda_emulated/'s.
+// Includes nothing: the includer provides vector_loads.h (widen2), int64_t, uint4, __half, __nv_bfloat16,
+// to_float(T), from_float(float, T*) (round to nearest), __uint_as_float, exp2f, log1pf, expf, expm1f, fabsf,
+// fmaxf, fminf, __shfl_xor_sync, __syncthreads, __shared__, and the cluster: cluster_sync() (a barrier of every
+// thread of the cluster, shared memory writes before it visible after it), cluster_rank(), cluster_remote(p, rank)
+// (the address of p's counterpart in the shared memory of the cluster's block `rank`) and dynamic_shared() (this
+// block's dynamic shared memory, 16-byte aligned) -- nvcc's own (logits_policy_cuda.cu) or tests/cuda_emulated/'s.
 #pragma once
 
 constexpr int kLogitsThreads = 256;  // threads of a block

@@ -199,8 +199,9 @@ def error() -> str | None:
     return _state["error"]
 
 
-def has_cuda_kernels() -> bool:
+def has_cuda_kernels(op: str = "gae") -> bool:
+    """Whether the loaded extension has a CUDA kernel for ``op`` (a prebuilt library older than an op has none)."""
     ops = load()
     if ops is None:
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::gae", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA")

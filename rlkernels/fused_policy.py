@@ -1053,7 +1053,7 @@ def _launch_cluster_token(rows, labels, old, adv, ref, m, w_b, logp, ent, part, 
 
 def _logits_cluster_token(logits, labels, old_logp, advantages, mask, ref_logp, opt: FusedPolicyOptions):
     """ratio="token" in the csrc cluster kernel, or None where it cannot run (see :func:`_launch_cluster_token`)."""
-    if not (logits.is_cuda and _extension.has_cuda_kernels()):
+    if not (logits.is_cuda and _extension.has_cuda_kernels("logits_policy")):
         return None
     return _logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, _launch_cluster_token)
 

@@ -696,6 +696,158 @@ def test_csrc_cluster_kernel_poisons_a_row_with_nan_or_inf_and_refuses_unaligned
     assert plans[-1] == (0, 0)
 
 
+@pytest.mark.parametrize("dtype, V, max_chunk, ranks", [(torch.bfloat16, 17600, 17600, 2),
+                                                       (torch.float32, 17000, 17008, 4)])
+def test_csrc_cluster_kernel_unrolled_copy_loop_matches_float64_truth(emulated_cluster_launch, dtype, V, max_chunk,
+                                                                      ranks, monkeypatch):
+    """Chunks of over kLogitsUnroll x kLogitsThreads = 1024 vectors (the cases above hold at most 256 a block, so
+    they run the copy loop's one-vector tail only): 2 bf16 blocks of 1100 vectors, 4 float32 blocks of 1063, 1063,
+    1063 and 1061 -- the unrolled loop and its tail -- against the float64 truth, forward and backward."""
+    plans = []
+    launch = emulated_cluster_launch(max_chunk, plans)
+
+    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
+        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
+
+    monkeypatch.setattr(fused_policy, "_logits_triton", cluster_row)
+    monkeypatch.setitem(fused_policy._LOGITS_IMPLS, "triton", cluster_row)
+    x = _inputs(2, 3, 8, V, seed=V % 89)
+    x["labels"][1, 0], x["labels"][1, 1] = V - 1, 0  # the last column and the first
+    logits = (torch.randn(2, 3, V, generator=_gen(V)) * 2).to(dtype)  # [B, T, V]
+    upstream = 1.0 if dtype != torch.float32 else 1.4
+    options = dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, temperature=0.8, agg="seq-mean-token-mean")
+    _check_logits_against_truth(logits, x, options, dtype, "triton", upstream)
+    assert plans and all(p[0] == ranks for p in plans), plans
+
+
+_EMULATOR_PROBE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "cuda_warp_emulator.h"
+struct Stats { float m, s, w; };  // 12 bytes, as the cluster kernel's RowStats
+// case 0/1: rank `reader` reads rank `owner`'s word before (0) / after (1: owner may have returned) the last cluster
+// barrier; case 2: a 12-byte object at byte 16 of 24 bytes of dynamic shared memory read through cluster_remote;
+// case 3: a 16-byte store at byte 16 of 24 bytes of this block's own dynamic shared memory
+__global__ void probe(int which, int reader, int owner, unsigned* out) {
+  unsigned* mine = static_cast<unsigned*>(dynamic_shared());
+  if (threadIdx.x == 0) *mine = 100u + static_cast<unsigned>(cluster_rank());
+  cluster_sync();
+  unsigned got = 0;
+  const bool reads = cluster_rank() == reader && threadIdx.x == 0;
+  if (which == 0 && reads) got = *cluster_remote(mine, owner);
+  if (which == 2 && reads) got = static_cast<unsigned>(cluster_remote(reinterpret_cast<Stats*>(mine + 4), owner)->s);
+  if (which == 3 && reads) *reinterpret_cast<uint4*>(mine + 4) = uint4{1u, 2u, 3u, 4u};
+  cluster_sync();
+  if (which == 1 && reads) got = *cluster_remote(mine, owner);
+  if (reads) out[blockIdx.x / 2] = got;
+}
+int main(int, char** argv) {
+  unsigned out[2] = {0u, 0u};
+  emulated::launch_cluster(4, 2, 32, 24, probe, std::atoi(argv[1]), std::atoi(argv[2]), std::atoi(argv[3]), out);
+  std::printf("%u %u\n", out[0], out[1]);
+  return 0;
+}
+"""
+
+
+def _build_emulator_probe(tmp_path):
+    """``_EMULATOR_PROBE`` built as build_emulated builds the kernels (AddressSanitizer where the compiler has it):
+    ``(executable, with_asan)``."""
+    import shutil
+
+    from tests.helpers import CSRC_DIR, EMULATED_DIR
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    source, exe = tmp_path / "probe.cpp", str(tmp_path / "probe")
+    source.write_text(_EMULATOR_PROBE)
+    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}", str(source), "-o", exe]
+    built = subprocess.run(base[:1] + ["-fsanitize=address"] + base[1:], capture_output=True, text=True)
+    asan = built.returncode == 0
+    if not asan:
+        built = subprocess.run(base, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    return exe, asan
+
+
+def test_cluster_emulator_shows_a_read_of_a_returned_blocks_shared_memory_whichever_rank_it_reaches(tmp_path):
+    """The warp emulator's cluster launch poisons a block's shared memory when it returns and runs every second
+    cluster's blocks in reverse rank order: a read of another block's shared memory after the last cluster barrier
+    (the owner may have returned on a GPU) reads the poison in one of two clusters whether the owner's rank is above
+    or below the reader's (in rank order only, a read of a higher rank went unseen); read before it, never."""
+    exe, _ = _build_emulator_probe(tmp_path)
+
+    def run(which, reader, owner):
+        done = subprocess.run([exe, str(which), str(reader), str(owner)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [int(v) for v in done.stdout.split()]
+
+    for reader, owner in ((0, 1), (1, 0)):
+        assert run(0, reader, owner) == [100 + owner] * 2  # before the barrier: the owner's word in both clusters
+        late = run(1, reader, owner)
+        assert 0xFFFFFFFF in late, (reader, owner, late)  # after it: the poison in one cluster
+
+
+def test_cluster_emulator_bounds_dynamic_shared_memory_at_its_size(tmp_path):
+    """A block's dynamic shared memory in the emulator is exactly the launch's size: an object read through
+    cluster_remote that runs past it aborts with a message (it was checked from its first byte only), and a store
+    past it is AddressSanitizer's heap-buffer-overflow (the memory had 16 bytes of slack that hid e.g. a
+    LogitsPlan::shared_bytes too small for the published RowStats)."""
+    exe, asan = _build_emulator_probe(tmp_path)
+    done = subprocess.run([exe, "2", "1", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "cluster_remote" in done.stderr, done.stderr[-2000:]
+    if asan:
+        done = subprocess.run([exe, "3", "0", "0"], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "heap-buffer-overflow" in done.stderr, done.stderr[-2000:]
+
+
+_LAUNCHER_PROBE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "logits_policy_cuda.h"
+// rlkernels_cuda::logits_policy's host checks for logits [O, I, V] of bf16 (a one-block row: no device query before
+// them); prints the return code
+int main(int, char** argv) {
+  rlkernels_cuda::LogitsPolicyCall call{};
+  const long long O = std::atoll(argv[1]), I = std::atoll(argv[2]);
+  call.N = O * I, call.inner = I, call.V = std::atoll(argv[3]), call.T_len = I > 0 ? I : 1;
+  call.stride_outer = std::atoll(argv[4]), call.stride_inner = call.V;
+  call.logits = call.d_logits = reinterpret_cast<void*>(uintptr_t{4096});
+  std::printf("%d\n", rlkernels_cuda::logits_policy(rlkernels_cuda::kBFloat16, call, nullptr));
+  return 0;
+}
+"""
+
+
+def test_cluster_launcher_takes_an_empty_call_and_refuses_misaligned_rows_before_the_device(tmp_path):
+    """csrc/logits_policy_cuda.cu's host code, compiled with nvcc and run without a GPU (every case here returns
+    before the first CUDA call): logits of shape [O, 0, V] (N = 0, inner = 0) run, doing nothing -- the alignment
+    check divided by inner first, a SIGFPE; a V that is not whole 16-byte vectors, and rows 8 bytes apart, are
+    refused (kLogitsRefused = -2: the caller takes the pair)."""
+    import os
+
+    from tests.helpers import CSRC_DIR, nvcc_or_skip
+
+    nvcc = nvcc_or_skip()
+    source, exe = tmp_path / "launcher.cpp", str(tmp_path / "launcher")
+    source.write_text(_LAUNCHER_PROBE)
+    built = subprocess.run([nvcc, "-std=c++17", "-O1", "-arch=sm_90", f"-I{CSRC_DIR}", str(source),
+                            os.path.join(CSRC_DIR, "logits_policy_cuda.cu"), "-o", exe], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+
+    def code(O, I, V, stride_outer):
+        done = subprocess.run([exe, str(O), str(I), str(V), str(stride_outer)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, (O, I, V, done.returncode, done.stderr[-2000:])
+        return int(done.stdout)
+
+    assert code(3, 0, 1024, 0) == 0
+    assert code(0, 5, 1024, 5 * 1024) == 0
+    assert code(2, 1, 1001, 1001) == -2
+    assert code(2, 1, 1024, 1028) == -2
+
+
 def _cluster_plan_ranks(V: int, dtype: torch.dtype) -> int:
     """The blocks a row takes in the cluster kernel (csrc/logits_policy_kernel.h's logits_policy_plan), 0: refused."""
     vec = 16 // torch.empty((), dtype=dtype).element_size()

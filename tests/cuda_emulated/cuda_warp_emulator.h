@@ -1,16 +1,18 @@
 // A host-compiler stand-in for the CUDA features the csrc kernels use, so that a kernel's own source
-// (csrc/group_segment_kernel.h, csrc/whiten_kernels.h, csrc/gae_kernel.h) can be run and checked on a CPU: every thread of a block runs
-// as a host thread, all of the block's at once; a shuffle is an exchange through the warp's slots between two
-// barriers of its 32 lanes (all 32 reach every shuffle, as the full-mask shuffles require on a GPU);
-// __syncthreads is a barrier of the block's threads; __shared__ variables are function-local statics (shared by
-// the block's threads; blocks run one after another). A cooperative launch (launch_cooperative) gives every thread
-// of the grid a host thread and runs one block at a time between grid_sync() barriers, so that a block's
-// registers (locals) live across them and its __shared__ statics are its own while it runs. A cluster launch
-// (launch_cluster) runs the clusters one after another, each like a cooperative grid of its blocks between
-// cluster_sync() barriers, every block with dynamic shared memory of its own that the others reach through
-// cluster_remote(); a block's shared memory is overwritten with 0xff bytes (NaN) when it returns, so that a read of
-// it after its owner finished shows. Memory is plain host memory, so AddressSanitizer (-fsanitize=address) sees any
-// read or write out of bounds.
+// (csrc/group_segment_kernel.h, csrc/whiten_kernels.h, csrc/gae_kernel.h, csrc/logits_policy_kernel.h) can be run and
+// checked on a CPU: every thread of a block runs as a host thread, all of the block's at once; a shuffle is an
+// exchange through the warp's slots between two barriers of its 32 lanes (all 32 reach every shuffle, as the
+// full-mask shuffles require on a GPU); __syncthreads is a barrier of the block's threads; __shared__ variables are
+// function-local statics (shared by the block's threads; blocks run one after another). A cooperative launch
+// (launch_cooperative) gives every thread of the grid a host thread and runs one block at a time between grid_sync()
+// barriers, so that a block's registers (locals) live across them and its __shared__ statics are its own while it
+// runs. A cluster launch (launch_cluster) runs the clusters one after another, each like a cooperative grid of its
+// blocks between cluster_sync() barriers, every block with dynamic shared memory of its own that the others reach
+// through cluster_remote(); a block's shared memory is overwritten with 0xff bytes (NaN) when it returns, so that a
+// read of it after its owner finished shows. The blocks of a cluster take their turns in rank order, those of every
+// second cluster in reverse order, so that such a read shows whichever rank it reaches. Memory is plain host memory
+// (a block's dynamic shared memory too, allocated at exactly its size), so AddressSanitizer (-fsanitize=address) sees
+// any read or write out of bounds.
 #pragma once
 #include <atomic>
 #include <barrier>
@@ -262,9 +264,13 @@ struct Cluster {
 };
 inline thread_local Cluster* cluster = nullptr;
 inline thread_local unsigned cluster_block = 0;  // this block's rank in its cluster
+inline thread_local unsigned cluster_turn = 0;  // its place in the cluster's turns (its rank, or reversed)
 
 // kernel over `blocks` blocks of `threads` in clusters of `ranks` consecutive blocks (blocks a multiple of ranks),
-// each block with `shared_bytes` of dynamic shared memory (dynamic_shared()); the clusters run one after another.
+// each block with `shared_bytes` of dynamic shared memory (dynamic_shared()); the clusters run one after another,
+// the blocks of cluster k in rank order for even k and in reverse rank order for odd k (a GPU runs them in any
+// order: a block that reads another's shared memory after that one may have returned reads the poison in one of
+// the two orders). Each block's memory is exactly `shared_bytes` long (a byte past it is AddressSanitizer's).
 template <typename Kernel, typename... Args>
 void launch_cluster(unsigned blocks, unsigned ranks, unsigned threads, size_t shared_bytes, Kernel kernel,
                     Args... args) {
@@ -278,9 +284,14 @@ void launch_cluster(unsigned blocks, unsigned ranks, unsigned threads, size_t sh
     here_cluster.turns.barriers.assign(ranks, 0);
     here_cluster.shared_bytes = shared_bytes;
     for (unsigned r = 0; r < ranks; ++r) {
-      here_cluster.shared.emplace_back(new unsigned char[shared_bytes + 16]);
-      std::memset(here_cluster.shared.back().get(), 0xff, shared_bytes + 16);  // uninitialised: NaN
+      here_cluster.shared.emplace_back(new unsigned char[shared_bytes > 0 ? shared_bytes : 1]);
+      if (reinterpret_cast<uintptr_t>(here_cluster.shared.back().get()) % 16 != 0) {
+        std::fprintf(stderr, "launch_cluster: dynamic shared memory not 16-byte aligned\n");
+        std::abort();
+      }
+      std::memset(here_cluster.shared.back().get(), 0xff, shared_bytes);  // uninitialised: NaN
     }
+    const bool reverse = (first / ranks) % 2 == 1;  // this cluster's blocks take their turns last rank first
     std::vector<std::unique_ptr<Block>> state;
     for (unsigned r = 0; r < ranks; ++r) state.push_back(std::make_unique<Block>(threads));
     std::vector<std::atomic<unsigned>> finished(ranks);
@@ -292,12 +303,13 @@ void launch_cluster(unsigned blocks, unsigned ranks, unsigned threads, size_t sh
           enter(here, first + r, t, blocks, threads);
           cluster = &here_cluster;
           cluster_block = r;
+          cluster_turn = reverse ? ranks - 1 - r : r;
           turns = 0;
-          here_cluster.turns.wait_for(r);
+          here_cluster.turns.wait_for(cluster_turn);
           kernel(args...);
           leave(here, t);
           if (finished[r].fetch_add(1) + 1 == threads) {  // the block's last thread: its memory is gone, next turn
-            std::memset(here_cluster.shared[r].get(), 0xff, shared_bytes + 16);
+            std::memset(here_cluster.shared[r].get(), 0xff, shared_bytes);
             {
               std::lock_guard<std::mutex> lock(here_cluster.turns.m);
               ++here_cluster.turns.returned;
@@ -308,10 +320,11 @@ void launch_cluster(unsigned blocks, unsigned ranks, unsigned threads, size_t sh
       }
     }
     for (auto& t : pool) t.join();
-    for (unsigned r = 1; r < ranks; ++r) {
+    for (unsigned r = 1; r < ranks; ++r) {  // barriers[] is indexed by turn
       if (here_cluster.turns.barriers[r] != here_cluster.turns.barriers[0]) {
-        std::fprintf(stderr, "cluster_sync: block %u passed %u cluster barriers, block 0 %u\n", r,
-                     here_cluster.turns.barriers[r], here_cluster.turns.barriers[0]);
+        std::fprintf(stderr, "cluster_sync: block %u passed %u cluster barriers, block %u %u\n",
+                     reverse ? ranks - 1 - r : r, here_cluster.turns.barriers[r], reverse ? ranks - 1 : 0,
+                     here_cluster.turns.barriers[0]);
         std::abort();
       }
     }
@@ -369,7 +382,7 @@ inline void grid_sync() { emulated::turn_barrier(*emulated::grid, blockIdx.x); }
 
 // cooperative_groups::this_cluster().sync() of a launch_cluster cluster, its block rank, a block's dynamic shared
 // memory and map_shared_rank(p, rank): the same offset in block `rank`'s (p must lie in this block's)
-inline void cluster_sync() { emulated::turn_barrier(emulated::cluster->turns, emulated::cluster_block); }
+inline void cluster_sync() { emulated::turn_barrier(emulated::cluster->turns, emulated::cluster_turn); }
 inline int cluster_rank() { return static_cast<int>(emulated::cluster_block); }
 inline void* dynamic_shared() { return emulated::cluster->shared[emulated::cluster_block].get(); }
 template <typename P>
@@ -377,7 +390,8 @@ P* cluster_remote(P* p, int rank) {
   using Byte = std::conditional_t<std::is_const_v<P>, const unsigned char, unsigned char>;
   const auto* mine = emulated::cluster->shared[emulated::cluster_block].get();
   const auto offset = reinterpret_cast<const unsigned char*>(p) - mine;
-  if (offset < 0 || static_cast<size_t>(offset) >= emulated::cluster->shared_bytes || rank < 0 ||
+  constexpr size_t size = std::is_void_v<P> ? 1 : sizeof(std::conditional_t<std::is_void_v<P>, char, P>);
+  if (offset < 0 || static_cast<size_t>(offset) + size > emulated::cluster->shared_bytes || rank < 0 ||
       static_cast<unsigned>(rank) >= emulated::cluster->turns.blocks) {
     std::fprintf(stderr, "cluster_remote: offset %td or rank %d outside the cluster's shared memory\n", offset, rank);
     std::abort();
