@@ -127,7 +127,8 @@ gpu-ext:
 	rm -rf build/gpu-ext-build
 	CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 RLKERNELS_CACHE=$(CURDIR)/build/gpu-ext-build \
 	  .venv-torch-oldest/bin/python -c "from rlkernels import _extension as e; \
-	  assert e.load() is not None and e.has_cuda_kernels(), e.error() or e.cuda_build_blocker()"
+	  assert e.load() is not None and e.has_cuda_kernels() and e.has_cuda_kernels('logits_policy'), \
+	  e.error() or e.cuda_build_blocker()"
 	mkdir -p .gpu-ext && cp build/gpu-ext-build/*/rlkernels_csrc.so .gpu-ext/ && cat csrc/* | sha256sum > .gpu-ext/csrc.sha
 
 # Ahead-of-time build of the C++ (and, with a CUDA torch and nvcc, CUDA) extension into rlkernels/_C*.so;
