@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "advantages_cuda.h"
+#include "per_device.h"  // once_per_device, device_attribute
 
 namespace rlkernels_cuda {
 namespace {
@@ -201,65 +202,41 @@ int group_advantages(const float* scores, float* out, const int64_t* perm, const
 
 namespace {
 
-constexpr int kMaxDevices = 64;
-
 // Blocks of one whitening path's kernels one wave of the current device holds (SMs x resident blocks per SM of the
 // kernel that fits fewest: the fused kernel, whose grid must be resident at once, or the statistics pass's two
 // variants), from the occupancy calculator, once per device, dtype and path; kMaxWhitenParts if the runtime cannot
 // say (a cooperative launch of more blocks than fit is refused, and the passes run).
 template <typename T>
 int whiten_resident_blocks(bool fused) {
-  static std::atomic<int> cached[2][kMaxDevices];  // 0: not asked yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return kMaxWhitenParts;
-  }
-  int blocks = cached[fused][device].load(std::memory_order_relaxed);
-  if (blocks > 0) return blocks;
-  int sms = 0, fewest = 0;
-  bool known = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms >= 1;
-  auto per_sm = [&](auto kernel) {
-    int n = 0;
-    known = known && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWhitenThreads, 0) == cudaSuccess &&
-            n >= 1;
-    fewest = fewest == 0 || n < fewest ? n : fewest;
-  };
-  if (fused) {
-    per_sm(whiten_fused_kernel<T>);
-  } else {
-    per_sm(whiten_partial_kernel<T, true>);
-    per_sm(whiten_partial_kernel<T, false>);
-  }
-  if (!known) {
-    cudaGetLastError();  // clear the failed query's error: it must not surface as a later launch's
-    return kMaxWhitenParts;
-  }
-  blocks = sms * fewest;
-  cached[fused][device].store(blocks, std::memory_order_relaxed);
-  return blocks;
+  static std::atomic<int> cached[2][kMaxDevices];
+  const int blocks = once_per_device(cached[fused], [fused](int device) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    int fewest = 0;
+    bool known = sms >= 1;
+    auto per_sm = [&](auto kernel) {
+      int n = 0;
+      known = known && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWhitenThreads, 0) == cudaSuccess &&
+              n >= 1;
+      fewest = fewest == 0 || n < fewest ? n : fewest;
+    };
+    if (fused) {
+      per_sm(whiten_fused_kernel<T>);
+    } else {
+      per_sm(whiten_partial_kernel<T, true>);
+      per_sm(whiten_partial_kernel<T, false>);
+    }
+    cudaGetLastError();  // a failed query's error must not surface as a later launch's
+    return known ? sms * fewest : 0;
+  }, 0);
+  return blocks > 0 ? blocks : kMaxWhitenParts;
 }
 
 // Whether the current device runs cooperative launches (every Volta and later GPU does, outside some MPS and
 // virtualised setups), once per device.
 bool cooperative_launch_supported() {
-  static std::atomic<int> cached[kMaxDevices];  // 0: not asked yet, 1: no, 2: yes
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int known = cached[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int value = 0;
-    if (cudaDeviceGetAttribute(&value, cudaDevAttrCooperativeLaunch, device) != cudaSuccess) {
-      cudaGetLastError();
-      value = 0;
-    }
-    known = value != 0 ? 2 : 1;
-    cached[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 2;
+  static std::atomic<int> cached[kMaxDevices];
+  return once_per_device(cached, [](int device) { return device_attribute(cudaDevAttrCooperativeLaunch, device) != 0; },
+                         0) != 0;
 }
 
 template <typename T>

@@ -7,21 +7,9 @@
 #include <torch/library.h>
 
 #include "advantages_cuda.h"
+#include "dtype_code.h"
 
 namespace {
-
-int dtype_code(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return rlkernels_cuda::kFloat32;
-    case at::kHalf:
-      return rlkernels_cuda::kFloat16;
-    case at::kBFloat16:
-      return rlkernels_cuda::kBFloat16;
-    default:
-      TORCH_CHECK(false, "rlkernels_csrc (CUDA): unsupported dtype ", x.scalar_type());
-  }
-}
 
 void check(int code, const char* what) {
   TORCH_CHECK(code == 0, "rlkernels_csrc::", what, " (CUDA) failed: ",
@@ -38,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards, const at:
   at::Tensor r = rewards.contiguous(), v = values.contiguous(), m = mask.contiguous();
   auto opts = r.options().dtype(at::kFloat);
   at::Tensor adv = at::empty(r.sizes(), opts), ret = at::empty(r.sizes(), opts);
-  check(rlkernels_cuda::gae(dtype_code(r), r.data_ptr(), v.data_ptr(), reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()),
+  check(rlkernels_cuda::gae(dtype_code(r, "gae"), r.data_ptr(), v.data_ptr(), reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()),
                             adv.data_ptr<float>(), ret.data_ptr<float>(), r.size(0), r.size(1), static_cast<float>(gamma),
                             static_cast<float>(lam), c10::cuda::getCurrentCUDAStream()),
         "gae");
@@ -76,11 +64,11 @@ at::Tensor masked_whiten_cuda(const at::Tensor& x, const at::Tensor& mask, bool 
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor xc = x.contiguous(), mc = mask.contiguous();
   const int64_t N = xc.numel();
-  const int parts = rlkernels_cuda::whiten_partials(dtype_code(xc), N);
+  const int parts = rlkernels_cuda::whiten_partials(dtype_code(xc, "masked_whiten"), N);
   // [parts, 4]: count, pivot, mean - pivot, M2 per block; then [5] the merged statistics and their scale
   at::Tensor part = at::empty({4 * parts + 5}, xc.options().dtype(at::kFloat));
   at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
-  check(rlkernels_cuda::masked_whiten(dtype_code(xc), xc.data_ptr(), reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()),
+  check(rlkernels_cuda::masked_whiten(dtype_code(xc, "masked_whiten"), xc.data_ptr(), reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()),
                                       out.data_ptr<float>(), part.data_ptr<float>(), parts, N, static_cast<float>(eps),
                                       shift_mean, fused, c10::cuda::getCurrentCUDAStream()),
         "masked_whiten");

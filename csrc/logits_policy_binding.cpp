@@ -5,22 +5,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "dtype_code.h"
 #include "logits_policy_cuda.h"
 
 namespace {
-
-int dtype_code(const at::Tensor& x) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return rlkernels_cuda::kFloat32;
-    case at::kHalf:
-      return rlkernels_cuda::kFloat16;
-    case at::kBFloat16:
-      return rlkernels_cuda::kBFloat16;
-    default:
-      TORCH_CHECK(false, "rlkernels_csrc::logits_policy (CUDA): unsupported dtype ", x.scalar_type());
-  }
-}
 
 // Returns 1 when the kernel ran, 0 when it cannot take the call (nothing was written: the caller takes another path)
 int64_t logits_policy_cuda(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& old_logp,
@@ -75,7 +63,7 @@ int64_t logits_policy_cuda(const at::Tensor& logits, const at::Tensor& labels, c
   call.kl_coef = static_cast<float>(kl_coef), call.entropy_coef = static_cast<float>(entropy_coef);
   call.on_policy = on_policy, call.has_ref = has_ref, call.has_entropy = has_entropy;
   call.entropy_grad = entropy_grad, call.write_grad = write_grad, call.kl_estimator = static_cast<int>(kl_estimator);
-  const int code = rlkernels_cuda::logits_policy(dtype_code(logits), call, c10::cuda::getCurrentCUDAStream());
+  const int code = rlkernels_cuda::logits_policy(dtype_code(logits, "logits_policy"), call, c10::cuda::getCurrentCUDAStream());
   if (code == rlkernels_cuda::kLogitsRefused) return 0;
   TORCH_CHECK(code == 0, "rlkernels_csrc::logits_policy (CUDA) failed: ",
               code < 0 ? "unsupported dtype" : cudaGetErrorString(static_cast<cudaError_t>(code)));

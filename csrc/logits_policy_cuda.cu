@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "logits_policy_cuda.h"
+#include "per_device.h"  // once_per_device, device_attribute
 
 namespace rlkernels_cuda {
 namespace {
@@ -50,27 +51,11 @@ __device__ __forceinline__ void* dynamic_shared() {
 #include "vector_loads.h"  // widen2
 #include "logits_policy_kernel.h"  // LogitsPolicyArgs, logits_policy_kernel
 
-constexpr int kMaxDevices = 64;
-
-// Whether the current device is Hopper or later (clusters), once per device: 0 not asked, 1 no, 2 yes
+// Whether the current device is Hopper or later (clusters), once per device
 bool has_clusters() {
   static std::atomic<int> cached[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int known = cached[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-      cudaGetLastError();
-      major = 0;
-    }
-    known = major >= 9 ? 2 : 1;
-    cached[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 2;
+  const auto hopper = [](int device) { return device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9; };
+  return once_per_device(cached, hopper, 0) != 0;
 }
 
 // The dynamic shared memory a block of the kernel may use on the current device, once per device and dtype: the
@@ -79,18 +64,12 @@ bool has_clusters() {
 // (every plan is then refused: another path runs)
 template <typename T>
 int shared_memory_limit() {
-  static std::atomic<int> cached[kMaxDevices];  // 0 not asked; else the limit + 1
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return 0;
-  }
-  int known = cached[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int optin = 0, limit = 0;
+  static std::atomic<int> cached[kMaxDevices];
+  return once_per_device(cached, [](int device) {
+    const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     cudaFuncAttributes attributes{};
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess &&
-        cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>) == cudaSuccess) {
+    int limit = 0;
+    if (cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>) == cudaSuccess) {
       const int room = optin - static_cast<int>(attributes.sharedSizeBytes);
       limit = room < kLogitsMaxChunkBytes + 16 ? room : kLogitsMaxChunkBytes + 16;
       if (limit <= 0 ||
@@ -99,10 +78,8 @@ int shared_memory_limit() {
         limit = 0;
     }
     cudaGetLastError();  // a failed query or setting must not surface as a later launch's error
-    known = limit + 1;
-    cached[device].store(known, std::memory_order_relaxed);
-  }
-  return known - 1;
+    return limit;
+  }, 0);
 }
 
 // Whether clusters of `ranks` blocks run this kernel on the current device, once per device, dtype and ranks (after
@@ -114,19 +91,12 @@ int shared_memory_limit() {
 // cudaErrorInvalidClusterSize, here the caller takes another path instead)
 template <typename T>
 bool clusters_fit(int ranks) {
-  static std::atomic<int> cached[kMaxDevices][kLogitsMaxRanks + 1];  // 0 not asked, 1 no, 2 yes
+  static std::atomic<int> cached[kLogitsMaxRanks + 1][kMaxDevices];
   if (ranks < 2 || ranks > kLogitsMaxRanks) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int known = cached[device][ranks].load(std::memory_order_relaxed);
-  if (known == 0) {
-    bool fits = false;
+  return once_per_device(cached[ranks], [ranks](int) {
     cudaFuncAttributes attributes{};
-    cudaError_t error = cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>);
-    if (error == cudaSuccess && attributes.ptxVersion >= 90) {
+    bool fits = false;
+    if (cudaFuncGetAttributes(&attributes, logits_policy_kernel<T>) == cudaSuccess && attributes.ptxVersion >= 90) {
       cudaLaunchConfig_t config{};
       config.gridDim = dim3(static_cast<unsigned>(ranks));
       config.blockDim = dim3(kLogitsThreads);
@@ -139,14 +109,11 @@ bool clusters_fit(int ranks) {
       config.attrs = &cluster;
       config.numAttrs = 1;
       int clusters = 0;
-      error = cudaOccupancyMaxActiveClusters(&clusters, logits_policy_kernel<T>, &config);
-      fits = error == cudaSuccess && clusters > 0;
+      fits = cudaOccupancyMaxActiveClusters(&clusters, logits_policy_kernel<T>, &config) == cudaSuccess && clusters > 0;
     }
-    if (error != cudaSuccess) cudaGetLastError();
-    known = fits ? 2 : 1;
-    cached[device][ranks].store(known, std::memory_order_relaxed);
-  }
-  return known == 2;
+    cudaGetLastError();
+    return fits ? 1 : 0;
+  }, 0) != 0;
 }
 
 template <typename T>

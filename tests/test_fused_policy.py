@@ -609,6 +609,22 @@ def emulated_cluster_launch(tmp_path_factory):
     return make
 
 
+def _emulated_cluster_row(launch):
+    """The cluster row (fused_policy._logits_token_row) with ``launch`` for its kernel launch."""
+
+    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
+        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
+
+    return cluster_row
+
+
+def _serve_by_emulated_cluster_row(monkeypatch, launch):
+    """logits_policy_loss's CUDA (Triton backend) row replaced, for the test, by the cluster row on ``launch``."""
+    cluster_row = _emulated_cluster_row(launch)
+    monkeypatch.setattr(fused_policy, "_logits_triton", cluster_row)
+    monkeypatch.setitem(fused_policy._LOGITS_IMPLS, "triton", cluster_row)
+
+
 CLUSTER_CASES = [  # (dtype, agg, V, layout, max_chunk_bytes, ranks, options): every agg, estimator and dtype
     (torch.float32, "token-mean", 4096, "noncontiguous", 4096, 4,
      dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.02, dual_clip=3.0, temperature=1.3)),
@@ -632,13 +648,7 @@ def test_csrc_cluster_kernel_source_matches_float64_truth_under_a_warp_emulator(
     the float64 truth, forward and backward, with a row split over clusters of 1 to 8 blocks (the last one shorter
     where the vectors do not divide), an ignored label, masked-out and empty rows, every agg mode and estimator."""
     plans = []
-    launch = emulated_cluster_launch(max_chunk, plans)
-
-    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
-        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
-
-    monkeypatch.setattr(fused_policy, "_logits_triton", cluster_row)
-    monkeypatch.setitem(fused_policy._LOGITS_IMPLS, "triton", cluster_row)
+    _serve_by_emulated_cluster_row(monkeypatch, emulated_cluster_launch(max_chunk, plans))
     B, T = 3, 5
     x = _inputs(B, T, 8, V, seed=zlib.crc32(f"{agg}{V}".encode()) % 1000)
     x["labels"][1, 2] = -100  # a masked-in ignored label: log-prob 0, no gradient
@@ -659,10 +669,7 @@ def test_csrc_cluster_kernel_poisons_a_row_with_nan_or_inf_and_refuses_unaligned
     """A NaN or +inf logit gives its row NaN log-prob and gradient, as the other rows (a -inf one is a probability
     of 0); a vocabulary that is not a whole number of 16-byte vectors is refused by the plan (the pair runs)."""
     plans = []
-    launch = emulated_cluster_launch(512, plans)
-
-    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
-        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
+    cluster_row = _emulated_cluster_row(emulated_cluster_launch(512, plans))
 
     B, T, V = 2, 3, 512
     x = _inputs(B, T, 8, V, seed=3)
@@ -704,13 +711,7 @@ def test_csrc_cluster_kernel_unrolled_copy_loop_matches_float64_truth(emulated_c
     they run the copy loop's one-vector tail only): 2 bf16 blocks of 1100 vectors, 4 float32 blocks of 1063, 1063,
     1063 and 1061 -- the unrolled loop and its tail -- against the float64 truth, forward and backward."""
     plans = []
-    launch = emulated_cluster_launch(max_chunk, plans)
-
-    def cluster_row(logits, labels, old_logp, advantages, mask, ref_logp, opt):
-        return fused_policy._logits_token_row(logits, labels, old_logp, advantages, mask, ref_logp, opt, launch)
-
-    monkeypatch.setattr(fused_policy, "_logits_triton", cluster_row)
-    monkeypatch.setitem(fused_policy._LOGITS_IMPLS, "triton", cluster_row)
+    _serve_by_emulated_cluster_row(monkeypatch, emulated_cluster_launch(max_chunk, plans))
     x = _inputs(2, 3, 8, V, seed=V % 89)
     x["labels"][1, 0], x["labels"][1, 1] = V - 1, 0  # the last column and the first
     logits = (torch.randn(2, 3, V, generator=_gen(V)) * 2).to(dtype)  # [B, T, V]

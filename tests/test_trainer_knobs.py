@@ -580,19 +580,28 @@ def steps_in_one_rank(prompts, completions, answers, completion_tokens):
     return [float(i % 4) for i in range(len(completions))]
 
 
-def _ratio_worker(rank, world, init_file, out_dir, cfg_dict, steps_rank):
-    in_gloo_group(rank, world, f"file://{init_file}", _ratio_work, rank, out_dir, cfg_dict, steps_rank)
+def _score_worker(rank, world, init_file, out_dir, cfg_dict, knob):
+    in_gloo_group(rank, world, f"file://{init_file}", _score_work, rank, out_dir, cfg_dict, knob)
 
 
-def _ratio_work(rank, out_dir, cfg_dict, steps_rank):
-    RANK_STEPS["rank"] = steps_rank
+def _score_work(rank, out_dir, cfg_dict, knob):
+    """One process's score phase of a 2-process run; writes ``score<rank>.txt``: "scored", or the error's class and
+    message ("ConfigError|ratio: ..."). ``knob``: (a global dict of this module, key, value) set first."""
+    table, key, value = knob
+    globals()[table][key] = value
     tr = Trainer(from_dict(cfg_dict))
     try:
         tr.score(tr.rollout(1), 1)
-        said = "accepted"
-    except ConfigError as error:
-        said = str(error)
-    (Path(out_dir) / f"ratio{rank}.txt").write_text(said)
+        said = "scored"
+    except Exception as error:  # noqa: BLE001  (the class is what the tests check)
+        said = f"{type(error).__name__}|{error}"
+    (Path(out_dir) / f"score{rank}.txt").write_text(said)
+
+
+def _score_in_two_processes(tmp_path, cfg_dict, knob) -> list[str]:
+    torch.multiprocessing.spawn(_score_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict, knob),
+                                nprocs=2, join=True)
+    return [(tmp_path / f"score{rank}.txt").read_text() for rank in range(2)]
 
 
 @pytest.mark.parametrize("steps_rank", [None, 1])
@@ -602,13 +611,11 @@ def test_sequence_ratio_first_batch_decided_by_every_process(tmp_path, steps_ran
     cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
                     tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0, ratio="sequence",
                     reward=f"{__name__}:steps_in_one_rank")
-    torch.multiprocessing.spawn(_ratio_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict, steps_rank),
-                                nprocs=2, join=True)
-    said = [(tmp_path / f"ratio{rank}.txt").read_text() for rank in range(2)]
+    said = _score_in_two_processes(tmp_path, cfg_dict, ("RANK_STEPS", "rank", steps_rank))
     if steps_rank is None:
-        assert all(s.startswith("ratio: the reward") for s in said), said
+        assert all(s.startswith("ConfigError|ratio: the reward") for s in said), said
     else:
-        assert said == ["accepted", "accepted"]
+        assert said == ["scored", "scored"]
 
 
 STOPPING = {"rank": 1, "how": None}  # the process whose reward function misbehaves, and how (set in the worker)
@@ -627,21 +634,6 @@ def misbehaves_in_one_rank(prompts, completions, answers, completion_tokens):
     return [float(i % 4) for i in range(len(completions))]
 
 
-def _stop_worker(rank, world, init_file, out_dir, cfg_dict, how):
-    in_gloo_group(rank, world, f"file://{init_file}", _stop_work, rank, out_dir, cfg_dict, how)
-
-
-def _stop_work(rank, out_dir, cfg_dict, how):
-    STOPPING["how"] = how
-    tr = Trainer(from_dict(cfg_dict))
-    try:
-        tr.score(tr.rollout(1), 1)
-        said = "scored"
-    except Exception as error:  # noqa: BLE001  (the class is what the test checks)
-        said = f"{type(error).__name__}|{error}"
-    (Path(out_dir) / f"stop{rank}.txt").write_text(said)
-
-
 @pytest.mark.parametrize("how, kind, starts", [("nan", "NonFiniteError", "non-finite reward"),
                                                ("malformed", "RewardError", "reward:"),
                                                ("steps", "ConfigError", "advantage:"),
@@ -655,9 +647,7 @@ def test_a_process_that_stops_in_the_score_phase_stops_them_all(tmp_path, how, k
     cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
                     tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0, advantage="rloo",
                     reward=f"{__name__}:misbehaves_in_one_rank")
-    torch.multiprocessing.spawn(_stop_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict, how),
-                                nprocs=2, join=True)
-    said = [(tmp_path / f"stop{rank}.txt").read_text() for rank in range(2)]
+    said = _score_in_two_processes(tmp_path, cfg_dict, ("STOPPING", "how", how))
     if how is None:
         assert said == ["scored", "scored"]
         return
