@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlkernels import reference
-from rlkernels.trainer import checkpoint, knobs, loop
+from rlkernels.trainer import checkpoint, knobs, loop, process
 from rlkernels.trainer.__main__ import main
 from rlkernels.trainer.config import ConfigError, TrainConfig, from_dict
 from rlkernels.trainer.data import tiny_tokenizer
@@ -507,6 +507,7 @@ def test_sequence_ratio_is_the_token_ratio_at_ratio_one_with_outcome_advantages(
     {"ratio": "sequence", "reward": "format", "kl_in": "loss", "entropy_coef": 0.01},
     {"ratio": "sequence", "epochs": 1, "minibatches": 1, "reward": "exact_format", "advantage": "rloo"},
     {"recipe": "gspo", "ratio": "sequence", "minibatches": 1},  # set again by the user: the recipe's 4 undone
+    {"recipe": "gspo", "minibatches": 1},  # the recipe's ratio is the user's choice too
 ])
 def test_sequence_ratio_with_an_outcome_rule_is_refused_at_start_up(values):
     with pytest.raises(ConfigError, match=r"^ratio: reward '\w+' gives outcome rewards .* exactly 1"):
@@ -551,6 +552,71 @@ def test_sequence_ratio_refused_at_the_first_batch_from_the_command_line(tmp_pat
     assert main(CLI + out + ["--ratio", "sequence", "--epochs", "2", "--steps", "1"]) == 0  # same folder, no overwrite
 
 
+def test_steps_that_all_end_at_the_last_token_act_as_outcome_rewards():
+    lengths = torch.tensor([3, 1, 4])  # [B]
+    ends = torch.tensor([[2, 0], [0, 0], [3, 1]])  # [B, S]
+    mask = torch.tensor([[True, False], [True, True], [True, False]])  # [B, S]
+    assert process.steps_all_end_last((torch.zeros(3, 2), ends, mask), lengths)
+    mask[2, 1] = True  # a step of the third completion ends at its token 1 of 4
+    assert not process.steps_all_end_last((torch.zeros(3, 2), ends, mask), lengths)
+
+
+def one_step_at_the_end(prompts, completions, answers, completion_tokens):
+    return [[(float(i % 3), len(t) - 1)] for i, t in enumerate(completion_tokens)]
+
+
+def steps_first_then_outcomes(prompts, completions, answers, completion_tokens):
+    """Step rewards at the first call in this process, outcome rewards after it."""
+    CALLS["n"] += 1
+    if CALLS["n"] == 1:
+        return [[(float(i % 3), 0), (1.0, len(t) - 1)] for i, t in enumerate(completion_tokens)]
+    return [float(i % 4) for i in range(len(completions))]
+
+
+CALLS = {"n": 0}
+
+
+def test_sequence_ratio_refused_for_step_rewards_that_act_as_outcome_rewards(tmp_path):
+    """One step per completion ending at its last token gives every token the same advantage: refused as outcome
+    rewards are."""
+    tr = Trainer(tiny(tmp_path, losses="eager", reward=f"{__name__}:one_step_at_the_end", ratio="sequence",
+                      kl_coef=0.0))
+    with pytest.raises(ConfigError, match="^ratio: the reward .* or step rewards that all end at a completion's last"):
+        tr.run()
+    assert tr.step == 0 and checkpoint.run_files(tmp_path) == []
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_first_batch_leaves_an_earlier_run_as_it_was(tmp_path):
+    """The first batch is scored before the folder changes: a refusal there leaves the run that --overwrite would
+    have deleted, and the config and log of a run that --resume would have continued, as they were."""
+    base = dict(losses="eager", reward=DISTINCT, steps=1)
+    Trainer(tiny(tmp_path, **base)).run()
+    before = _files(tmp_path)
+    assert {"config.json", "metrics.jsonl"} <= set(before) and any(n.startswith("checkpoints") for n in before)
+    with pytest.raises(ConfigError, match="^ratio: the reward"):
+        Trainer(tiny(tmp_path, **base, ratio="sequence", overwrite=True)).run()
+    assert _files(tmp_path) == before
+    with pytest.raises(ConfigError, match="^ratio: the reward"):  # ratio changed on resume: decided again
+        Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True, "ratio": "sequence"})).run()
+    assert _files(tmp_path) == before
+
+
+def test_a_resume_keeps_the_first_batchs_acceptance(tmp_path):
+    """A run accepted at its first batch (step rewards) is not refused when its resumed first batch happens to hold
+    outcome rewards; a resume that changes a field the decision depends on is decided again."""
+    CALLS["n"] = 0
+    base = dict(losses="eager", reward=f"{__name__}:steps_first_then_outcomes", ratio="sequence", kl_coef=0.0)
+    assert Trainer(tiny(tmp_path, **base, steps=1)).run()["steps"] == 1
+    assert Trainer(tiny(tmp_path, **base, steps=2, resume=True)).run()["steps"] == 2  # outcome rewards at step 2
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    with pytest.raises(ConfigError, match="^ratio: the reward"):  # kl_coef changed: step 3's outcome rewards decide
+        Trainer(tiny(tmp_path, **{**base, "steps": 3, "resume": True, "kl_coef": 0.05})).run()
+
+
 @pytest.mark.parametrize("over", [
     dict(epochs=2),
     dict(minibatches=2),
@@ -575,8 +641,8 @@ RANK_STEPS = {"rank": None}  # the process whose reward function returns step re
 def steps_in_one_rank(prompts, completions, answers, completion_tokens):
     import torch.distributed as dist
 
-    if dist.get_rank() == RANK_STEPS["rank"]:  # one step per completion, ending at its last token
-        return [[(float(i % 3), len(t) - 1)] for i, t in enumerate(completion_tokens)]
+    if dist.get_rank() == RANK_STEPS["rank"]:  # two steps per completion: its first token, its last
+        return [[(float(i % 3), 0), (1.0, len(t) - 1)] for i, t in enumerate(completion_tokens)]
     return [float(i % 4) for i in range(len(completions))]
 
 
@@ -629,8 +695,12 @@ def misbehaves_in_one_rank(prompts, completions, answers, completion_tokens):
             return [float("nan")] + [0.0] * (len(completions) - 1)
         if STOPPING["how"] == "malformed":
             return [0.0] * (len(completions) - 1)  # one reward short
-        if STOPPING["how"] == "steps":  # step rewards, which advantage 'rloo' refuses
+        if STOPPING["how"] in ("steps", "mixed"):  # step rewards, which advantage 'rloo' refuses
             return [[(1.0, len(t) - 1)] for t in completion_tokens]
+        if STOPPING["how"] == "raises":  # the user's own bug
+            return [answers[i]["missing"] for i in range(len(completions))]
+    elif STOPPING["how"] == "mixed":  # process 0 stops too, with another kind of error
+        return [float("nan")] * len(completions)
     return [float(i % 4) for i in range(len(completions))]
 
 
@@ -661,12 +731,32 @@ def test_a_process_that_stops_in_the_score_phase_stops_them_all(tmp_path, how, k
         assert messages[0] == f"process 1 stopped: {messages[1]}", said
 
 
+@pytest.mark.parametrize("how", ["raises", "mixed"])
+def test_any_error_of_one_process_in_the_score_phase_stops_them_all_with_the_first_ones_kind(tmp_path, how):
+    """An exception of the reward function itself (here a TypeError in the user's code) in one process stops the
+    other too: the one that raised it keeps its traceback, the other stops with a RewardError naming it. Two
+    processes stopping with different kinds of error (a NaN in process 0, refused step rewards in process 1)
+    both stop with the first process's kind, so the CLI's exit status is the same everywhere."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0, advantage="rloo",
+                    reward=f"{__name__}:misbehaves_in_one_rank")
+    said = _score_in_two_processes(tmp_path, cfg_dict, ("STOPPING", "how", how))
+    kinds, messages = zip(*(s.split("|", 1) for s in said))
+    if how == "raises":
+        assert kinds == ("RewardError", "TypeError"), said
+        assert messages[0] == f"process 1 stopped: TypeError: {messages[1]}", said
+    else:
+        assert kinds == ("NonFiniteError", "NonFiniteError"), said
+        assert messages[0].startswith("non-finite reward"), said
+        assert messages[1] == f"process 0 stopped: {messages[0]}", said
+
+
 def test_sequence_ratio_accepted_at_start_up_where_it_may_matter(tmp_path):
     for values in ({"ratio": "sequence", "epochs": 2}, {"ratio": "sequence", "minibatches": 2},
                    {"ratio": "sequence", "reward": "steps", "task": "prefix_sums"},
                    {"ratio": "sequence", "kl_in": "reward"}, {"ratio": "sequence", "algo": "ppo"},
                    {"ratio": "sequence", "reward": DISTINCT},  # a callable: decided at its first batch
-                   {"recipe": "gspo"}, {"recipe": "gspo", "minibatches": 1},  # the recipe's ratio, not the user's
+                   {"recipe": "gspo"}, {"recipe": "gspo", "minibatches": 1, "reward": DISTINCT},
                    {"ratio": "token"}):
         assert from_dict(values).ratio == values.get("ratio", "sequence"), values
 

@@ -244,7 +244,7 @@ class TrainConfig:
                                        "no clip applies (set epochs or minibatches above 1)")
         if self.sequence_ratio_needs_steps() and self._reward_is_outcome():
             self._refuse("ratio", f"reward {self.reward!r} gives outcome rewards (one score per completion), "
-                                  + SEQUENCE_RATIO_WHY)
+                                  + SEQUENCE_RATIO_WHY + self.ratio_source())
         if self.algo == "ppo" and self.epochs * self.minibatches == 1 and self.was_set("value_clip"):
             self._refuse("value_clip", "with one epoch of one minibatch the critic's values are still its old values "
                                        "when the value loss is taken, so the clip never applies (set epochs or "
@@ -331,8 +331,19 @@ class TrainConfig:
         a reward known to give outcome rewards, else at the first batch whose rewards are outcome rewards
         (:meth:`trainer.loop.Trainer.score`)."""
         kl_in_reward = self.kl_coef > 0 and self.kl_in == "reward"  # kl_in None resolves to 'loss' under GRPO
-        return (self.ratio == "sequence" and self.was_set("ratio") and self.algo == "grpo"
-                and self.epochs * self.minibatches == 1 and not kl_in_reward)
+        return (self.ratio == "sequence" and (self.was_set("ratio") or self._recipe_sets("ratio"))
+                and self.algo == "grpo" and self.epochs * self.minibatches == 1 and not kl_in_reward)
+
+    def _recipe_sets(self, name: str) -> bool:
+        """Whether ``recipe`` gave ``name`` its value (no flag or config-file key overrode it): a recipe is the
+        user's choice too, so ``--recipe gspo --minibatches 1`` is refused as ``--ratio sequence`` is."""
+        from .recipes import recipe_values
+
+        return not self.was_set(name) and recipe_values(self.recipe).get(name, object()) == getattr(self, name)
+
+    def ratio_source(self) -> str:
+        """' (set by recipe ...)' when the recipe chose ``ratio``, for the refusals' messages."""
+        return f", set by recipe {self.recipe!r}" if self._recipe_sets("ratio") else ""
 
     def _reward_is_outcome(self) -> bool:
         """Whether ``reward`` gives outcome rewards whatever it is asked (a rule of

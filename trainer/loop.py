@@ -40,6 +40,9 @@ class NonFiniteError(RuntimeError):
 # The errors a process may stop with in the score phase while the others would go on (Trainer._stop_together), in the
 # order of their codes there; ConfigError first (its message starts with the field's name)
 STOP_TOGETHER = (ConfigError, process.RewardError, NonFiniteError)
+# the fields that decide whether the run's first batch must show step rewards for ratio 'sequence'
+# (TrainConfig.sequence_ratio_needs_steps, Trainer._check_outcome_ratio): a resume keeps that decision while they hold
+SEQUENCE_RATIO_FIELDS = ("ratio", "recipe", "algo", "epochs", "minibatches", "kl_coef", "kl_in", "reward")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value to compare by
@@ -360,13 +363,14 @@ class Trainer:
         when it returned step rewards, the steps (see trainer/process.py); ``missing_eos_penalty`` applied. Each
         process scores its own share with the user's reward function, so any process may stop here (a malformed or
         non-finite reward, step rewards a flag refuses): under torchrun every process then stops with it
-        (:meth:`_stop_together`) instead of waiting for it in the next collective. The first batch scored decides
+        (:meth:`_stop_together`) instead of waiting for it in the next collective -- also when the reward function
+        itself raised (a KeyError in the user's code). The first batch scored decides
         the refusals that depend on whether the rewards are step rewards (:func:`process.check_outcome_ratio`;
         every batch: :func:`process.check_process_advantage` and ``reward_norm``/``reward_clip``)."""
         error, scored, outcome = None, batch, True
         try:
             scored, outcome = self._score_here(batch, step)
-        except STOP_TOGETHER as caught:
+        except Exception as caught:  # noqa: BLE001  (any error of the user's reward function stops every process)
             error = caught
         self._stop_together(error)
         if not self._first_batch_scored:
@@ -375,8 +379,9 @@ class Trainer:
         return scored
 
     def _score_here(self, batch: Rollout, step: int) -> tuple[Rollout, bool]:
-        """:meth:`score` in this process alone (no collective): the scored batch, and whether its rewards are
-        outcome rewards (one float per completion)."""
+        """:meth:`score` in this process alone (no collective): the scored batch, and whether its rewards act as
+        outcome rewards (one float per completion, or steps that all end at the completion's last token: every
+        token then gets the same advantage)."""
         if batch.eos is None:  # a batch built by hand: its labels say which responses hold the EOS token
             batch = dataclasses.replace(batch, eos=(batch.labels == self.eos_id).any(-1))  # [B]
         lengths = batch.mask.long().sum(-1)  # [B] response tokens
@@ -399,31 +404,39 @@ class Trainer:
             )
         scores, steps = process.eos_penalty(scores, steps, batch.eos, self.cfg.missing_eos_penalty, lengths)
         fields = dict(zip(("step_rewards", "step_ends", "step_mask"), steps)) if steps is not None else {}
-        return dataclasses.replace(batch, scores=scores, **fields), steps is None
+        outcome = steps is None or process.steps_all_end_last(steps, lengths)  # step rewards that act as outcomes
+        return dataclasses.replace(batch, scores=scores, **fields), outcome
 
     def _stop_together(self, error: Exception | None) -> None:
         """Raise ``error`` (this process's, or None) -- and under torchrun make every process stop when any one
-        does: one all-reduce finds the first process (by rank) that stopped and the kind of its error; a process
-        that stopped raises its own, every other one the first one's kind with its message (broadcast), so that
-        each exits with the same status and rank 0 prints what happened wherever it happened."""
-        kinds = len(STOP_TOGETHER)
+        does: one all-reduce finds the first process (by rank) that stopped and the kind of its error (one of
+        :data:`STOP_TOGETHER`, or any other exception, such as one raised inside the user's reward function). The
+        first process raises its own error; every other one raises the first one's kind (a RewardError for an
+        exception of another kind) with its message, broadcast, chained to its own error if it had one -- so that
+        every process exits with the same status, and rank 0 says what happened wherever it happened."""
+        kinds = len(STOP_TOGETHER) + 1  # the last code: an exception of another kind
         if not self.distributed:
             if error is not None:
                 raise error
             return
-        code = self.world * kinds if error is None else (
-            self.rank * kinds + next(i for i, kind in enumerate(STOP_TOGETHER) if isinstance(error, kind)))
+        kind = None if error is None else next(
+            (i for i, known in enumerate(STOP_TOGETHER) if isinstance(error, known)), len(STOP_TOGETHER))
+        code = self.world * kinds if error is None else self.rank * kinds + kind
         flag = torch.tensor([code], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         first, kind = divmod(int(flag), kinds)
         if first == self.world:
             return
-        message = [str(error) if self.rank == first else None]
+        message = [None]
+        if self.rank == first:
+            message = [str(error) if kind < len(STOP_TOGETHER) else f"{type(error).__name__}: {error}"]
         dist.broadcast_object_list(message, src=first)
-        if error is not None:
+        if self.rank == first:
             raise error
-        said = message[0] if kind == 0 else f"process {first} stopped: {message[0]}"  # ConfigError: field first
-        raise STOP_TOGETHER[kind](said)
+        if kind == 0:  # a ConfigError: its message starts with the field
+            raise ConfigError(message[0]) from error
+        known = STOP_TOGETHER[kind] if kind < len(STOP_TOGETHER) else process.RewardError
+        raise known(f"process {first} stopped: {message[0]}") from error
 
     def _refuse_score_norm_of_steps(self) -> None:
         flag = "reward_norm" if self.cfg.reward_norm != "none" else "reward_clip"
@@ -628,14 +641,21 @@ class Trainer:
             metrics["policy/kl_coef"] = self.kl_coef
         return metrics
 
-    def train_step(self, step: int) -> dict:
-        """One step: rollout -> score -> advantages -> update -> log; returns the step's metrics (averaged
-        over processes)."""
-        cfg = self.cfg
+    def rollout_and_score(self, step: int) -> tuple[Rollout, float]:
+        """Step ``step``'s first phases: seeded rollout, then the rewards (:meth:`score`); returns the scored batch
+        and the step's start time (``time.perf_counter``). :meth:`run` calls it for its first step before it
+        touches the output folder, since that batch may refuse the run (:meth:`_check_outcome_ratio`)."""
         start = time.perf_counter()
-        torch.manual_seed(((cfg.seed * 1_000_003 + step) * 1009 + self.rank) % 2**64)  # torch takes 64 bits
+        torch.manual_seed(((self.cfg.seed * 1_000_003 + step) * 1009 + self.rank) % 2**64)  # torch takes 64 bits
         batch = self.rollout(step)  # rollout
-        batch = self.score_tokens(self.normalize_scores(self.score(batch, step)))  # score: rewards, then tokens
+        return self.score(batch, step), start
+
+    def train_step(self, step: int, scored: tuple[Rollout, float] | None = None) -> dict:
+        """One step: rollout -> score -> advantages -> update -> log; returns the step's metrics (averaged
+        over processes). ``scored``: what :meth:`rollout_and_score` already returned for this step."""
+        cfg = self.cfg
+        batch, start = scored if scored is not None else self.rollout_and_score(step)
+        batch = self.score_tokens(self.normalize_scores(batch))  # score: the tokens
         batch = self.advantages(batch)  # advantages
         before_update = self._clock()
         metrics = self.update(batch, step)  # update
@@ -697,11 +717,14 @@ class Trainer:
             group["lr"] = lr
             group["weight_decay"] = cfg.weight_decay
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self, trim_log: bool = True) -> None:
         """Load the newest checkpoint (weights, optimizer moments, RNG, step, running reward statistics). The
         config given now wins over the checkpoint's where they differ: ``lr``, ``critic_lr`` and ``weight_decay``
         are set on the loaded optimizer; ``kl_coef`` is the config's, except that with ``kl_target`` the adapted
-        coefficient continues from the checkpoint as long as ``kl_coef`` itself is unchanged."""
+        coefficient continues from the checkpoint as long as ``kl_coef`` itself is unchanged. The run's first
+        batch accepted its ``ratio`` (:meth:`_check_outcome_ratio`): that stands while none of
+        :data:`SEQUENCE_RATIO_FIELDS` changed. ``trim_log``: drop the lines of ``metrics.jsonl`` logged after the
+        checkpoint now (:meth:`run` does it later, once the resumed first batch is scored)."""
         if not self.cfg.resume:
             return
         path = checkpoint.latest(self.out / "checkpoints")
@@ -722,16 +745,23 @@ class Trainer:
             self.kl_coef = float(state["kl_coef"])  # the adaptive controller's state: it continues
         if "reward_norm" in state:
             self.score_norm.load_state_dict(state["reward_norm"])
+        saved, now = state.get("config") or {}, self.cfg.to_dict()
+        if all(name in saved and saved[name] == now[name] for name in SEQUENCE_RATIO_FIELDS):
+            self._first_batch_scored = True  # decided at the run's own first batch
         if self.rank == 0:
             left = "" if self.step < self.cfg.steps else f": nothing left to run (steps = {self.cfg.steps})"
             print(f"resumed from step {self.step} ({path}){left}", file=sys.stderr, flush=True)
             for line in self._resume_notes:
                 print(line, file=sys.stderr, flush=True)
-        if self.rank == 0:  # drop metrics logged after the checkpoint
-            log = self.out / "metrics.jsonl"
-            if log.exists():
-                kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-                log.write_text("".join(ln + "\n" for ln in kept))
+        if trim_log:
+            self._trim_log()
+
+    def _trim_log(self) -> None:
+        """Drop the lines of ``metrics.jsonl`` logged after the step resumed from (rank 0)."""
+        log = self.out / "metrics.jsonl"
+        if self.rank == 0 and log.exists():
+            kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+            log.write_text("".join(ln + "\n" for ln in kept))
 
     def _install_sigint(self):
         if threading.current_thread() is not threading.main_thread():
@@ -777,13 +807,19 @@ class Trainer:
     def run(self, on_step=None) -> dict:
         """Train to ``cfg.steps``; returns the summary. ``on_step(step, metrics)`` is called after each step."""
         cfg = self.cfg
+        self.maybe_resume(trim_log=False)  # reads the checkpoint; the folder is not changed yet
+        self._resumed_from = self.step
+        wall = time.perf_counter()
+        # the first step's batch is scored before the folder changes: it may refuse the run (a ConfigError), and a
+        # refused command must leave an earlier run (--overwrite) and a resumed one's config and log as they were
+        first = self.rollout_and_score(self.step + 1) if self.step < cfg.steps else None
         if cfg.overwrite and self.rank == 0:
             checkpoint.clear_run(self.out)  # the earlier run's files: its checkpoints must not be resumed later
         if self.distributed:
             dist.barrier()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.maybe_resume()
-        self._resumed_from = self.step
+        if cfg.resume:
+            self._trim_log()
         if self.rank == 0:
             (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         previous = self._install_sigint()
@@ -792,11 +828,11 @@ class Trainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress or self.rank != 0, desc=cfg.algo, dynamic_ncols=True)
-        wall = time.perf_counter()
         interrupted = refused = False
         try:
             while self.step < cfg.steps:
-                metrics = self.train_step(self.step + 1)
+                metrics = self.train_step(self.step + 1, first)
+                first = None
                 self.step += 1
                 metrics = {"step": self.step, **metrics}
                 if log is not None and (self.step % cfg.log_every == 0 or self.step == cfg.steps):
@@ -814,7 +850,7 @@ class Trainer:
                     break
             if self.step > self._resumed_from:  # a resume with nothing left to run keeps its checkpoint as is
                 self.save()
-        except ConfigError:  # e.g. refused at the first batch, where the reward function's output decides
+        except ConfigError:  # e.g. a later batch's step rewards refused (the first batch's refusals came earlier)
             refused = True
             raise
         finally:

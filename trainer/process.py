@@ -129,6 +129,14 @@ def parse_rewards(raw: list, lengths: torch.Tensor):
     return scores.to(device), (step_rewards.to(device), step_ends.to(device), step_mask.to(device))
 
 
+def steps_all_end_last(steps, lengths: torch.Tensor) -> bool:
+    """Whether every step of ``steps`` (as from :func:`parse_rewards`) ends at its completion's last response token
+    (``lengths`` [B] - 1): then every token of a completion gets the same advantage (the sum of the normalised
+    rewards of the steps ending at or after it), as with outcome rewards."""
+    _, ends, mask = steps
+    return bool((~mask | (ends == (lengths - 1)[:, None])).all())
+
+
 def solved(scores: torch.Tensor, steps) -> torch.Tensor:
     """[B] bool: the completion scored >= 1 (outcome) or every one of its steps did (process; none without steps)."""
     if steps is None:
@@ -235,5 +243,6 @@ def check_outcome_ratio(cfg) -> None:
     from .config import SEQUENCE_RATIO_WHY
 
     if cfg.sequence_ratio_needs_steps():
-        cfg._refuse("ratio", f"the reward {cfg.reward!r} returned outcome rewards (one float per completion) at the "
-                             f"first batch, {SEQUENCE_RATIO_WHY}")
+        cfg._refuse("ratio", f"the reward {cfg.reward!r} returned outcome rewards (one float per completion, or step "
+                             f"rewards that all end at a completion's last token) at the "
+                             f"first batch, {SEQUENCE_RATIO_WHY}{cfg.ratio_source()}")
