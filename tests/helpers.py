@@ -188,20 +188,27 @@ EMULATED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_em
 
 def build_emulated(tmp_path_factory, main: str) -> str:
     """``tests/cuda_emulated/<main>`` (a CUDA kernel's own source from ``csrc/`` under the warp emulator,
-    ``cuda_warp_emulator.h``) built with the host compiler, with AddressSanitizer and UBSan's alignment check where
-    the compiler has them; the executable's path."""
+    ``cuda_warp_emulator.h``) built by :func:`compile_emulated`; the executable's path."""
+    exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
+    compile_emulated(os.path.join(EMULATED_DIR, main), exe)
+    return exe
+
+
+def compile_emulated(source: str, exe: str) -> bool:
+    """Build the C++ file ``source`` (which includes the warp emulator and kernels of ``csrc/``) into ``exe`` with the
+    host compiler, with AddressSanitizer and UBSan's alignment check where the compiler has them; whether it has
+    them. Skips the test where there is no C++ compiler."""
     import pytest
 
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = str(tmp_path_factory.mktemp("emulated") / main.removesuffix(".cpp"))
-    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}",
-            os.path.join(EMULATED_DIR, main), "-o", exe]
+    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}", source, "-o", exe]
     # AddressSanitizer, and UBSan's alignment check: a 16-byte vector access through a misaligned pointer aborts
     built = subprocess.run(base[:1] + ["-fsanitize=address,alignment", "-fno-sanitize-recover=alignment"] + base[1:],
                            capture_output=True, text=True)
-    if built.returncode != 0:  # no AddressSanitizer runtime: the emulation still checks the values
+    sanitized = built.returncode == 0
+    if not sanitized:  # no AddressSanitizer runtime: the emulation still checks the values
         built = subprocess.run(base, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
-    return exe
+    return sanitized

@@ -752,24 +752,12 @@ int main(int, char** argv) {
 
 
 def _build_emulator_probe(tmp_path):
-    """``_EMULATOR_PROBE`` built as build_emulated builds the kernels (AddressSanitizer where the compiler has it):
-    ``(executable, with_asan)``."""
-    import shutil
+    """``_EMULATOR_PROBE`` built as the emulated kernels are: ``(executable, with_asan)``."""
+    from tests.helpers import compile_emulated
 
-    from tests.helpers import CSRC_DIR, EMULATED_DIR
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     source, exe = tmp_path / "probe.cpp", str(tmp_path / "probe")
     source.write_text(_EMULATOR_PROBE)
-    base = [cxx, "-std=c++20", "-O1", "-g", "-pthread", f"-I{CSRC_DIR}", f"-I{EMULATED_DIR}", str(source), "-o", exe]
-    built = subprocess.run(base[:1] + ["-fsanitize=address"] + base[1:], capture_output=True, text=True)
-    asan = built.returncode == 0
-    if not asan:
-        built = subprocess.run(base, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    return exe, asan
+    return exe, compile_emulated(str(source), exe)
 
 
 def test_cluster_emulator_shows_a_read_of_a_returned_blocks_shared_memory_whichever_rank_it_reaches(tmp_path):
