@@ -90,7 +90,9 @@ class TrainConfig:
     GSPO's gradient of -A * s, s = exp(mean_t(logp - old_logp)), is -A / n on each of the sequence's n tokens, the
     token ratio's -A in every agg mode): at start-up for the rules 'exact', 'format', 'exact_format' and a reward
     model, at the first batch for a 'module:function' (judged by what it returns there: floats, or step
-    rewards for at least one completion)."""
+    rewards that all end at a completion's last token, which act the same; the decision stands on resume while
+    ratio, recipe, algo, epochs, minibatches, kl_coef, kl_in and reward are unchanged). Also when recipe 'gspo' set
+    it and the user set one epoch of one minibatch."""
     agg: str = "token-mean"
     """Loss aggregation: 'token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum' or 'seq-mean-token-sum-norm'."""
     advantage: str = "grpo"
