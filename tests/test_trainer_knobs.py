@@ -4,6 +4,9 @@ options, the critic from the reward model, the ratio-outside metric, and the ref
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -809,3 +812,47 @@ def test_gradient_checkpointing_refused_for_a_model_without_it():
     """A policy that is not a transformers model with checkpointing support is refused by the field's name."""
     with pytest.raises(ConfigError, match="^gradient_checkpointing: the policy"):
         knobs.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+CTRL_C = {"sent": False}
+
+
+def ctrl_c_at_first_scoring(prompts, completions, answers):
+    """A test reward that presses Ctrl-C (SIGINT to this process) the first time it is called."""
+    if not CTRL_C["sent"]:
+        CTRL_C["sent"] = True
+        os.kill(os.getpid(), signal.SIGINT)
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def test_ctrl_c_while_the_first_batch_is_scored_finishes_the_step(tmp_path):
+    """The first step's batch is scored before the folder changes, but Ctrl-C there still means what it means at
+    any other step: finish the step, save, stop (not a KeyboardInterrupt that loses the step); and a refused first
+    batch leaves the SIGINT handler as it was."""
+    CTRL_C["sent"] = False
+    before = signal.getsignal(signal.SIGINT)
+    cfg = tiny(tmp_path, losses="eager", reward=f"{__name__}:ctrl_c_at_first_scoring", steps=3)
+    summary = Trainer(cfg).run()
+    assert CTRL_C["sent"] and summary["interrupted"] and summary["steps"] == 1
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step_000001"
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(ConfigError, match="^ratio: the reward"):
+        Trainer(tiny(tmp_path / "refused", losses="eager", reward=DISTINCT, ratio="sequence")).run()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_the_first_steps_time_leaves_out_the_folders_set_up(tmp_path, monkeypatch):
+    """perf/step_s (and perf/tokens_per_s) of the first step count its rollout, scoring and update, not the set-up
+    of the output folder that now comes between its scoring and its update (deleting an --overwrite'd run)."""
+    base = dict(losses="eager", reward=DISTINCT, steps=1)
+    Trainer(tiny(tmp_path, **base)).run()
+    clear_run = checkpoint.clear_run
+
+    def slow_clear_run(out):
+        time.sleep(2.0)  # a large earlier run's checkpoints
+        clear_run(out)
+
+    monkeypatch.setattr(loop.checkpoint, "clear_run", slow_clear_run)
+    Trainer(tiny(tmp_path, **base, overwrite=True)).run()
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["perf/step_s"] < 2.0, row

@@ -810,19 +810,28 @@ class Trainer:
         self.maybe_resume(trim_log=False)  # reads the checkpoint; the folder is not changed yet
         self._resumed_from = self.step
         wall = time.perf_counter()
-        # the first step's batch is scored before the folder changes: it may refuse the run (a ConfigError), and a
-        # refused command must leave an earlier run (--overwrite) and a resumed one's config and log as they were
-        first = self.rollout_and_score(self.step + 1) if self.step < cfg.steps else None
-        if cfg.overwrite and self.rank == 0:
-            checkpoint.clear_run(self.out)  # the earlier run's files: its checkpoints must not be resumed later
-        if self.distributed:
-            dist.barrier()
-        self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.resume:
-            self._trim_log()
-        if self.rank == 0:
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        # Ctrl-C while the first batch is rolled out and scored finishes that step too (then saves and stops)
         previous = self._install_sigint()
+        try:
+            # the first step's batch is scored before the folder changes: it may refuse the run (a ConfigError), and
+            # a refused command must leave an earlier run (--overwrite) and a resumed one's config and log as they were
+            first = self.rollout_and_score(self.step + 1) if self.step < cfg.steps else None
+            set_up = time.perf_counter()
+            if cfg.overwrite and self.rank == 0:
+                checkpoint.clear_run(self.out)  # the earlier run's files: its checkpoints must not be resumed later
+            if self.distributed:
+                dist.barrier()
+            self.out.mkdir(parents=True, exist_ok=True)
+            if cfg.resume:
+                self._trim_log()
+            if self.rank == 0:
+                (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        except BaseException:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            raise
+        if first is not None:  # the folder's set-up (an --overwrite'd run's deletion) is no part of the step's time
+            first = (first[0], first[1] + time.perf_counter() - set_up)
         # a fresh run starts a fresh log; a resumed one appends after the checkpoint's step
         log = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w") if self.rank == 0 else None
         from tqdm.auto import tqdm
