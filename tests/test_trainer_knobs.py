@@ -662,7 +662,7 @@ def _score_work(rank, out_dir, cfg_dict, knob):
     try:
         tr.score(tr.rollout(1), 1)
         said = "scored"
-    except Exception as error:  # noqa: BLE001  (the class is what the tests check)
+    except (Exception, SystemExit) as error:  # noqa: BLE001  (the class is what the tests check)
         said = f"{type(error).__name__}|{error}"
     (Path(out_dir) / f"score{rank}.txt").write_text(said)
 
@@ -702,6 +702,8 @@ def misbehaves_in_one_rank(prompts, completions, answers, completion_tokens):
             return [[(1.0, len(t) - 1)] for t in completion_tokens]
         if STOPPING["how"] == "raises":  # the user's own bug
             return [answers[i]["missing"] for i in range(len(completions))]
+        if STOPPING["how"] == "exits":  # the user's code (or a library it calls) gives up with sys.exit
+            raise SystemExit(3)
     elif STOPPING["how"] == "mixed":  # process 0 stops too, with another kind of error
         return [float("nan")] * len(completions)
     return [float(i % 4) for i in range(len(completions))]
@@ -856,3 +858,15 @@ def test_the_first_steps_time_leaves_out_the_folders_set_up(tmp_path, monkeypatc
     Trainer(tiny(tmp_path, **base, overwrite=True)).run()
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert row["perf/step_s"] < 2.0, row
+
+
+def test_a_sys_exit_in_one_processs_reward_function_stops_them_all(tmp_path):
+    """SystemExit is no Exception, but a reward function (or a library it calls) that gives up with sys.exit in one
+    process must stop the other too with a RewardError naming it -- not leave it waiting in the score phase's
+    collective until the transport notices the process is gone (gloo: "Connection closed by peer", which names
+    nothing; NCCL: a hang until its timeout). The process that exited keeps its SystemExit."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0,
+                    reward=f"{__name__}:misbehaves_in_one_rank")
+    said = _score_in_two_processes(tmp_path, cfg_dict, ("STOPPING", "how", "exits"))
+    assert said == ["RewardError|process 1 stopped: SystemExit: 3", "SystemExit|3"], said

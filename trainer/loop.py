@@ -370,7 +370,9 @@ class Trainer:
         error, scored, outcome = None, batch, True
         try:
             scored, outcome = self._score_here(batch, step)
-        except Exception as caught:  # noqa: BLE001  (any error of the user's reward function stops every process)
+        # any error of the user's reward function stops every process; so does its sys.exit (SystemExit is no
+        # Exception). Not KeyboardInterrupt: a second Ctrl-C reaches every process, wherever each one is.
+        except (Exception, SystemExit) as caught:  # noqa: BLE001
             error = caught
         self._stop_together(error)
         if not self._first_batch_scored:
@@ -407,7 +409,7 @@ class Trainer:
         outcome = steps is None or process.steps_all_end_last(steps, lengths)  # step rewards that act as outcomes
         return dataclasses.replace(batch, scores=scores, **fields), outcome
 
-    def _stop_together(self, error: Exception | None) -> None:
+    def _stop_together(self, error: BaseException | None) -> None:
         """Raise ``error`` (this process's, or None) -- and under torchrun make every process stop when any one
         does: one all-reduce finds the first process (by rank) that stopped and the kind of its error (one of
         :data:`STOP_TOGETHER`, or any other exception, such as one raised inside the user's reward function). The
