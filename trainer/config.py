@@ -344,7 +344,7 @@ class TrainConfig:
         return not self.was_set(name) and recipe_values(self.recipe).get(name, object()) == getattr(self, name)
 
     def ratio_source(self) -> str:
-        """' (set by recipe ...)' when the recipe chose ``ratio``, for the refusals' messages."""
+        """', set by recipe ...' when the recipe chose ``ratio`` (for the refusals' messages), else ''."""
         return f", set by recipe {self.recipe!r}" if self._recipe_sets("ratio") else ""
 
     def _reward_is_outcome(self) -> bool:

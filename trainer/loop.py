@@ -839,7 +839,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress or self.rank != 0, desc=cfg.algo, dynamic_ncols=True)
-        interrupted = refused = False
+        interrupted = False
         try:
             while self.step < cfg.steps:
                 metrics = self.train_step(self.step + 1, first)
@@ -861,19 +861,12 @@ class Trainer:
                     break
             if self.step > self._resumed_from:  # a resume with nothing left to run keeps its checkpoint as is
                 self.save()
-        except ConfigError:  # e.g. a later batch's step rewards refused (the first batch's refusals came earlier)
-            refused = True
-            raise
         finally:
             bar.close()
             if log is not None:
                 log.close()
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-            if refused and not cfg.resume and self.step == self._resumed_from and self.rank == 0:
-                # nothing was trained: a fresh run leaves no run behind, so the corrected command takes the same folder
-                for name in ("config.json", "metrics.jsonl"):
-                    (self.out / name).unlink(missing_ok=True)
         summary = self.summarize(time.perf_counter() - wall, interrupted)
         return summary
 
