@@ -271,3 +271,114 @@ def test_a_resume_with_another_seed_keeps_the_tiny_models_reference(tmp_path, ca
         assert torch.equal(value, initial[name]), name
     fresh = Trainer(tiny(tmp_path / "other", **base, seed=8))  # a new run with that seed draws other weights
     assert not torch.equal(fresh.ref.model.state_dict()["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------ 8. a stop at a later step keeps the steps trained
+
+FAIL_AT = {"call": None, "calls": 0, "rank": None}  # the reward call that raises (1-based; None: never), and where
+
+
+def fails_at_one_call(prompts, completions, answers):
+    """DISTINCT's rewards, except that call ``FAIL_AT["call"]`` (in process ``FAIL_AT["rank"]``, or any) raises the
+    user's own bug."""
+    FAIL_AT["calls"] += 1
+    if FAIL_AT["calls"] == FAIL_AT["call"]:
+        import torch.distributed as dist
+
+        if FAIL_AT["rank"] is None or dist.get_rank() == FAIL_AT["rank"]:
+            raise KeyError("answer")
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def _metrics(folder):
+    from rlkernels.trainer.loop import read_metrics
+
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(folder / "metrics.jsonl")]
+
+
+def test_a_reward_error_at_a_later_step_saves_the_steps_trained_and_resume_continues(tmp_path, capsys):
+    """With save_every 0 a run used to keep nothing of the steps it trained when the reward function failed at a
+    later step: now they are saved before the error is raised, and the resumed run is the uninterrupted one."""
+    base = dict(losses="eager", algo="ppo", steps=4, epochs=2, minibatches=2, reward=f"{__name__}:fails_at_one_call")
+    FAIL_AT.update(call=None, calls=0, rank=None)
+    Trainer(tiny(tmp_path / "full", **base)).run()
+    FAIL_AT.update(call=3, calls=0)
+    with pytest.raises(KeyError, match="answer"):
+        Trainer(tiny(tmp_path / "cut", **base)).run()
+    assert "saved step 2 before the stop" in capsys.readouterr().err
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path / "cut" / "checkpoints")] == ["step_000002"]
+    resumed = Trainer(tiny(tmp_path / "cut", **base, resume=True))  # call 4 onwards: the reward works again
+    assert resumed.run()["steps"] == 4
+    assert _metrics(tmp_path / "cut") == _metrics(tmp_path / "full")
+
+
+def test_a_refusal_at_a_later_step_after_overwrite_keeps_the_steps_it_trained(tmp_path, capsys):
+    """--overwrite deletes the earlier run when the first batch is accepted; step rewards a flag refuses, first
+    returned at step 3, then stop the run -- with steps 1 and 2 saved (save_every 0), not lost with the earlier run."""
+    from rlkernels.trainer.__main__ import main
+    from tests.test_trainer import CLI
+    from tests.test_trainer_knobs import CALLS
+
+    out = ["--output-dir", str(tmp_path), "--steps", "3"]
+    assert main(CLI + out + ["--reward", DISTINCT]) == 0
+    CALLS["n"] = 0
+    later = "tests.test_trainer_resume_honesty:steps_from_the_third_call"
+    assert main(CLI + out + ["--reward", later, "--advantage", "rloo", "--overwrite"]) == 2  # rloo: outcomes only
+    err = capsys.readouterr().err
+    assert "advantage:" in err and "saved step 2 before the stop" in err
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path / "checkpoints")] == ["step_000002"]
+    assert [row["step"] for row in _metrics(tmp_path)] == [1, 2]
+
+
+def steps_from_the_third_call(prompts, completions, answers, completion_tokens):
+    from tests.test_trainer_knobs import CALLS
+
+    CALLS["n"] += 1
+    if CALLS["n"] >= 3:
+        return [[(1.0, len(t) - 1)] for t in completion_tokens]
+    return [float(i % 4) for i in range(len(completions))]
+
+
+def test_a_stop_outside_the_score_phase_saves_nothing(tmp_path, monkeypatch):
+    """A non-finite loss stops an update that may have taken some of its optimizer steps: no checkpoint of that."""
+    from rlkernels.trainer import loop
+
+    tr = Trainer(tiny(tmp_path, losses="eager", steps=3, reward=DISTINCT, minibatches=2))
+    real = loop.minibatch_loss
+    calls = {"n": 0}
+
+    def nan_at_the_fourth(*args, **kwargs):
+        calls["n"] += 1
+        loss, logs = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 4 else loss), logs  # step 2's second minibatch
+
+    monkeypatch.setattr(loop, "minibatch_loss", nan_at_the_fourth)
+    with pytest.raises(loop.NonFiniteError, match="non-finite loss at step 2"):
+        tr.run()
+    assert checkpoint.checkpoint_dirs(tmp_path / "checkpoints") == []
+
+
+def _stop_worker(rank, world, init_file, cfg_dict):
+    in_gloo_group(rank, world, f"file://{init_file}", _stop_work, rank, cfg_dict)
+
+
+def _stop_work(rank, cfg_dict):
+    FAIL_AT.update(call=2, calls=0, rank=1)
+    try:
+        Trainer(from_dict(cfg_dict)).run()
+        said = "ran"
+    except Exception as error:  # noqa: BLE001  (the class is what the test checks)
+        said = type(error).__name__
+    with open(os.path.join(cfg_dict["output_dir"], f"said{rank}.txt"), "w") as f:
+        f.write(said)
+
+
+def test_two_processes_stopped_in_a_later_score_phase_save_the_steps_trained(tmp_path):
+    """Process 1's reward function fails at step 2: both processes stop there together, and the step they trained
+    is saved (a collective save: no process waits for the other)."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=3, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=3, save_every=0,
+                    reward=f"{__name__}:fails_at_one_call")
+    torch.multiprocessing.spawn(_stop_worker, args=(2, str(tmp_path / "init"), cfg_dict), nprocs=2, join=True)
+    assert [(tmp_path / f"said{rank}.txt").read_text() for rank in range(2)] == ["RewardError", "KeyError"]
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path / "checkpoints")] == ["step_000001"]

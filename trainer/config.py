@@ -124,7 +124,8 @@ class TrainConfig:
 
     # ------------------------------------------------------------ bookkeeping
     save_every: int = 100
-    """Checkpoint every N steps, N below steps (0 = only at the end and on Ctrl-C, where every run saves)."""
+    """Checkpoint every N steps, N below steps (0 = only where every run saves: at the end, on Ctrl-C, and before
+    it stops in a later step's score phase: a reward function's error, a NaN reward, step rewards a flag refuses)."""
     resume: bool = False
     """Continue from the newest checkpoint in output_dir: prints the step it resumes from and one line per field changed since; an error if there is no checkpoint or it was trained with another algo, model or model size."""
     overwrite: bool = False

@@ -270,6 +270,8 @@ class Trainer:
         self._resumed_from = 0  # the step run() started from (after a resume)
         self._stop_requested = False
         self._first_batch_scored = False  # the first batch says whether the reward function gives step rewards
+        self._saved_step = 0  # the step of the newest checkpoint this run wrote or resumed from
+        self._stopped_in_score = False  # every process stopped together in a score phase (Trainer.score)
 
     def _initial_model_config(self) -> TrainConfig:
         """The config the policy is first built from: ``cfg``, but on a resume of the tiny model (random weights
@@ -374,10 +376,14 @@ class Trainer:
         # Exception). Not KeyboardInterrupt: a second Ctrl-C reaches every process, wherever each one is.
         except (Exception, SystemExit) as caught:  # noqa: BLE001
             error = caught
-        self._stop_together(error)
-        if not self._first_batch_scored:
-            self._check_outcome_ratio(outcome)
-            self._first_batch_scored = True
+        try:
+            self._stop_together(error)
+            if not self._first_batch_scored:
+                self._check_outcome_ratio(outcome)
+                self._first_batch_scored = True
+        except BaseException:
+            self._stopped_in_score = True  # in every process alike, before this step changed any weight
+            raise
         return scored
 
     def _score_here(self, batch: Rollout, step: int) -> tuple[Rollout, bool]:
@@ -698,6 +704,7 @@ class Trainer:
         return mods
 
     def save(self) -> Path | None:
+        self._saved_step = self.step
         if self.cfg.shard == "fsdp":  # every process writes its shards
             return sharding.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
                                  {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
@@ -810,7 +817,7 @@ class Trainer:
         """Train to ``cfg.steps``; returns the summary. ``on_step(step, metrics)`` is called after each step."""
         cfg = self.cfg
         self.maybe_resume(trim_log=False)  # reads the checkpoint; the folder is not changed yet
-        self._resumed_from = self.step
+        self._resumed_from = self._saved_step = self.step
         wall = time.perf_counter()
         # Ctrl-C while the first batch is rolled out and scored finishes that step too (then saves and stops)
         previous = self._install_sigint()
@@ -842,7 +849,12 @@ class Trainer:
         interrupted = False
         try:
             while self.step < cfg.steps:
-                metrics = self.train_step(self.step + 1, first)
+                try:
+                    scored = first if first is not None else self.rollout_and_score(self.step + 1)
+                except BaseException:
+                    self._save_before_stop()
+                    raise
+                metrics = self.train_step(self.step + 1, scored)
                 first = None
                 self.step += 1
                 metrics = {"step": self.step, **metrics}
@@ -869,6 +881,26 @@ class Trainer:
                 signal.signal(signal.SIGINT, previous)
         summary = self.summarize(time.perf_counter() - wall, interrupted)
         return summary
+
+    def _save_before_stop(self) -> None:
+        """When a step stops in its score phase (a reward function's error or malformed return, a NaN reward, step
+        rewards a flag refuses: under torchrun every process stops there together, before the step changed any
+        weight), save the steps trained since the last checkpoint, so that ``--resume`` continues after them instead
+        of losing them (with ``save_every 0`` all of them). A stop elsewhere saves nothing: a rollout that found the
+        probabilities non-finite, or an update stopped between two optimizer steps, has no state worth keeping.
+        A save that fails itself is reported and the step's own error raised."""
+        if not self._stopped_in_score or self.step <= self._saved_step:
+            return
+        try:
+            path = self.save()
+        except Exception as error:  # noqa: BLE001 -- the step's error is the one to raise
+            print(f"could not save the {self.step - self._saved_step} steps trained before the stop: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            return
+        if self.rank == 0:
+            where = path if path is not None else self.out / "checkpoints"
+            print(f"saved step {self.step} before the stop ({where}): --resume continues from it", file=sys.stderr,
+                  flush=True)
 
     def summarize(self, wall_s: float, interrupted: bool) -> dict:
         rows = read_metrics(self.out / "metrics.jsonl") if self.rank == 0 else []
