@@ -317,12 +317,11 @@ def test_a_refusal_at_a_later_step_after_overwrite_keeps_the_steps_it_trained(tm
     returned at step 3, then stop the run -- with steps 1 and 2 saved (save_every 0), not lost with the earlier run."""
     from rlkernels.trainer.__main__ import main
     from tests.test_trainer import CLI
-    from tests.test_trainer_knobs import CALLS
 
     out = ["--output-dir", str(tmp_path), "--steps", "3"]
     assert main(CLI + out + ["--reward", DISTINCT]) == 0
-    CALLS["n"] = 0
-    later = "tests.test_trainer_resume_honesty:steps_from_the_third_call"
+    FAIL_AT.update(calls=0)
+    later = f"{__name__}:steps_from_the_third_call"
     assert main(CLI + out + ["--reward", later, "--advantage", "rloo", "--overwrite"]) == 2  # rloo: outcomes only
     err = capsys.readouterr().err
     assert "advantage:" in err and "saved step 2 before the stop" in err
@@ -331,10 +330,9 @@ def test_a_refusal_at_a_later_step_after_overwrite_keeps_the_steps_it_trained(tm
 
 
 def steps_from_the_third_call(prompts, completions, answers, completion_tokens):
-    from tests.test_trainer_knobs import CALLS
-
-    CALLS["n"] += 1
-    if CALLS["n"] >= 3:
+    """Outcome rewards at the first two calls, step rewards after them."""
+    FAIL_AT["calls"] += 1
+    if FAIL_AT["calls"] >= 3:
         return [[(1.0, len(t) - 1)] for t in completion_tokens]
     return [float(i % 4) for i in range(len(completions))]
 
