@@ -197,8 +197,10 @@ def _validate(*, head_input, head_name, weight, labels, bias, old_logp, advantag
         _checks.lm_head(head_input, weight, bias)
     elif head_input.shape[-1] == 0:
         raise ValueError("logits must have at least one entry per token (V >= 1)")
+    # every tensor against the op's own input: policy_loss's check below would name the log-probs' stand-in,
+    # "logp", which the caller never passed
     _checks.same_device((head_input, head_name), (weight, "weight"), (labels, "labels"), (bias, "bias"),
-                        (old_logp, "old_logp"))
+                        (old_logp, "old_logp"), (advantages, "advantages"), (mask, "mask"), (ref_logp, "ref_logp"))
     for t, name in ((mask, "mask"), (ref_logp, "ref_logp")):  # named against the op's own input (no logp is given)
         if isinstance(t, torch.Tensor) and tuple(t.shape) != (B, T):
             raise ValueError(f"{name} must have shape {head_name}.shape[:2] = {(B, T)}, got {tuple(t.shape)}")

@@ -324,6 +324,24 @@ def test_bad_input_names_the_argument(bad, match):
         rlkernels.linear_policy_loss(*args.values(), **kwargs)
 
 
+@pytest.mark.parametrize("old_logp", ["given", None])
+@pytest.mark.parametrize("name", ["advantages", "mask", "ref_logp"])
+@pytest.mark.parametrize("op", ["linear", "logits"])
+def test_a_per_token_tensor_on_another_device_is_named_against_the_ops_own_input(op, name, old_logp):
+    """The per-token tensors' device is checked against the op's own input (``hidden`` / ``logits``), not against
+    the stand-in for the log-probs that the op computes, which the caller never passed (the error named ``logp``)."""
+    x = _inputs(2, 4, 8, 64, seed=8)
+    tensors = dict(advantages=x["advantages"], mask=x["mask"], ref_logp=x["ref_logp"])
+    tensors[name] = tensors[name].to("meta")
+    head = ((x["hidden"], x["weight"]) if op == "linear" else
+            (x["hidden"] @ x["weight"].T,))  # [B, T, V] logits
+    fn = rlkernels.linear_policy_loss if op == "linear" else rlkernels.logits_policy_loss
+    head_name = "hidden" if op == "linear" else "logits"
+    with pytest.raises(ValueError, match=rf"^{name} is on meta but {head_name} is on cpu"):
+        fn(*head, x["labels"], x["old_logp"] if old_logp else None, tensors["advantages"], tensors["mask"],
+           ref_logp=tensors["ref_logp"], kl_coef=0.1)
+
+
 # ---------------------------------------------------------------- on-policy: old_logp=None
 
 ON_POLICY_CASES = [  # every agg mode; GSPO; the KL and entropy terms on top of ratio 1
