@@ -1494,8 +1494,10 @@ def linear_policy_loss(
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
     grad_on = torch.is_grad_enabled()
-    grads = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-             grad_on and bias is not None and bias.requires_grad)
+    # a non-tensor (None, an nn.Linear for its weight, bias=True) named here, before .requires_grad is read
+    head = (_checks.tensor(hidden, "hidden"), _checks.tensor(weight, "weight"),
+            None if bias is None else _checks.tensor(bias, "bias"))
+    grads = tuple(grad_on and t is not None and t.requires_grad for t in head)
     opt = _validate(head_input=hidden, head_name="hidden", weight=weight, labels=labels, bias=bias,
                     old_logp=old_logp, advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
@@ -1557,7 +1559,7 @@ def logits_policy_loss(
         labels: ``[B, T]`` integer token ids in ``[0, V)`` (or ``ignore_index``).""" + _POLICY_DOC_ARGS + _RETURNS_DOC
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
-    grads = (torch.is_grad_enabled() and logits.requires_grad, False, False)
+    grads = (torch.is_grad_enabled() and _checks.tensor(logits, "logits").requires_grad, False, False)
     opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
                     advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
                     ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)

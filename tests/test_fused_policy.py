@@ -324,6 +324,25 @@ def test_bad_input_names_the_argument(bad, match):
         rlkernels.linear_policy_loss(*args.values(), **kwargs)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("name, value", [("hidden", None), ("weight", None), ("weight", "lm_head"), ("bias", True),
+                                         ("logits", None), ("logits", [[[0.0]]])])
+def test_a_non_tensor_head_input_is_named(name, value, grad):
+    """A non-tensor ``hidden``/``weight``/``bias``/``logits`` (None, an ``nn.Linear`` instead of its weight, ``bias=True``)
+    is refused by a TypeError naming it, with grad mode on as off (it was an AttributeError on ``.requires_grad``)."""
+    x = _inputs(2, 4, 8, 64, seed=8)
+    if value == "lm_head":
+        value = torch.nn.Linear(8, 64, bias=False)
+    per_token = (x["labels"], x["old_logp"], x["advantages"], x["mask"])
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=rf"^{name} must be a torch\.Tensor"):
+        if name == "logits":
+            rlkernels.logits_policy_loss(value, *per_token)
+        else:
+            head = dict(hidden=x["hidden"].requires_grad_(), weight=x["weight"].requires_grad_(), bias=x["bias"])
+            head[name] = value
+            rlkernels.linear_policy_loss(head["hidden"], head["weight"], *per_token, bias=head["bias"])
+
+
 @pytest.mark.parametrize("old_logp", ["given", None])
 @pytest.mark.parametrize("name", ["advantages", "mask", "ref_logp"])
 @pytest.mark.parametrize("op", ["linear", "logits"])
