@@ -320,6 +320,9 @@ def response_logprobs(
     _checks.rank(input_ids, "input_ids", 2)
     _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
     _checks.mask(response_mask, "response_mask")  # bool or 0/1 (a 0.5 would be read as 1)
+    # the options too, before an empty batch returns early (the kernel that checks them never runs then)
+    temperature = _checks.temperature(temperature)
+    return_entropy = _checks.flag(return_entropy, "return_entropy")
     packed = attention_mask is None
     if packed:
         if (cu_seqlens is None) == (position_ids is None):

@@ -573,3 +573,19 @@ def test_a_module_without_an_output_embedding_is_a_type_error():
         hf.lm_head(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="no output embedding"):
         hf.response_logprobs(torch.nn.Linear(3, 3), ids, ones, ones)
+
+
+@pytest.mark.parametrize("shape", [(0, 7), (2, 0)])
+@pytest.mark.parametrize("option, value", [("temperature", -1.0), ("temperature", float("nan")),
+                                           ("temperature", 0), ("return_entropy", "no")])
+def test_empty_batch_still_refuses_bad_options(shape, option, value):
+    # the early return of an empty batch skipped the kernel that validates the options: a temperature <= 0 or NaN
+    # and return_entropy="no" (read as true: a tuple came back) were accepted there and refused on any other batch
+    model = _tiny("llama", tied=False)
+    ids = torch.zeros(shape, dtype=torch.long)  # [B, T]
+    ones = torch.ones(shape, dtype=torch.long)  # [B, T]
+    with pytest.raises((ValueError, TypeError), match=option):
+        response_logprobs(model, ids, ones, ones, **{option: value})
+    with pytest.raises((ValueError, TypeError), match=option):  # packed and empty
+        response_logprobs(model, ids.reshape(1, -1), None, ones.reshape(1, -1), cu_seqlens=[0, ids.numel()],
+                          **{option: value})
