@@ -341,8 +341,11 @@ def response_logprobs(
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens describes a packed batch: pass attention_mask=None with it")
         _checks.same_shape(input_ids, "input_ids", attention_mask, "attention_mask")
+        # bool or 0/1 as response_mask: a NaN at a padded position would make it a real token for the model
+        _checks.mask(attention_mask, "attention_mask")
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
+            _checks.integer(position_ids, "position_ids")  # as the packed layout's (GPT-2 fails naming no argument)
             _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
             inputs["position_ids"] = position_ids
     weight, _ = lm_head(model)  # refuse an unsupported head before running the backbone

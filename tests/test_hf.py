@@ -589,3 +589,16 @@ def test_empty_batch_still_refuses_bad_options(shape, option, value):
     with pytest.raises((ValueError, TypeError), match=option):  # packed and empty
         response_logprobs(model, ids.reshape(1, -1), None, ones.reshape(1, -1), cu_seqlens=[0, ids.numel()],
                           **{option: value})
+
+
+def test_attention_mask_and_position_ids_are_validated():
+    # a NaN attention_mask at a padded position was read by the model as a real token (another log p, no error),
+    # and float position_ids reached GPT-2's embedding ("Expected tensor for argument #1 'indices'...")
+    model = _tiny("gpt2", True)
+    ids, am, rm = _batch()
+    with pytest.raises(ValueError, match="attention_mask"):
+        response_logprobs(model, ids, am.float().masked_fill(am == 0, float("nan")), rm)
+    with pytest.raises(ValueError, match="attention_mask"):
+        response_logprobs(model, ids, am * 0.5, rm)
+    with pytest.raises(TypeError, match="position_ids"):
+        response_logprobs(model, ids, am, rm, position_ids=torch.arange(float(ids.shape[1])).expand_as(ids))
