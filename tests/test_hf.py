@@ -602,3 +602,15 @@ def test_attention_mask_and_position_ids_are_validated():
         response_logprobs(model, ids, am * 0.5, rm)
     with pytest.raises(TypeError, match="position_ids"):
         response_logprobs(model, ids, am, rm, position_ids=torch.arange(float(ids.shape[1])).expand_as(ids))
+
+
+@pytest.mark.parametrize("bad", [V, -1, -100])
+def test_input_ids_outside_the_vocabulary_are_refused_by_name(bad):
+    # the embedding raised IndexError "index out of range in self", naming no argument (padded and packed)
+    model = _tiny("llama", tied=False)
+    ids, am, rm = _batch()
+    ids[0, 2] = bad  # a prompt token: it is not scored, but the model embeds it
+    with pytest.raises(ValueError, match="input_ids"):
+        response_logprobs(model, ids, am, rm)
+    with pytest.raises(ValueError, match="input_ids"):
+        response_logprobs(model, ids[:1], None, rm[:1], cu_seqlens=[0, 5, ids.shape[1]])
