@@ -248,6 +248,11 @@ def label_logprobs(
     Returns:
         ``logp`` ``[B, S]`` float32 (and ``entropy`` ``[B, S]`` with ``return_entropy``).
     """
+    _checks.floating(hidden, "hidden")
+    _checks.integer(labels, "labels")
+    if hidden.dim() < 1 or labels.shape != hidden.shape[:-1]:  # the boolean gather below would name neither
+        raise ValueError(f"labels must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(labels.shape)}")
     weight, bias = lm_head(model)  # [V, H], [V] or None
     fn = _linear_logprobs if linear_logprobs is None else linear_logprobs
     dtype = weight.dtype if dtype is None else dtype

@@ -614,3 +614,13 @@ def test_input_ids_outside_the_vocabulary_are_refused_by_name(bad):
         response_logprobs(model, ids, am, rm)
     with pytest.raises(ValueError, match="input_ids"):
         response_logprobs(model, ids[:1], None, rm[:1], cu_seqlens=[0, 5, ids.shape[1]])
+
+
+def test_label_logprobs_refuses_labels_not_aligned_with_hidden():
+    # hidden [B, S', H] with labels [B, S]: IndexError "The shape of the mask ... does not match", naming neither
+    model = _tiny("llama", tied=False)
+    labels = torch.randint(0, V, (2, 7))  # [B, S]
+    with pytest.raises(ValueError, match="labels"):
+        hf.label_logprobs(model, torch.randn(2, 5, 48), labels)
+    with pytest.raises(ValueError, match="labels"):
+        hf.label_logprobs(model, torch.randn(2, 7, 48), labels[:, None])
