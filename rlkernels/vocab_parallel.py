@@ -73,7 +73,8 @@ def check_group(process_group, vocab_start, V_local: int, name: str = "weight") 
     if vocab_start is None:
         raise ValueError(f"process_group is given without vocab_start: pass the global token id of {name}'s first "
                          "row (rank r of an even split holds [r·V/P, (r+1)·V/P))")
-    if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+    vocab_start = _checks.index(vocab_start, "vocab_start")  # a NumPy or one-element tensor integer too
+    if vocab_start < 0:
         raise ValueError(f"vocab_start must be an int >= 0, got {vocab_start!r}")
     _checks.process_group(process_group)
     if not dist.is_available() or not dist.is_initialized():

@@ -325,3 +325,24 @@ def test_a_label_no_rank_owns_gives_nan_log_p():
     assert torch.isnan(logp[1])
     p = torch.tensor([0.25, 0.75])
     torch.testing.assert_close(entropy, -(p * p.log()).sum().expand(2))
+
+
+def _check_integer_vocab_start(rank, P):
+    """vocab_start as a NumPy or one-element tensor integer (e.g. computed from a NumPy split) means its value."""
+    import numpy as np
+
+    start, rows = LAYOUTS[P][rank]
+    hidden, weight, _bias, labels, _g, _e = _inputs(torch.float32)
+    want = rlkernels.linear_logprobs(hidden, weight, labels)  # [B, T] the single-process op on the full weight
+    for as_given in (np.int64(start), torch.tensor(start)):
+        got = rlkernels.linear_logprobs(hidden, weight[start:start + rows], labels, process_group=dist.group.WORLD,
+                                        vocab_start=as_given)
+        _close(got, want, f"logp with vocab_start {type(as_given).__name__}")
+    with pytest.raises(TypeError, match="vocab_start"):  # a float is refused, not truncated
+        rlkernels.linear_logprobs(hidden, weight[start:start + rows], labels, process_group=dist.group.WORLD,
+                                  vocab_start=float(start))
+
+
+def test_vocab_start_may_be_a_numpy_or_tensor_integer():
+    # np.int64(600) was refused with "vocab_start must be an int >= 0, got np.int64(600)"
+    _spawn(_check_integer_vocab_start, 2)
