@@ -395,3 +395,32 @@ def test_policy_loss_from_hidden_equals_the_two_op_loss(loss_mode, agg):
     assert metrics["clipfrac"] > 0  # the clip acts
     for a, b in zip(run(True), run(False)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo"])
+@pytest.mark.parametrize("agg", MODES)
+def test_policy_loss_empty_mask_and_masked_out_nan(loss_mode, agg):
+    """An empty mask (or an empty batch) gives loss 0, zero gradients and 0 metrics (the local counts divided 0 by
+    0: NaN); NaN/inf at masked-out positions reach neither the loss nor the metrics (actor/ppo_kl was NaN, and GSPO's
+    clipfrac read the poisoned sequence ratio). Metrics are masked means (float64 truth on the same inputs)."""
+    fn = rkv.compute_policy_loss_vanilla if loss_mode == "vanilla" else rkv.compute_policy_loss_gspo
+    cfg = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0)
+    old, logp, adv, mask = _batch(5)
+    for m, o, lp, a in ((torch.zeros_like(mask), old, logp, adv), (mask[:0], old[:0], logp[:0], adv[:0])):
+        leaf = lp.detach().clone().requires_grad_()
+        loss, metrics = fn(o, leaf, a, m, agg, cfg)
+        (grad,) = torch.autograd.grad(loss, [leaf])
+        assert loss.item() == 0.0 and torch.count_nonzero(grad) == 0, agg
+        assert all(v == 0.0 for v in metrics.values()), metrics
+    clean_loss, clean = fn(old, logp, adv, mask, agg, cfg)
+    poisoned = logp.detach().clone()
+    poisoned[mask == 0] = float("nan")
+    old_poisoned = torch.where(mask != 0, old, torch.tensor(float("inf")))
+    loss, metrics = fn(old_poisoned, poisoned.requires_grad_(), adv, mask, agg, cfg)
+    assert torch.equal(loss, clean_loss.detach()), agg
+    assert metrics == clean, (metrics, clean)
+    d = (logp.detach() - old).double().clamp(-20.0, 20.0)  # [B, T]
+    m = mask.double()
+    torch.testing.assert_close(clean["actor/ppo_kl"], ((-d * m).sum() / m.sum()).item(), rtol=1e-5, atol=1e-7)
+    for x, m in ((adv, torch.zeros_like(mask)), (adv[:0], mask[:0])):  # agg_loss shares the aggregation plan
+        assert rkv.agg_loss(x, m, agg).item() == 0.0, agg

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import rlkernels
-from rlkernels.reference import aggregate
+from rlkernels.reference import aggregate, masked_mean
 
 __all__ = [
     "register", "POLICY_LOSSES", "ADV_ESTIMATORS", "compute_policy_loss_vanilla", "compute_policy_loss_gspo",
@@ -70,12 +70,13 @@ def _agg_plan(mask: torch.Tensor, loss_agg_mode: str, dp_size: int = 1, batch_nu
     B, T = m.shape
     n_tok = m.sum()
     n_seq = (m.sum(-1) > 0).sum().to(torch.float32)  # verl's seq-means skip fully masked sequences
+    # the local counts clamped at 1, as the rlkernels aggregation's own denominators: an empty mask gives 0, not 0/0
     if loss_agg_mode == "token-mean":
-        denom = n_tok if batch_num_tokens is None else batch_num_tokens
+        denom = n_tok.clamp(min=1.0) if batch_num_tokens is None else batch_num_tokens
         return "token-mean", None, n_tok.clamp(min=1.0) / denom * dp_size
     if loss_agg_mode == "token-sum":
         return "token-mean", None, n_tok.clamp(min=1.0) * dp_size
-    gbs = n_seq if global_batch_size is None else global_batch_size
+    gbs = n_seq.clamp(min=1.0) if global_batch_size is None else global_batch_size
     if loss_agg_mode == "seq-mean-token-mean":
         return "seq-mean-token-mean", None, n_seq.clamp(min=1.0) / gbs * dp_size
     if loss_agg_mode == "seq-mean-token-sum":
@@ -155,11 +156,10 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
         pg2 = -adv * ratio.clamp(1 - low, 1 + high)
         clip1 = torch.maximum(pg1, pg2)
         lower = (clip1 > -adv * clip_c).float() * (adv < 0).float()
-        msum = m.sum()
-        metrics = {
-            "actor/pg_clipfrac": ((pg2 > pg1).float() * m).sum().div(msum).item(),
-            "actor/ppo_kl": ((-d) * m).sum().div(msum).item(),
-            "actor/pg_clipfrac_lower": (lower * m).sum().div(msum).item(),
+        metrics = {  # masked means: 0 for an empty mask, nothing from a masked-out entry (NaN, inf)
+            "actor/pg_clipfrac": masked_mean((pg2 > pg1).float(), m).item(),
+            "actor/ppo_kl": masked_mean(-d, m).item(),
+            "actor/pg_clipfrac_lower": masked_mean(lower, m).item(),
         }
     return loss * factor, metrics
 
@@ -212,13 +212,13 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     with torch.no_grad():
         m = response_mask.to(torch.float32)
         d = (log_prob - old).float()
-        s = torch.exp(((d * m).sum(-1) / m.sum(-1).clamp(min=1.0)).clamp(max=10.0)).unsqueeze(-1)  # [B, 1]
+        dm = torch.where(m != 0, d * m, 0.0)  # [B, T]: a masked-out NaN/inf stays out of its sequence's ratio
+        s = torch.exp((dm.sum(-1) / m.sum(-1).clamp(min=1.0)).clamp(max=10.0)).unsqueeze(-1)  # [B, 1]
         adv = advantages.float()
         pg1, pg2 = -adv * s, -adv * s.clamp(1 - low, 1 + high)
-        msum = m.sum()
-        metrics = {
-            "actor/pg_clipfrac": ((pg2 > pg1).float() * m).sum().div(msum).item(),
-            "actor/ppo_kl": ((-d) * m).sum().div(msum).item(),
+        metrics = {  # as the vanilla loss's
+            "actor/pg_clipfrac": masked_mean((pg2 > pg1).float(), m).item(),
+            "actor/ppo_kl": masked_mean(-d, m).item(),
             "actor/pg_clipfrac_lower": 0.0,
         }
     return loss * factor, metrics
