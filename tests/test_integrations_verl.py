@@ -424,3 +424,19 @@ def test_policy_loss_empty_mask_and_masked_out_nan(loss_mode, agg):
     torch.testing.assert_close(clean["actor/ppo_kl"], ((-d * m).sum() / m.sum()).item(), rtol=1e-5, atol=1e-7)
     for x, m in ((adv, torch.zeros_like(mask)), (adv[:0], mask[:0])):  # agg_loss shares the aggregation plan
         assert rkv.agg_loss(x, m, agg).item() == 0.0, agg
+
+
+def test_float_token_ids_are_refused_not_truncated():
+    # FusedLinearForPPO, linear_cross_entropy and policy_loss_from_hidden cast the ids with .to(int64): float ids
+    # 3.7 became 3 and gave another token's log p, with no error
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 4, 8, generator=g), torch.randn(11, 8, generator=g)  # [B, T, H], [V, H]
+    ids = torch.randint(0, 11, (2, 4), generator=g).float() + 0.7  # [B, T]
+    cfg = types.SimpleNamespace(clip_ratio=0.2, clip_ratio_c=3.0)
+    with pytest.raises(TypeError, match="input_ids"):
+        rkv.FusedLinearForPPO()(hidden, weight, ids)
+    with pytest.raises(TypeError, match="labels"):
+        rkv.linear_cross_entropy(hidden, weight, ids)
+    with pytest.raises(TypeError, match="input_ids"):
+        rkv.policy_loss_from_hidden(hidden, weight, ids, torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4),
+                                    config=cfg)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import rlkernels
+from rlkernels import _checks
 from rlkernels.reference import aggregate, masked_mean
 
 __all__ = [
@@ -186,7 +187,7 @@ def policy_loss_from_hidden(hidden_states, vocab_weights, input_ids, old_log_pro
             raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {dual}")
     agg, norm, factor = _agg_plan(response_mask, loss_agg_mode, **_batch_info(config))
     loss, metrics = rlkernels.linear_policy_loss(
-        hidden_states, vocab_weights, input_ids.to(torch.int64), old_log_prob.detach(), advantages, response_mask,
+        hidden_states, vocab_weights, _token_ids(input_ids, "input_ids"), old_log_prob.detach(), advantages, response_mask,
         temperature=temperature, clip_low=low, clip_high=high, dual_clip=dual,
         ratio="token" if loss_mode == "vanilla" else "sequence", agg=agg, norm_length=norm)
     return loss * factor, metrics
@@ -300,6 +301,12 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
 # ---------------------------------------------------------------- log-probs (+ entropy) without logits
 
 
+def _token_ids(ids, name: str) -> torch.Tensor:
+    """Integer token ids as int64; float ids are refused naming ``name`` (``.to(int64)`` truncated 3.7 to 3)."""
+    return _checks.integer(ids, name).to(torch.int64)
+
+
+
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """``verl.utils.torch_functional.logprobs_from_logits`` (same signature) via ``rlkernels.logprobs``.
 
@@ -328,7 +335,7 @@ class FusedLinearForPPO(torch.nn.Module):
         if input_ids.shape != hidden_states.shape[:-1]:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)} must match hidden_states shape "
                              f"{tuple(hidden_states.shape[:-1])}")
-        return rlkernels.linear_logprobs(hidden_states, vocab_weights, input_ids.to(torch.int64),
+        return rlkernels.linear_logprobs(hidden_states, vocab_weights, _token_ids(input_ids, "input_ids"),
                                          temperature=temperature, return_entropy=True)
 
 
@@ -382,7 +389,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     if dist_process_group is not None:
         kw = dict(process_group=dist_process_group,
                   vocab_start=_megatron_vocab_start(weight.shape[0], dist_process_group, vocab_start))
-    return rlkernels.linear_logprobs(hidden, weight, labels.to(torch.int64), temperature=float(temperature),
+    return rlkernels.linear_logprobs(hidden, weight, _token_ids(labels, "labels"), temperature=float(temperature),
                                      return_entropy=True, **kw)
 
 
