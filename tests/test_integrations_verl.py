@@ -440,3 +440,15 @@ def test_float_token_ids_are_refused_not_truncated():
     with pytest.raises(TypeError, match="input_ids"):
         rkv.policy_loss_from_hidden(hidden, weight, ids, torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4),
                                     config=cfg)
+
+
+@pytest.mark.parametrize("not_a_group", ["world", 0, object()])
+def test_tensor_parallel_functions_name_a_process_group_that_is_not_one(not_a_group):
+    # dist.get_rank(not_a_group) ran first: "Default process group has not been initialized", naming no argument
+    logits, labels = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))  # [B, T, V_r], [B, T]
+    with pytest.raises(TypeError, match="process_group"):
+        rkv.vocab_parallel_log_probs_from_logits(logits, labels, process_group=not_a_group)
+    with pytest.raises(TypeError, match="process_group"):
+        rkv.vocab_parallel_entropy(logits, process_group=not_a_group)
+    with pytest.raises(TypeError, match="process_group"):
+        rkv.linear_cross_entropy(torch.randn(2, 3, 4), torch.randn(5, 4), labels, 1.0, "none", not_a_group)

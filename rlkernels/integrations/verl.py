@@ -350,6 +350,7 @@ def _megatron_vocab_start(V_local: int, process_group, vocab_start):
     if process_group is None:
         raise ValueError("process_group is required: the tensor-parallel group "
                          "(megatron.core.parallel_state.get_tensor_model_parallel_group())")
+    _checks.process_group(process_group)  # before dist.get_rank reads it (its errors name no argument)
     return dist.get_rank(process_group) * V_local if vocab_start is None else vocab_start
 
 
