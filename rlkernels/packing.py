@@ -128,7 +128,7 @@ def pack_padded(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     ``[B, T]`` tensor (``[1, total]`` after ``unsqueeze(0)``), ``out.new_zeros(B * T).index_put((flat_index,),
     packed)`` scatters a result back. A row with no real token is an empty sequence.
     """
-    _checks.rank(attention_mask, "attention_mask", 2)
+    _checks.rank(_checks.tensor(attention_mask, "attention_mask"), "attention_mask", 2)
     real = attention_mask.reshape(-1) != 0  # [B*T]
     flat_index = real.nonzero().squeeze(-1)  # [total]
     lengths = (attention_mask != 0).sum(-1)  # [B]

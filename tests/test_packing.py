@@ -170,6 +170,14 @@ def test_packed_shapes_are_validated():
         rlkernels.value_loss(x["logp"][0], x["logp"][0], x["logp"][0], x["mask"][0], cu_seqlens=CU)
 
 
+def test_pack_padded_names_a_non_tensor_attention_mask():
+    # a nested list raised AttributeError "'list' object has no attribute 'dim'"
+    with pytest.raises(TypeError, match="attention_mask"):
+        packing.pack_padded([[1, 1, 0], [1, 0, 0]])
+    with pytest.raises(ValueError, match="attention_mask"):
+        packing.pack_padded(torch.ones(3))
+
+
 def test_index_maps_round_trip():
     index, s, tmax = packing.padded_index(CU, TOTAL)  # [total]
     assert (s, tmax) == (S, TMAX)
