@@ -324,6 +324,8 @@ def response_logprobs(
     _checks.integer(input_ids, "input_ids")
     _checks.rank(input_ids, "input_ids", 2)
     _checks.same_shape(input_ids, "input_ids", response_mask, "response_mask")
+    _checks.same_device((input_ids, "input_ids"), (response_mask, "response_mask"),
+                        (attention_mask, "attention_mask"), (position_ids, "position_ids"))
     _checks.mask(response_mask, "response_mask")  # bool or 0/1 (a 0.5 would be read as 1)
     # the options too, before an empty batch returns early (the kernel that checks them never runs then)
     temperature = _checks.temperature(temperature)

@@ -624,3 +624,19 @@ def test_label_logprobs_refuses_labels_not_aligned_with_hidden():
         hf.label_logprobs(model, torch.randn(2, 5, 48), labels)
     with pytest.raises(ValueError, match="labels"):
         hf.label_logprobs(model, torch.randn(2, 7, 48), labels[:, None])
+
+
+def test_masks_and_positions_on_another_device_than_input_ids_are_refused_by_name():
+    # a mask or position_ids on another device than input_ids failed inside torch ("Tensor on device cpu is not on the
+    # expected device meta!"), naming no argument; the meta device stands in for a GPU
+    model = _tiny("llama", tied=False)
+    ids, am, rm = _batch()
+    with pytest.raises(ValueError, match="response_mask"):
+        response_logprobs(model, ids, am, rm.to("meta"))
+    with pytest.raises(ValueError, match="attention_mask"):
+        response_logprobs(model, ids, am.to("meta"), rm)
+    pos = torch.arange(ids.shape[1]).expand_as(ids)  # [B, T]
+    with pytest.raises(ValueError, match="position_ids"):
+        response_logprobs(model, ids, am, rm, position_ids=pos.to("meta"))
+    with pytest.raises(ValueError, match="position_ids"):  # packed
+        response_logprobs(model, ids, None, rm, position_ids=pos.to("meta"))
