@@ -452,3 +452,15 @@ def test_tensor_parallel_functions_name_a_process_group_that_is_not_one(not_a_gr
         rkv.vocab_parallel_entropy(logits, process_group=not_a_group)
     with pytest.raises(TypeError, match="process_group"):
         rkv.linear_cross_entropy(torch.randn(2, 3, 4), torch.randn(5, 4), labels, 1.0, "none", not_a_group)
+
+
+def test_agg_loss_refuses_a_mask_of_another_shape_by_name():
+    # a [2, 4] mask with a [2, 3] loss_mat raised "The size of tensor a (3) must match the size of tensor b (4)", 1-D
+    # inputs "not enough values to unpack", naming no argument; a 0.5 mask was taken as a weight
+    x = torch.rand(2, 3)  # [B, T]
+    with pytest.raises(ValueError, match="loss_mask"):
+        rkv.agg_loss(x, torch.ones(2, 4), "token-mean")
+    with pytest.raises(ValueError, match="loss_mat"):
+        rkv.agg_loss(x[0], torch.ones(3), "seq-mean-token-mean")
+    with pytest.raises(ValueError, match="loss_mask"):
+        rkv.agg_loss(x, torch.full((2, 3), 0.5), "token-mean")

@@ -98,6 +98,9 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
     ``factor · rlkernels.reference.aggregate`` (see :func:`_agg_plan`): whatever masked-out entries of
     ``loss_mat`` hold (NaN, ±inf) never reaches the result or its gradient.
     """
+    _checks.floating(loss_mat, "loss_mat")
+    _checks.rank(loss_mat, "loss_mat", 2)
+    _checks.same_shape(loss_mat, "loss_mat", _checks.mask(loss_mask, "loss_mask"), "loss_mask")
     agg, norm, factor = _agg_plan(loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
                                   loss_scale_factor)
     # rlkernels' aggregation (its agg modes' weights are written once, in reference.agg_weights), then verl's factor
