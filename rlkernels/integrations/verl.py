@@ -190,8 +190,8 @@ def policy_loss_from_hidden(hidden_states, vocab_weights, input_ids, old_log_pro
             raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {dual}")
     agg, norm, factor = _agg_plan(response_mask, loss_agg_mode, **_batch_info(config))
     loss, metrics = rlkernels.linear_policy_loss(
-        hidden_states, vocab_weights, _token_ids(input_ids, "input_ids"), old_log_prob.detach(), advantages, response_mask,
-        temperature=temperature, clip_low=low, clip_high=high, dual_clip=dual,
+        hidden_states, vocab_weights, _token_ids(input_ids, "input_ids"), old_log_prob.detach(), advantages,
+        response_mask, temperature=temperature, clip_low=low, clip_high=high, dual_clip=dual,
         ratio="token" if loss_mode == "vanilla" else "sequence", agg=agg, norm_length=norm)
     return loss * factor, metrics
 
