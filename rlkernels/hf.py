@@ -255,6 +255,8 @@ def label_logprobs(
                          f"got {tuple(labels.shape)}")
     weight, bias = lm_head(model)  # [V, H], [V] or None
     fn = _linear_logprobs if linear_logprobs is None else linear_logprobs
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")  # not 'hidden must be'
     dtype = weight.dtype if dtype is None else dtype
     # with the model split across devices (device_map) the backbone can end on another device than the head
     labels = labels.to(weight.device)  # [B, S]

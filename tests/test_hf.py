@@ -640,3 +640,13 @@ def test_masks_and_positions_on_another_device_than_input_ids_are_refused_by_nam
         response_logprobs(model, ids, am, rm, position_ids=pos.to("meta"))
     with pytest.raises(ValueError, match="position_ids"):  # packed
         response_logprobs(model, ids, None, rm, position_ids=pos.to("meta"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_label_logprobs_refuses_a_dtype_that_is_not_floating_by_name(dtype):
+    # dtype=torch.int64 cast the states and the head to int64: "hidden must be a floating-point tensor ... got
+    # torch.int64", blaming a float32 hidden; the string "float32" failed inside Tensor.to
+    model = _tiny("llama", tied=False)
+    labels = torch.randint(0, V, (2, 7))  # [B, S]
+    with pytest.raises(TypeError, match="dtype"):
+        hf.label_logprobs(model, torch.randn(2, 7, 48), labels, dtype=dtype)
