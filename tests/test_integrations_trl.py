@@ -252,6 +252,10 @@ def test_apply_to_existing_trainer(tokenizer, base_model, dataset, tmp_path):
         (dict(loss_type="dapo", top_entropy_quantile=0.5), "top_entropy_quantile"),
         (dict(loss_type="dapo", off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
         (dict(loss_type="dapo", use_adaptive_entropy=True), "use_adaptive_entropy"),
+        # TRL accepts these; rlkernels.policy_loss refused them only at the first step, naming clip_low/clip_high
+        (dict(epsilon=float("nan")), "epsilon=nan"),
+        (dict(epsilon=-0.1), "epsilon=-0.1"),
+        (dict(epsilon_high=-5.0), "epsilon_high=-5.0"),
     ],
 )
 def test_refuses_what_it_cannot_honour(overrides, words, tokenizer, base_model, dataset, tmp_path):

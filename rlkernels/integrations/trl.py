@@ -70,6 +70,10 @@ def check_supported(args, model=None, ref_model=None, *, aux_loss_enabled: bool 
             f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)}; "
             "cispo/sapo/luspo/vespo are not clipped-surrogate losses that rlkernels.policy_loss computes)"
         )
+    for name in ("epsilon", "epsilon_high"):  # rlkernels.policy_loss would refuse them at the first step, as clip_low
+        value = getattr(args, name, None)
+        if value is not None and not 0.0 <= value < float("inf"):  # NaN fails too
+            problems.append(f"{name}={value} (a clip range must be a finite number >= 0)")
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
     if args.delta is not None and not args.delta > 1.0 + eps_high:
         # Only for delta > 1 + epsilon_high is TRL's `clamp(ratio, max=delta)` the dual clip of negative advantages;
