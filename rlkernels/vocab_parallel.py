@@ -253,6 +253,7 @@ def logprobs_from_logits(
     if entropy_only:
         labels = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)  # [...] (never read)
     _checks.integer(labels, "labels")
+    _checks.same_device((logits, "logits"), (labels, "labels"))
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
                          f"got {tuple(labels.shape)}")

@@ -346,3 +346,19 @@ def _check_integer_vocab_start(rank, P):
 def test_vocab_start_may_be_a_numpy_or_tensor_integer():
     # np.int64(600) was refused with "vocab_start must be an int >= 0, got np.int64(600)"
     _spawn(_check_integer_vocab_start, 2)
+
+
+def _check_labels_on_another_device(rank, P):
+    """logprobs_from_logits with labels on another device than the logits (meta stands in for a GPU)."""
+    start, rows = LAYOUTS[P][rank]
+    hidden, weight, _bias, labels, _g, _e = _inputs(torch.float32)
+    logits = hidden @ weight[start:start + rows].T  # [B, T, V_r]
+    with pytest.raises(ValueError, match="labels"):
+        vocab_parallel.logprobs_from_logits(logits, labels.to("meta"), process_group=dist.group.WORLD,
+                                            vocab_start=start)
+
+
+def test_logits_path_refuses_labels_on_another_device_by_name():
+    # labels on another device than the logits failed inside torch ("Tensor.item() cannot be called on meta
+    # tensors"), naming no argument; linear_logprobs' process_group path already named them
+    _spawn(_check_labels_on_another_device, 2)
