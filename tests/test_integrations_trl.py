@@ -274,6 +274,35 @@ def test_refuses_softcapped_model(tokenizer, base_model, dataset, tmp_path):
         make_trainer(RLKernelsGRPOTrainer, model, tokenizer, dataset, make_args(tmp_path))
 
 
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(entropy="no"), TypeError, "entropy"),
+    (dict(cast_lm_head_to_fp32="yes"), TypeError, "cast_lm_head_to_fp32"),
+])
+def test_add_lm_head_refuses_bad_options_when_installed(kwargs, error, words, base_model):
+    """Named when the head is installed, not at the first training forward; the model is left as it was."""
+    from rlkernels.integrations.trl import add_rlkernels_lm_head
+
+    model = copy.deepcopy(base_model)
+    forward = model.forward
+    with pytest.raises(error, match=words):
+        add_rlkernels_lm_head(model, **kwargs)
+    assert model.forward == forward and not getattr(model, "_rlkernels_lm_head", False)
+
+
+def test_fused_head_call_without_labels_names_them(base_model):
+    from rlkernels.integrations.trl import add_rlkernels_lm_head
+
+    model = copy.deepcopy(base_model)
+    add_rlkernels_lm_head(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ValueError, match="fused_lm_head=True needs labels"):
+        model(input_ids=ids, fused_lm_head=True)
+    out = model(input_ids=ids, labels=ids, fused_lm_head=True)  # with them it scores the shifted labels
+    assert out.log_probs.shape == (1, 3) and torch.isfinite(out.log_probs).all()
+
+
 def test_two_optimizer_steps_end_to_end(tokenizer, base_model, dataset, tmp_path):
     model = copy.deepcopy(base_model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

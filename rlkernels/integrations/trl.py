@@ -38,7 +38,7 @@ import types
 import torch
 
 import rlkernels
-from rlkernels import hf, reference
+from rlkernels import _checks, hf, reference
 
 try:
     from trl import GRPOTrainer
@@ -131,6 +131,9 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
     problem = _head_problem(model)
     if problem:
         raise UnsupportedGRPOOption(f"rlkernels' LM head cannot reproduce {problem}")
+    temperature = _checks.temperature(temperature)  # now, naming it, not at the first training forward
+    cast_lm_head_to_fp32 = _checks.flag(cast_lm_head_to_fp32, "cast_lm_head_to_fp32")
+    entropy = _checks.flag(entropy, "entropy")
     inner_forward = model.forward
     head_dtype = torch.float32 if cast_lm_head_to_fp32 else None
 
@@ -143,6 +146,8 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
                 if value is not None:
                     kwargs[key] = value
             return inner_forward(*args, **kwargs)
+        if labels is None and shift_labels is None:  # the fused head scores labels; it returns no logits
+            raise ValueError("fused_lm_head=True needs labels (or shift_labels): the positions to score")
         hidden = hf.final_hidden(hf.backbone(self), *args, **kwargs)  # [B, L, H]
         if rlkernels_policy_loss is not None:  # the loss itself, from the hidden states (_fused_policy_loss)
             return _head_policy_loss(self, hidden, labels, rlkernels_policy_loss, temperature, head_dtype)
