@@ -206,6 +206,9 @@ $(VERL_VENV)/.installed: tests/integrations/requirements-verl.txt
 	$(VERL_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(VERL_VENV)/bin/python -m pip install -q -r tests/integrations/requirements-verl.txt
+	# verl 0.9.1's wheel installs a top-level package named `tests` (its own test suite); a regular package
+	# there wins over this repository's tests/ (a namespace package), so conftest's `from tests.helpers` failed
+	rm -rf $(VERL_VENV)/lib/python*/site-packages/tests
 	touch $@
 
 # TRL runs in the main venv (and in `make test`); verl, which pins its own transformers, in .venv-verl.
