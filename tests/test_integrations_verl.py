@@ -426,6 +426,24 @@ def test_policy_loss_empty_mask_and_masked_out_nan(loss_mode, agg):
         assert rkv.agg_loss(x, m, agg).item() == 0.0, agg
 
 
+@pytest.mark.parametrize("field, value", [("clip_ratio", -0.1), ("clip_ratio", float("nan")),
+                                          ("clip_ratio_low", float("inf")), ("clip_ratio_high", -5.0)])
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "from_hidden"])
+def test_a_bad_clip_range_is_named_by_its_verl_field(field, value, loss_mode):
+    """Named as the verl config calls it, not as rlkernels.policy_loss's clip_low/clip_high."""
+    cfg = types.SimpleNamespace(**{"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
+                                   "clip_ratio_c": 3.0, field: value})
+    old, logp, adv, mask = _batch(5)
+    with pytest.raises(ValueError, match=f"^{field} must"):
+        if loss_mode == "from_hidden":
+            B, T = mask.shape
+            rkv.policy_loss_from_hidden(torch.randn(B, T, 8), torch.randn(11, 8), torch.zeros(B, T, dtype=torch.long),
+                                        old, adv, mask, config=cfg)
+        else:
+            fn = rkv.compute_policy_loss_vanilla if loss_mode == "vanilla" else rkv.compute_policy_loss_gspo
+            fn(old, logp, adv, mask, "token-mean", cfg)
+
+
 def test_float_token_ids_are_refused_not_truncated():
     # FusedLinearForPPO, linear_cross_entropy and policy_loss_from_hidden cast the ids with .to(int64): float ids
     # 3.7 became 3 and gave another token's log p, with no error

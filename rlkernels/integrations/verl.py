@@ -120,10 +120,14 @@ def _cfg(config, name, default=None):
 
 
 def _clip_range(config):
-    clip = _cfg(config, "clip_ratio", 0.2)
+    """``(low, high)`` from verl's ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high``, each checked under
+    its own name (rlkernels.policy_loss would name ``clip_low``/``clip_high``, which a verl config does not have)."""
+    clip = _checks.non_negative(_cfg(config, "clip_ratio", 0.2), "clip_ratio")
     low = _cfg(config, "clip_ratio_low")
     high = _cfg(config, "clip_ratio_high")
-    return (clip if low is None else low), (clip if high is None else high)
+    low = clip if low is None else _checks.non_negative(low, "clip_ratio_low")
+    high = clip if high is None else _checks.non_negative(high, "clip_ratio_high")
+    return low, high
 
 
 def _refuse_rollout_weights(rollout_is_weights, name):
