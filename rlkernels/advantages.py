@@ -489,8 +489,12 @@ def _whiten_apply_kernel(
     k0 = tl.load(stats_ptr + 1)
     mean = tl.load(stats_ptr + 2)
     var = tl.load(stats_ptr + 3) / tl.maximum(cnt - 1.0, 1.0)
-    sc = tl.load(stats_ptr + 4)  # 1, or the rescue's 2**-100 (then eps·sc² is 0: negligible beside var)
-    rstd = 1.0 / tl.sqrt(var + eps * sc * sc)
+    sc = tl.load(stats_ptr + 4)  # 1, or the rescue's 2**-100 (then eps·sc² is 0: negligible beside a var > 0)
+    # var = 0 (equal values, e.g. ones whose sum overflowed into the rescue): eps alone scales, by rsqrt(eps)/sc
+    # applied in two steps (eps·sc² flushes to 0 in float32: rsqrt(0)·0 was NaN); with sc = 1 the same rsqrt(eps)
+    flat = var == 0.0
+    pre = tl.where(flat, 1.0 / sc, 1.0)
+    rstd = tl.where(flat, 1.0 / tl.sqrt(eps), 1.0 / tl.sqrt(var + eps * sc * sc))
     back = (k0 + mean) * (1.0 / sc)  # the mean of x, added back without SHIFT_MEAN
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -499,7 +503,7 @@ def _whiten_apply_kernel(
         i = start + offs  # [BLOCK]
         ok = i < N
         x = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
-        y = ((x * sc - k0) - mean) * rstd  # [BLOCK]
+        y = (((x * sc - k0) - mean) * pre) * rstd  # [BLOCK]
         if not SHIFT_MEAN:
             y = y + back
         tl.store(out_ptr + i, y, mask=ok)

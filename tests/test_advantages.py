@@ -1013,6 +1013,26 @@ def test_whiten_extreme_values_over_many_tiles(device, backend, csrc_ops):
         assert got[mask].isnan().all(), dtype
 
 
+# all equal and so large that their float32 sum overflows: the Triton kernels' rescue (the statistics of x·2**-100),
+# with a masked-out entry near them (its output finite: -2.4e32 · rsqrt(1e-8))
+_EQUAL_HUGE = torch.tensor([3e38, 3e38, 3e38, 3e38, 3e38 - 2.4e32])
+_EQUAL_HUGE_MASK = torch.tensor([1, 1, 1, 1, 0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_equal_values_whose_sum_overflows(device, backend, shift_mean, csrc_ops):
+    """Masked-in values all equal (variance exactly 0) whose float32 sum overflows: the Triton rescue's scale made
+    eps's share of the variance eps·2**-200, which flushes to 0 in float32, so rsqrt gave inf and every output
+    0·inf = NaN. The outputs are the deviations times rsqrt(eps): 0 at the masked-in entries."""
+    x, mask = _EQUAL_HUGE[None], _EQUAL_HUGE_MASK[None]  # [1, 5] each
+    truth = reference.masked_whiten(x.double(), mask, shift_mean=shift_mean)  # [1, 5]
+    got = run_on(device, backend, rlkernels.masked_whiten, x, mask, shift_mean=shift_mean)
+    assert torch.isfinite(got).all(), got
+    assert rel_error(got, truth) <= REL_TOL[torch.float32]
+    assert torch.equal(got[mask], truth[mask].float())  # exactly 0, or the mean itself with shift_mean=False
+
+
 def test_group_size_takes_numpy_integers_and_int16_masks_are_masks():
     np = pytest.importorskip("numpy", reason="the NumPy integer case needs numpy")
     scores = torch.randn(6, generator=torch.Generator().manual_seed(2))  # [6]
