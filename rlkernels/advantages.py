@@ -217,11 +217,15 @@ def _group_scales(amax):
     """Power-of-two factors ``(down, up)``, ``down * up == 1``, for a group whose largest ``|score|`` is ``amax``:
     beyond 2**32, ``down`` brings it into ``[2, 4)``, so the group's sum and its sum of squared deviations stay far
     from float32's 3.4e38 (scores of 1e20 squared overflow) while every score keeps its bits but the exponent;
-    otherwise (and for inf/NaN) ``(1, 1)``. The statistics are then formed on ``score * down``: exact scaling (a
+    below 2**-32 it brings it up into ``[2, 4)`` (``[1, 2)`` from float32's smallest normals; denormals below), so
+    squared deviations do not flush to 0 (grpo with ``eps=0`` of scores of 1e-25 gave ±inf); otherwise (and for
+    inf/NaN, or all zeros) ``(1, 1)``. The statistics are then formed on ``score * down``: exact scaling (a
     deviation of ``amax * 2**-24``, float32's resolution, is still ``2**-23`` there: squares stay normal)."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of amax >= 0 (255: inf or NaN)
     big = (e >= 127 + 32) & (e < 255)
-    e = tl.where(big, e, 128)  # 2**(128 - e) and 2**(e - 128): 1 where not big
+    small = (e < 127 - 32) & (amax > 0.0)
+    # 2**(128 - e) and 2**(e - 128): 1 where neither; at most 2**126 up (its inverse 2**-126 is still normal)
+    e = tl.where(big, e, tl.where(small, tl.maximum(e, 2), 128))
     return _pow2(255 - e), _pow2(e - 1)
 
 
@@ -309,7 +313,7 @@ def _group_tile_kernel(
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
     top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
     bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
-    down, up = _group_scales(tl.maximum(top, -bottom))  # [GROUPS] each: 1 unless |s| passes 2**32
+    down, up = _group_scales(tl.maximum(top, -bottom))  # [GROUPS] each: 1 unless |s| is beyond 2**±32
     x = x * down[:, None]  # [GROUPS, GS]: the statistics of s·down, scaled back below
     mean = block_sum(x, 1) / n  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
@@ -1321,7 +1325,7 @@ def _process_kernel(
     n = block_sum(block_sum(cnt, 1), 0)
     top_g = block_max(block_max(top, 1), 0)
     min_g = -block_max(block_max(neg, 1), 0)
-    # the statistics of r·down (see _group_scales: 1 unless |r| passes 2**32), scaled back by up
+    # the statistics of r·down (see _group_scales: 1 unless |r| passes 2**32 or is below 2**-32), scaled back by up
     down, up = _group_scales(tl.maximum(top_g, -min_g))
     mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)  # the mean of r·down: a scaled group sums again
     if down != 1.0:  # rewards past 2**32 (the sum above may have overflowed): pass 1b, the sum of r·down

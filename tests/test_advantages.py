@@ -976,6 +976,29 @@ def test_group_advantages_scaling_keeps_ordinary_scores_bitwise(device):
     torch.testing.assert_close(small_index, small, rtol=1e-6, atol=1e-6)
 
 
+
+# groups of tiny scores (1e-25, float32 denormals down to 1e-45) and one of ordinary ones
+_TINY_SCORES = [1e-25, 3e-25, -2e-25, 5e-26, 1e-40, 2e-40, 3e-40, 1e-45, 1.0, 2.0, 3.0, 4.0, -3e-30, 0.0, 1e-31, 2e-30]
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("groups", ["contiguous", "index-unequal", "large"])
+def test_group_advantages_of_tiny_scores_without_eps(device, backend, groups, csrc_ops):
+    """grpo with eps=0 is scale-free: a group of scores near 1e-25 (or denormals) gets advantages of order 1. The
+    Triton kernels squared deviations of that size in float32, which flush to 0: std 0 and every output ±inf/NaN
+    (the torch and csrc backends keep float64 statistics)."""
+    s = torch.tensor(_TINY_SCORES)  # [16]
+    kwargs = {"group_size": 4}
+    if groups == "index-unequal":  # unequal groups: the three-pass kernel
+        kwargs = {"index": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 4])}  # [16]
+    if groups == "large":  # a group beyond the tile kernel's 4096: the three-pass kernel, contiguous
+        s = s[:4].repeat(1500)  # [6000]
+        kwargs = {"group_size": 6000}
+    truth = reference.group_advantages(s.double(), mode="grpo", eps=0.0, **kwargs)  # [N]
+    out = run_on(device, backend, rlkernels.group_advantages, s, mode="grpo", eps=0.0, **kwargs)
+    assert torch.isfinite(out).all(), out
+    assert rel_error(out, truth) <= REL_TOL[torch.float32]
+
 @pytest.mark.parametrize("device,backend", [p for p in DEVICE_BACKENDS if p.values[1] != "reference"])
 @pytest.mark.parametrize("scale", [1e19, 1e30])
 @pytest.mark.parametrize("shift_mean", [True, False])

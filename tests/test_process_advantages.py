@@ -209,6 +209,20 @@ def test_huge_finite_step_rewards(device, backend, mode, index):
         assert ((out[rows] - truth[rows]).abs()[fin[rows]] <= 4e-7 * scale).all(), (out[rows], truth[rows])
 
 
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize("index", [False, True])
+def test_tiny_step_rewards_without_eps(device, backend, index):
+    """grpo with eps=0 is scale-free: step rewards near 1e-25 (or float32 denormals) give advantages of order 1. The
+    Triton kernel squared deviations of that size in float32, which flush to 0: std 0 and ±inf/NaN outputs."""
+    rewards = torch.tensor([[1e-25, -2e-25], [3e-25, 5e-26], [1e-40, 2e-40], [3e-40, 1e-45], [1.0, 2.0], [4.0, -1.5]])
+    ends = torch.tensor([[1, 3], [0, 3], [2, 3], [1, 2], [0, 3], [2, 3]])  # [6, 2]
+    groups = {"index": torch.tensor([0, 0, 1, 1, 2, 2])} if index else {"group_size": 2}
+    truth = reference.process_advantages(rewards.double(), ends, 4, eps=0.0, **groups)  # [6, 4]
+    out = run(backend, rewards.to(device), ends.to(device), 4, eps=0.0,
+              **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in groups.items()}).cpu()
+    assert torch.isfinite(out).all(), out
+    assert rel_error(out, truth) <= REL_TOL[torch.float32]
+
 def test_custom_op_passes_opcheck_and_compiles():
     """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
     gen = torch.Generator().manual_seed(6)
