@@ -464,7 +464,10 @@ def _base2_exponents(x, m, temperature: float, out):
     a probability that is exactly 0. The forward and the backward call this one function on the same chunks,
     so both see the same exponents bit for bit."""
     torch.sub(x, m, out=out)  # [c, V] <= 0
-    return out.mul_(_LOG2E / temperature)
+    scale = _LOG2E / temperature
+    if scale > torch.finfo(out.dtype).max:  # T < log2(e)/FLT_MAX: inf, and 0·inf = NaN at the max; 1/T is finite
+        return out.mul_(1.0 / temperature).mul_(_LOG2E)
+    return out.mul_(scale)
 
 
 def _label_logp(rows, safe, m, s, temperature: float):

@@ -335,6 +335,22 @@ def test_minus_inf_logits_with_large_entropy_gradient(device, backend, dtype):
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_smallest_temperatures_give_finite_log_probabilities(device, backend):
+    """A temperature just above the smallest one refused (1/T finite in float32) but below log2(e)/FLT_MAX: the
+    torch path scaled x - max by log2(e)/T, which is inf in float32, so the max's exponent was 0·inf and every
+    row NaN. log p is (x_y - max)/T (finite here), the entropy 0 where one logit leads, log V on an all-equal row."""
+    logits = torch.tensor([[0.5, 0.1, -0.2, 0.3], [1.0, 1.0, 1.0, 1.0]])  # [2, 4]
+    labels = torch.tensor([1, 2])
+    for temperature in (3e-39, 4e-39):
+        truth, t_ent = reference.logprobs(logits.double(), labels, temperature=temperature, return_entropy=True)
+        with forced_backend(backend):
+            logp, ent = rlkernels.logprobs(*on_device(device, logits, labels), temperature=temperature,
+                                           return_entropy=True)
+        assert torch.isfinite(logp).all() and torch.isfinite(ent).all(), (temperature, logp, ent)
+        assert_close_to_truth(logp.cpu(), truth, torch.float32, name=f"{backend} logp T={temperature}")
+        assert_close_to_truth(ent.cpu(), t_ent, torch.float32, name=f"{backend} entropy T={temperature}")
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])  # powers of two: eager's x/T is exact, so eager's error is its own
 @pytest.mark.parametrize("offset,spread", [(1000.0, 2.0), (1.0e4, 2.0), (-1.0e4, 2.0), (1.1e7, 10.0), (1.0e8, 100.0), (-1.0e20, 1.0e14)])
 def test_large_logit_offset_is_as_precise_as_eager(device, backend, temperature, offset, spread):
