@@ -304,12 +304,14 @@ def _dlogits_tail(row_ptr, out_ptr, offs, V, x_max, c, a, b, label32, g_y, dlogi
 
 @jit
 def _dlogits(x, offs, x_max, c, a, b, label32, g_y, dlogits_ptr, INTERPRETED: tl.constexpr):
-    """One block of ``dlogits`` in its dtype: ``2^u (a + b u)`` with ``u = (x - max)·c`` clamped below at -1e4
+    """One block of ``dlogits`` in its dtype: ``2^u a + (2^u u) b`` with ``u = (x - max)·c`` clamped below at -1e4
     (``2^u`` is 0 there either way, and ``p log p`` is then 0·finite at a -inf logit, not NaN; the clamp keeps
-    NaN), ``g_y`` at the label's column."""
+    NaN), ``g_y`` at the label's column. ``2^u u`` is formed before ``b`` (~g_H/T): at tiny temperatures ``b u``
+    overflows, and ``2^u (a + b u)`` was 0·inf = NaN where p = 0."""
     # z - max, as the forward formed it: exact near the max, so p keeps eager's precision at any magnitude
     u = tl.maximum((x - x_max) * c, -1.0e4, propagate_nan=tl.PropagateNan.ALL)  # [BLOCK_V]
-    g = tl.math.exp2(u) * (a + b * u)  # [BLOCK_V]
+    p = tl.math.exp2(u)  # [BLOCK_V]
+    g = p * a + (p * u) * b  # [BLOCK_V]
     g = tl.where(offs == label32, g_y, g)
     if INTERPRETED and dlogits_ptr.dtype.element_ty == tl.bfloat16:
         g = _bf16_round_bits(g)  # the interpreter's cast truncates; compiled, the hardware rounds
@@ -562,7 +564,7 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
 
     With u = (x - m)·log2e/T (the forward's :func:`_base2_exponents`), p = 2^u / s and log p = u ln 2 - log s,
     so dz = 2^u (a' + b' u) with a' = (a - b log s)/s, b' = b ln 2 / s. Per chunk: one fused
-    shift and scale to u, exp2, (a clamp, a multiply and an add), one multiply into dlogits."""
+    shift and scale to u, exp2, (a clamp and two multiplies: b' (u 2^u)), one multiply-add into dlogits."""
     rows = _as_rows(logits)  # [O, I, V]
     O, I, V = rows.shape
     N = O * I
@@ -605,8 +607,9 @@ def _torch_backward_into(dlogits, logits, labels, stats, entropy, g_logp, g_entr
         e = out if e_ws is None else e_ws[:c]  # [c, V] 2^u, in dlogits itself when it has the compute dtype
         torch.exp2(z, out=e)
         z.clamp_(min=_LOG_P_FLOOR)  # p log p = 0 where p = 0 (a -inf logit); NaN stays NaN
-        z.mul_(b[r0:r1, None]).add_(a[r0:r1, None])  # [c, V] a' + b' u
-        torch.mul(z, e, out=out)  # [c, V] cast once into dlogits
+        # [c, V] b' u 2^u: u 2^u first, 0 where p = 0, then b' (~g_H/T: b' u could overflow at tiny T, 0·inf = NaN)
+        z.mul_(e).mul_(b[r0:r1, None])
+        torch.addcmul(z, e, a[r0:r1, None], out=out)  # [c, V] a' 2^u + b' u 2^u, cast once into dlogits
     # the label entries: log p_y bit for bit as the forward formed it (before its clamp to <= 0)
     lp = _label_logp(rows, safe, m.squeeze(-1), s, opt.temperature)  # [N]
     d_y = g_l * -torch.expm1(lp)  # [N] g (1 - p_y), without cancellation when p_y ≈ 1

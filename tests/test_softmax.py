@@ -351,6 +351,22 @@ def test_smallest_temperatures_give_finite_log_probabilities(device, backend):
         assert_close_to_truth(ent.cpu(), t_ent, torch.float32, name=f"{backend} entropy T={temperature}")
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_tiny_temperature_entropy_gradient_is_zero_where_p_is_zero(device, backend):
+    """At T = 1e-36 every token below the row's max has p = 0 (exponents of -1e35), so its gradient is exactly 0:
+    the kernels formed 2^u (a + b·u) with u clamped to -1e4 and b = -g_H ln2 / (T s) ~ 1e36, where b·u overflows
+    float32 and 0·inf made those entries NaN."""
+    logits = torch.tensor([[0.5, 0.1, -0.2, 0.3], [1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.1, 0.2]])  # [3, 4]
+    labels = torch.tensor([1, 2, 0])
+    g_logp, g_ent = torch.tensor([0.5, -1.0, 0.25]), torch.tensor([1.5, -2.0, 1.0])
+    with forced_backend(backend):
+        logp, ent, grad = _run(rlkernels.logprobs, *on_device(device, logits), labels, g_logp, g_ent, temperature=1e-36)
+    # (the float64 reference: _math's logsumexp of z = 1e36 loses log V to rounding)
+    _, _, t_grad = _run(reference.logprobs, logits.double(), labels, g_logp, g_ent, temperature=1e-36)
+    assert torch.isfinite(grad).all(), f"{backend}: non-finite dlogits at {(~torch.isfinite(grad)).nonzero().tolist()}"
+    assert torch.equal(grad[0, [2, 3]], torch.zeros(2)) and torch.equal(grad[2, 2:], torch.zeros(2))
+    assert_close_to_truth(grad, t_grad, torch.float32, name=f"{backend} dlogits")
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.5])  # powers of two: eager's x/T is exact, so eager's error is its own
 @pytest.mark.parametrize("offset,spread", [(1000.0, 2.0), (1.0e4, 2.0), (-1.0e4, 2.0), (1.1e7, 10.0), (1.0e8, 100.0), (-1.0e20, 1.0e14)])
 def test_large_logit_offset_is_as_precise_as_eager(device, backend, temperature, offset, spread):
