@@ -328,8 +328,9 @@ def test_bad_input_names_the_argument(bad, match):
 @pytest.mark.parametrize("name, value", [("hidden", None), ("weight", None), ("weight", "lm_head"), ("bias", True),
                                          ("logits", None), ("logits", [[[0.0]]])])
 def test_a_non_tensor_head_input_is_named(name, value, grad):
-    """A non-tensor ``hidden``/``weight``/``bias``/``logits`` (None, an ``nn.Linear`` instead of its weight, ``bias=True``)
-    is refused by a TypeError naming it, with grad mode on as off (it was an AttributeError on ``.requires_grad``)."""
+    """A non-tensor ``hidden``/``weight``/``bias``/``logits`` (None, an ``nn.Linear`` instead of its weight,
+    ``bias=True``) is refused by a TypeError naming it, with grad mode on as off (it was an AttributeError on
+    ``.requires_grad``)."""
     x = _inputs(2, 4, 8, 64, seed=8)
     if value == "lm_head":
         value = torch.nn.Linear(8, 64, bias=False)
