@@ -185,18 +185,22 @@ def unit_interval(value, name: str) -> float:
     return value
 
 
-def labels(x, V: int, ignore_index: int, name: str = "labels") -> torch.Tensor:
+def labels(x, V: int, ignore_index: int | None, name: str = "labels") -> torch.Tensor:
     """Integer ``labels`` of any width as int64; on the CPU a label outside ``[0, V)`` that is not
     ``ignore_index`` raises (checking costs no device sync there); on a GPU the kernels give NaN instead.
+    ``ignore_index=None``: no value is exempt (token ids fed to an embedding).
 
     The comparison runs in int64, so narrow dtypes (uint8, int8, int16) are checked against the true ``V``.
     """
     integer(x, name)
     x = x.long()  # no copy for int64; kernels and gather read int64
     if x.device.type == "cpu" and x.numel() > 0:
-        bad = (x != ignore_index) & ((x < 0) | (x >= V))
+        bad = (x < 0) | (x >= V)
+        if ignore_index is not None:
+            bad &= x != ignore_index
         if bool(bad.any()):
-            raise ValueError(f"{name} must lie in [0, {V}) or equal ignore_index={ignore_index}; found {int(x[bad][0])}")
+            allowed = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
+            raise ValueError(f"{name} must lie in [0, {V}){allowed}; found {int(x[bad][0])}")
     return x
 
 

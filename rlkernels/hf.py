@@ -358,12 +358,10 @@ def response_logprobs(
             _checks.same_shape(input_ids, "input_ids", position_ids, "position_ids")
             inputs["position_ids"] = position_ids
     weight, _ = lm_head(model)  # refuse an unsupported head before running the backbone
-    if input_ids.device.type == "cpu" and input_ids.numel() and not _checks._tracing():  # no device sync on the CPU
+    if not _checks._tracing():  # on the CPU (no device sync there): the embedding's IndexError names nothing
         get_embed = getattr(causal_lm(model), "get_input_embeddings", None)
         V = getattr(get_embed() if callable(get_embed) else None, "num_embeddings", weight.shape[0])
-        bad = (input_ids < 0) | (input_ids >= V)  # [B, T]: the embedding's "index out of range in self" names nothing
-        if bool(bad.any()):
-            raise ValueError(f"input_ids must lie in [0, {V}) (the model's vocabulary), found {int(input_ids[bad][0])}")
+        _checks.labels(input_ids, V, None, "input_ids")
     if packed and not _checks._tracing():
         base = backbone(model)
         verdict = _PACKING_VERDICTS.get(base)

@@ -312,6 +312,18 @@ def test_a_reward_error_at_a_later_step_saves_the_steps_trained_and_resume_conti
     assert _metrics(tmp_path / "cut") == _metrics(tmp_path / "full")
 
 
+def test_a_save_that_fails_before_the_stop_is_reported_and_the_steps_error_raised(tmp_path, capsys, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    FAIL_AT.update(call=3, calls=0, rank=None)
+    tr = Trainer(tiny(tmp_path, losses="eager", steps=4, reward=f"{__name__}:fails_at_one_call"))
+    monkeypatch.setattr(checkpoint, "save", disk_full)
+    with pytest.raises(KeyError, match="answer"):
+        tr.run()
+    assert "could not save the 2 steps trained before the stop: OSError" in capsys.readouterr().err
+
+
 def test_a_refusal_at_a_later_step_after_overwrite_keeps_the_steps_it_trained(tmp_path, capsys):
     """--overwrite deletes the earlier run when the first batch is accepted; step rewards a flag refuses, first
     returned at step 3, then stop the run -- with steps 1 and 2 saved (save_every 0), not lost with the earlier run."""

@@ -704,10 +704,11 @@ class Trainer:
         return mods
 
     def save(self) -> Path | None:
-        self._saved_step = self.step
         if self.cfg.shard == "fsdp":  # every process writes its shards
-            return sharding.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
+            path = sharding.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
                                  {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
+            self._saved_step = self.step
+            return path
         path = None
         if self.rank == 0:
             path = checkpoint.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
@@ -715,6 +716,7 @@ class Trainer:
                                     "config": self.cfg.to_dict()})
         if self.distributed:
             dist.barrier()
+        self._saved_step = self.step  # once written (a failed save leaves the steps counted as unsaved)
         return path
 
     def _apply_optimizer_settings(self) -> None:
