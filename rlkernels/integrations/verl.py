@@ -313,7 +313,6 @@ def _token_ids(ids, name: str) -> torch.Tensor:
     return _checks.integer(ids, name).to(torch.int64)
 
 
-
 def logprobs_from_logits(logits, labels, inplace_backward=True):
     """``verl.utils.torch_functional.logprobs_from_logits`` (same signature) via ``rlkernels.logprobs``.
 
