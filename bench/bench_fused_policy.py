@@ -136,7 +136,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
 
 def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     """``linear_policy_loss``'s Triton row phase by phase at ``_case``'s shapes (``T_SEQ`` tokens a sequence, token
-    ratio), in its held layout (fused_policy._holds_dz: 16-bit inputs, N <= 2H or one chunk, as at the contract's
+    ratio), in its held layout (fused_policy._triton_layout: 16-bit inputs, N <= 2H or one chunk, as at the contract's
     and the tiny dry-run sizes), each phase against one cuBLAS GEMM of the head's size (each row's "of bound" and
     ratio read as "GEMMs' worth of time"): kernel 1 over every chunk (GEMM 1, the row statistics, the float32
     ``[chunk, V]`` logits tile stored), kernel 2 over every chunk (``dz`` from the tile into the held ``[N, V]``),
@@ -152,7 +152,7 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
                                 dual_clip=None, ratio="token", kl_coef=0.04, kl_estimator="k3", entropy_coef=0.01,
                                 agg="token-mean", norm_length=None, grad_input=True, grad_weight=True,
                                 grad_bias=False)
-    assert fp._holds_dz(B, T, H, V, "token", dtype, True), "the phases of the held layout only"
+    assert fp._triton_layout(B, T, H, V, "token", dtype, True) == "held", "the phases of the held layout only"
     chunks = fp._triton_chunks(B, T, V, "token", dtype, held=True)
     n_max = max(t1 - t0 for t0, t1 in chunks)
 

@@ -50,30 +50,29 @@ the weight) and reduces it while it is in cache; pass 2 re-centres each block on
   than four GEMMs; see ``_MIN_CHUNK_TOKENS``). So the three-GEMM saving on the CPU is for ``N <= H`` (or larger
   ``N`` with float32 weights and a large ``N·H``), with no more memory than the two-op path.
 
-The Triton row (CUDA) runs kernels 1 and 2 over chunks of tokens sized to ``_TRITON_CHUNK_BYTES``, in one of two
-layouts for 16-bit inputs whose ``d_weight`` is wanted (:func:`_holds_dz`):
+The Triton row (CUDA) runs kernels 1 and 2 over chunks of tokens sized to ``_TRITON_CHUNK_BYTES``, in one of three
+layouts for 16-bit inputs whose ``d_weight`` is wanted (:func:`_triton_layout`):
 
 - held (``N <= 2H``, or every token within the budget in one chunk): kernel 2 writes each chunk's ``dz`` into one
   ``[N, V]`` buffer in the inputs' dtype, so the chunks hold only the float32 tile; after the last chunk GEMM 2
   (``d_hidden = dz·W``) and GEMM 3 (``d_weight = dzᵀ·h``) each run ONCE over all the tokens, GEMM 3 writing
   ``d_weight`` in the weight's dtype (float32 accumulation inside it, the label entries' residuals added inside
   it, rounded once: ``fused_linear._gemm_with_label_residuals``). The held ``dz`` is ``N·V`` 16-bit values, no
-  larger than the float32 ``[V, H]`` accumulator of the other layout (``N·V·2 <= V·H·4``) and not a float32
-  buffer: the contract's N = 8192, H = 4096 takes it (2.5 GB at V = 151936, where the accumulator took the same);
-  two full-size GEMMs instead of one small-M GEMM pair per chunk, and no accumulator read and written per chunk
-  and cast at the end;
-- chunks (``N > 2H``, e.g. SmolLM2's H = 576 at a few thousand tokens): a float32 tile and a 16-bit ``dz`` of
-  ``[chunk, V]`` per chunk, GEMM 2 per chunk, and ``d_weight`` summed over the chunks in a float32 ``[V, H]``
-  buffer (here smaller than the held ``dz`` would be) -- for 16-bit weights a buffer beside the gradient, which
-  DESIGN's numerics rule out. Kept because the ways out each cost what the op is for: the two-op path's four
-  GEMMs; or ``d_weight`` summed in 16 bits, one rounding per chunk, whose error grows as ``sqrt((K + 1) / 2)``
-  with the chunk count K (emulated in float64 around the same roundings, ``python -m bench.cpu_chunk_rounding``,
-  bench/results/cpu-chunk-rounding-2026-11-27.txt: relative error 0.71x eager's with the float32 accumulator at
-  any K, 1.11x at 4 chunks, 1.42x at 7, 1.5x at 8, 2.07x at 16 -- past the tests' 1.5x beyond 7 chunks); or the
-  held ``dz``, larger than the accumulator there. A fourth way, not built: the running sum kept as two bf16
-  halves (``hi`` = the gradient itself, ``lo`` = the rounding residue), added to in float32 in GEMM 3's epilogue
-  -- float32-like error and an extra 2 bytes per weight entry instead of 4, but a Triton GEMM of our own for GEMM
-  3 (cuBLAS writes no such epilogue) and a 16-bit ``[V, H]`` buffer still beside the gradient. Open in issue 12.
+  larger than a float32 ``[V, H]`` buffer (``N·V·2 <= V·H·4``) and not a float32 buffer: the contract's N = 8192,
+  H = 4096 takes it (2.5 GB at V = 151936); two full-size GEMMs instead of one small-M GEMM pair per chunk;
+- chunks (``N >= V``): a float32 tile and a 16-bit ``dz`` of ``[chunk, V]`` per chunk, GEMM 2 per chunk, and
+  ``d_weight`` summed over the chunks in a float32 ``[V, H]`` buffer -- with at least as many tokens as vocabulary
+  entries no larger than the float32 ``[N, H]`` ``d_hidden`` (DESIGN: "chunk over V when N < V");
+- two-op (``2H < N < V`` beyond one chunk, e.g. N = 16384 tokens at H = 4096, V = 151936): :func:`_two_op`, four
+  GEMMs with ``linear_logprobs``' vocabulary-outer backward (beyond the gradients, ``[N, H]`` float32 and a
+  bounded ``dz`` chunk). Three GEMMs there would hold, between GEMM 1 and GEMM 3, either every token's ``dz``
+  (``N·V`` 16-bit values, more than a float32 ``[V, H]``) or ``d_weight`` summed over chunks of tokens -- in a
+  float32 ``[V, H]`` buffer beside the 16-bit gradient, which DESIGN's numerics rule out (and which this layout
+  held until 2026-11-28), or in 16 bits, one rounding per chunk, whose error grows as ``sqrt((K + 1) / 2)`` with
+  the chunk count K (emulated in float64, ``python -m bench.cpu_chunk_rounding``,
+  bench/results/cpu-chunk-rounding-2026-11-27.txt: 0.71x eager's relative error with the float32 accumulator,
+  1.11x at 4 chunks, 1.42x at 7, 2.07x at 16). Not built: holding the ``dz`` of the first ``2H`` tokens and
+  recomputing the rest's vocabulary-outer (``3 + (N - 2H)/N`` GEMMs with the held layout's memory).
 
 Float32 inputs (and a frozen head) take the chunks, ``dz`` written over the tile; a float32 ``d_weight`` summed
 over the chunks is the gradient itself.
@@ -409,11 +408,16 @@ def _torch_layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOp
       small chunks made three GEMMs slower than four).
     - ``"chunks"``: chunks of tokens, each with a tile of its own, ``d_weight`` (float32) accumulated over them.
 
+    On a GPU (the torch row forced there by ``RLKERNELS_BACKEND=torch``) no one-chunk layout: ``"two-op"`` for
+    16-bit weights with fewer tokens than vocabulary entries (as :func:`_triton_layout`), else ``"chunks"``.
+
     The register_fake row follows it for ``d_weight``'s dtype (the weight's for ``"one-chunk"``, float32
     otherwise; :func:`_d_weight_dtype`, which has the Triton row's rule too)."""
     N, H = hidden.shape[0] * hidden.shape[1], hidden.shape[2]  # hidden [B, T, H]
-    if hidden.device.type != "cpu" or not opt.grad_weight or N == 0:
+    if not opt.grad_weight or N == 0:
         return "chunks"
+    if hidden.device.type != "cpu":  # (the torch row forced on a GPU) the Triton row's rule without its held dz
+        return "two-op" if weight.dtype.itemsize < 4 and N < weight.shape[0] else "chunks"
     c = reference.compute_dtype(hidden).itemsize
     if N * c <= H * weight.dtype.itemsize:
         return "one-chunk"
@@ -794,26 +798,45 @@ def _holds_dz(B: int, T: int, H: int, V: int, ratio: str, dtype: torch.dtype, gr
     return N * V * dtype.itemsize <= V * H * 4 or len(_triton_chunks(B, T, V, ratio, dtype, held=False)) <= 1
 
 
+def _triton_layout(B: int, T: int, H: int, V: int, ratio: str, dtype: torch.dtype, grad_weight: bool) -> str:
+    """How the Triton row runs (the module docstring's layouts): ``"held"`` (:func:`_holds_dz`); ``"chunks"`` for
+    float32 inputs (the float32 ``d_weight`` summed over the chunks is the gradient itself), a frozen head (no
+    ``d_weight``), and 16-bit inputs with at least as many tokens as vocabulary entries (``N >= V``: the float32
+    ``[V, H]`` accumulator is then no larger than the float32 ``[N, H]`` ``d_hidden``, DESIGN's "chunk over V when
+    N < V"); ``"two-op"`` for 16-bit inputs with ``2H < N < V`` beyond one chunk: :func:`_two_op`
+    (``linear_logprobs`` + ``policy_loss``, four GEMMs, the vocabulary-outer backward), since three GEMMs there
+    would hold a float32 ``[V, H]`` accumulator beside the 16-bit gradient, or a held ``dz`` larger than it."""
+    if dtype == torch.float32 or not grad_weight:
+        return "chunks"
+    if _holds_dz(B, T, H, V, ratio, dtype, grad_weight):
+        return "held"
+    return "chunks" if B * T >= V else "two-op"
+
+
+def _layout(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> str:
+    """The layout of the backend that serves ``hidden`` (``[B, T, H]``): :func:`_triton_layout` or
+    :func:`_torch_layout`; ``"two-op"`` is served by :func:`_two_op` instead of the three-GEMM op."""
+    if _backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "triton":
+        B, T, H = hidden.shape
+        return _triton_layout(B, T, H, weight.shape[0], opt.ratio, hidden.dtype, opt.grad_weight)
+    return _torch_layout(hidden, weight, opt)
+
+
 def _d_weight_dtype(hidden: torch.Tensor, weight: torch.Tensor, opt: FusedPolicyOptions) -> torch.dtype:
     """The dtype of the op's stored ``d_weight`` (``hidden`` [B, T, H], ``weight`` [V, H]): the weight's where it is
     written once -- the torch row's ``"one-chunk"`` layout (:func:`_torch_layout`), and the Triton row's held layout
-    (:func:`_holds_dz`: GEMM 3 writes it in the weight's dtype, float32 accumulation inside, the label residuals
+    (:func:`_triton_layout`: GEMM 3 writes it in the weight's dtype, float32 accumulation inside, the label residuals
     added inside it) -- else the compute dtype (float32 summed over the chunks, rounded once in the backward). The
     rows and the fake follow it."""
-    cdt = reference.compute_dtype(hidden)
-    if _backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "triton":
-        B, T, H = hidden.shape
-        held = _holds_dz(B, T, H, weight.shape[0], opt.ratio, hidden.dtype, opt.grad_weight)
-        return weight.dtype if held else cdt
-    return weight.dtype if _torch_layout(hidden, weight, opt) == "one-chunk" else cdt
+    return weight.dtype if _layout(hidden, weight, opt) in ("held", "one-chunk") else reference.compute_dtype(hidden)
 
 
 def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):
     """Kernels 1 and 2 (above) per chunk of tokens, cuBLAS for GEMMs 2 and 3; the same outputs as
-    :func:`_linear_torch`. The module docstring's two layouts (:func:`_holds_dz`): held -- every chunk's ``dz``
+    :func:`_linear_torch`. The module docstring's layouts (:func:`_triton_layout`): held -- every chunk's ``dz``
     kept, GEMMs 2 and 3 once after the chunks, ``d_weight`` written once in the weight's dtype -- or chunks --
-    GEMMs 2 and 3 per chunk, a 16-bit weight's ``d_weight`` summed in a float32 ``[V, H]`` buffer beside the
-    gradient it is rounded to (a buffer DESIGN's numerics rule out: see the module docstring)."""
+    GEMMs 2 and 3 per chunk, ``d_weight`` summed in float32 (for 16-bit weights only at ``N >= V``; the public op
+    sends ``2H < N < V`` to :func:`_two_op` instead of here)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     N = B * T
@@ -822,7 +845,7 @@ def _linear_triton(hidden, weight, labels, old_logp, advantages, mask, ref_logp,
     weight = unit_stride(weight)  # [V, H]
     labels = labels.contiguous()
     low = hidden.dtype != torch.float32
-    held = _holds_dz(B, T, H, V, opt.ratio, hidden.dtype, opt.grad_weight)
+    held = _triton_layout(B, T, H, V, opt.ratio, hidden.dtype, opt.grad_weight) == "held"
     chunks = _triton_chunks(B, T, V, opt.ratio, hidden.dtype, held)
     dz_all = torch.empty(N, V, dtype=hidden.dtype, device=dev) if held else None  # [N, V] every token's dz
     resid_all = torch.zeros(N, dtype=torch.float32, device=dev) if held else None  # [N] their label residuals
@@ -1512,8 +1535,7 @@ def linear_policy_loss(
     if _backend.serves_reference(_LINEAR_IMPLS, hidden):  # outside float32_compute: it sees the caller's autocast
         return _reference_linear(hidden, weight, labels, *constants, bias, opt)
     with _backend.float32_compute(hidden.device):
-        if (_backend.resolve(hidden.device, tuple(_LINEAR_IMPLS), hidden.dtype) == "torch"
-                and _torch_layout(hidden, weight, opt) == "two-op"):
+        if _layout(hidden, weight, opt) == "two-op":
             return _two_op(hidden, weight, labels, *constants, bias, opt)
         loss, metrics, logp, ent, *_ = _LinearPolicyLoss.apply(hidden, weight, labels.long(), *constants, bias,
                                                                *option_values(opt))

@@ -101,11 +101,12 @@ def _check_fused_against_truth(x, options, upstream, dtype, backend):
 
 def _triton_chunk_tokens(monkeypatch, tokens, V, dtype, layout="held"):
     """The Triton row's chunks of ``tokens`` tokens (a budget of that many tokens' workspaces), in ``layout``:
-    "held" (every token's dz kept, GEMMs 2 and 3 once; what fused_policy._holds_dz picks for 16-bit inputs at N <=
-    2H, as these tests' shapes are) or "chunks" (GEMMs per chunk, a float32 d_weight accumulator: forced here, it
-    is taken at N > 2H). Float32 inputs take the chunks whatever ``layout`` says."""
+    "held" (every token's dz kept, GEMMs 2 and 3 once; what fused_policy._triton_layout picks for 16-bit inputs at
+    N <= 2H, as these tests' shapes are) or "chunks" (GEMMs per chunk, a float32 d_weight accumulator: forced here,
+    it is taken at N >= V). Float32 inputs take the chunks whatever ``layout`` says."""
     if layout == "chunks":
         monkeypatch.setattr(fused_policy, "_holds_dz", lambda *args: False)
+        monkeypatch.setattr(fused_policy, "_triton_layout", lambda *args: "chunks")
     own_dz = dtype != torch.float32 and layout == "chunks"  # a 16-bit dz of the chunk's own beside the tile
     monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", tokens * V * (4 + (dtype.itemsize if own_dz else 0)))
 
@@ -1200,9 +1201,8 @@ def test_triton_row_held_layout_writes_d_weight_once_in_its_dtype(dtype, upstrea
     GEMM 3 runs once after the chunks, writing d_weight in the weight's dtype (the label residuals added inside
     it), so no float32 [V, H] buffer is ever allocated (N > H/2 here: the torch row would not take its one-chunk
     layout); the gradients match the float64 truth (no worse than eager) with the upstream gradient 1 and not, and
-    the op's fake gives d_weight the same dtype (torch.compile plans with it). At N > 2H over several chunks
-    d_weight is summed in float32 instead (the documented exception: the held dz would be larger than that
-    accumulator), and the fake says so too."""
+    the op's fake gives d_weight the same dtype (torch.compile plans with it). (At N > 2H the public op takes
+    another path: test_triton_row_between_2h_and_v_holds_no_float32_weight_sized_buffer.)"""
     pytest.importorskip("triton")
     monkeypatch.setenv("RLKERNELS_BACKEND", "triton")
     B, T, H, V = 2, 20, 64, 3000  # H / 2 < N = 40 <= 2H
@@ -1228,15 +1228,60 @@ def test_triton_row_held_layout_writes_d_weight_once_in_its_dtype(dtype, upstrea
     op_args = _default_op_args(x, h, w)
     torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
     assert fused_policy._linear_op(*op_args)[5].dtype == dtype
-    # N = 40 > 2H = 32 in chunks of at most 25 tokens' tiles: summed in float32, and the fake says so too
-    x = _inputs(B, T, 16, V, seed=22)
-    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_between_2h_and_v_holds_no_float32_weight_sized_buffer(backend, dtype, monkeypatch):
+    """16-bit inputs with 2H < N < V beyond one chunk (N = 40, H = 16, V = 3000, chunks of 25 tokens): three GEMMs
+    would need every token's dz held (larger than a float32 [V, H]) or d_weight summed over the chunks in a float32
+    [V, H] buffer beside the 16-bit gradient (what the Triton row did until 2026-11-28: its largest allocation was
+    that buffer), so the op runs linear_logprobs + policy_loss (four GEMMs, the vocabulary-outer backward): no
+    allocation reaches a float32 [V, H] (the dz chunk kept small here so the buffer would be the largest), the
+    gradients match the float64 truth, and d_weight comes back in the weight's dtype."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    B, T, H, V = 2, 20, 16, 3000
     _triton_chunk_tokens(monkeypatch, 25, V, dtype)
-    assert not fused_policy._holds_dz(B, T, 16, V, "token", dtype, True)
+    monkeypatch.setattr(fused_policy._fl, "_DZ_BUDGET_BYTES", 1)  # the backward's dz chunk: one tile wide
+    monkeypatch.setattr(fused_policy._fl, "_TORCH_BUDGET_ELEMS", 1 << 12)
     assert len(fused_policy._triton_chunks(B, T, V, "token", dtype, held=False)) >= 2
+    assert fused_policy._triton_layout(B, T, H, V, "token", dtype, True) == "two-op"
+    x = _inputs(B, T, H, V, seed=22)
+    options = dict(kl_coef=0.05, entropy_coef=0.01)
+    _check_fused_against_truth(x, options, 1.7, dtype, backend)
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
+
+    def fused():
+        loss, _ = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"],
+                                               ref_logp=x["ref_logp"], **options)
+        return torch.autograd.grad(loss, (h, w))
+
+    from rlkernels.testing.memory import measure_cpu
+
+    with forced_backend(backend):
+        assert fused()[1].dtype == dtype  # and warm
+        report = measure_cpu(fused)
+    assert report.largest_bytes < 4 * V * H, report
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_row_at_least_as_many_tokens_as_vocabulary_takes_the_chunks(dtype, monkeypatch):
+    """16-bit inputs with N >= V > 2H, beyond one chunk: the Triton row's chunks layout, unforced (d_weight summed
+    in float32 over four chunks, a [V, H] buffer no larger than the float32 [N, H] d_hidden), against the float64
+    truth forward and backward; the op's fake gives d_weight float32 as the row does."""
+    pytest.importorskip("triton")
+    B, T, H, V = 8, 25, 16, 200  # N = 200 >= V = 200 > 2H = 32
+    _triton_chunk_tokens(monkeypatch, 80, V, dtype)
+    assert fused_policy._triton_layout(B, T, H, V, "token", dtype, True) == "chunks"
+    assert len(fused_policy._triton_chunks(B, T, V, "token", dtype, held=False)) == 4  # of 53 tokens
+    x = _inputs(B, T, H, V, seed=23)
+    _check_fused_against_truth(x, dict(kl_coef=0.05, entropy_coef=0.01), 1.7, dtype, "triton")
+    h, w = x["hidden"].to(dtype).requires_grad_(), x["weight"].to(dtype).requires_grad_()
     op_args = _default_op_args(x, h, w)
-    torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
-    assert fused_policy._linear_op(*op_args)[5].dtype == torch.float32
+    with forced_backend("triton"):
+        torch.library.opcheck(fused_policy._linear_op, op_args, test_utils=("test_schema", "test_faketensor"))
+        assert fused_policy._linear_op(*op_args)[5].dtype == torch.float32
 
 
 @pytest.mark.parametrize("arch", [80, 90])
