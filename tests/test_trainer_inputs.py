@@ -111,6 +111,21 @@ def test_a_reward_module_beside_the_user_is_found(tmp_path, monkeypatch):
     assert load_reward("rlk_test_rewards_beside:f")(["p"], ["c"], ["a"]) == [0.5]
 
 
+@pytest.mark.parametrize("source, why", [
+    ("x = (\n", "SyntaxError"),
+    ("raise RuntimeError('module-level boom')\n", "RuntimeError: module-level boom"),
+])
+def test_a_reward_module_that_fails_to_import_exits_2_naming_reward(tmp_path, capsys, monkeypatch, source, why):
+    name = f"rlk_test_rewards_broken_{why.split(':')[0].lower()}"
+    (tmp_path / f"{name}.py").write_text(source + "def f(p, c, a):\n    return [0.0] * len(c)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert why in check_reward_spec(f"{name}:f")
+    assert main(CLI + ["--output-dir", str(tmp_path / "run"), "--reward", f"{name}:f"]) == 2
+    err = _error_line(capsys, f"invalid configuration: reward: cannot import callable '{name}:f'")
+    assert why in err
+
+
 # ------------------------------------------------------------------ the prompts file
 
 

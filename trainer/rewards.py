@@ -87,6 +87,8 @@ def check_reward_spec(spec: str) -> str:
             fn = _import_callable(spec)
         except (ImportError, AttributeError) as error:
             return f"cannot import callable {spec!r}: {error}"
+        except Exception as error:  # the module itself fails as it runs (a SyntaxError, a module-level raise)
+            return f"cannot import callable {spec!r}: importing it raised {type(error).__name__}: {error}"
         if not callable(fn):
             return f"{spec!r} is not callable"
         try:
