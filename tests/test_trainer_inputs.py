@@ -358,6 +358,15 @@ def test_a_text_field_of_another_type_in_a_config_file_is_refused(tmp_path, caps
     assert "output_dir: expected str" in _error_line(capsys, "invalid configuration: output_dir: ")
 
 
+@pytest.mark.parametrize("field", ["preset", "recipe"])
+@pytest.mark.parametrize("value", [["default"], {"a": 1}])
+def test_a_preset_or_recipe_of_another_type_in_a_config_file_is_refused(tmp_path, capsys, field, value):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({field: value}))
+    assert main(["--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
+    assert "expected str" in _error_line(capsys, f"invalid configuration: {field}: ")
+
+
 def test_weights_driven_to_non_finite_probabilities_stop_with_exit_3(tmp_path, capsys):
     """An absurd (finite) learning rate: the first update makes the policy's logits non-finite, and the next
     rollout's sampling cannot draw from them: the run stops as for a NaN loss (exit 3, named), not a traceback."""

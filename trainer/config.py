@@ -665,6 +665,8 @@ def from_dict(values: dict, file_keys: typing.Iterable[str] = ()) -> TrainConfig
     for key in values:
         if key not in known:
             raise ConfigError(f"{key}: unknown field")
+    # the two fields looked up before the others are coerced: a config file's list or table there is named
+    values = {**values, **{key: _coerce(key, values[key]) for key in ("preset", "recipe") if key in values}}
     preset = values.get("preset", "default")
     if preset not in PRESETS:
         raise ConfigError(f"preset: must be one of {list(PRESETS)} (got {preset!r})")
