@@ -174,6 +174,10 @@ def test_issue15_fields_refused_naming_the_flag(tmp_path):
         tiny(tmp_path, algo="ppo", truncation="cut")
     with pytest.raises(ConfigError, match="^missing_eos_penalty: must be finite"):
         tiny(tmp_path, missing_eos_penalty=float("inf"))
+    for beyond_float32 in (-1e39, 1e39):  # finite in Python, but the float32 scores it is added to cannot take it
+        with pytest.raises(ConfigError, match="^missing_eos_penalty: must be finite in float32"):
+            tiny(tmp_path, missing_eos_penalty=beyond_float32)
+    assert tiny(tmp_path, missing_eos_penalty=-3e38).missing_eos_penalty == -3e38
     with pytest.raises(ConfigError, match="^recipe: must be"):
         tiny(tmp_path, recipe="ppo2")
     tr = Trainer(tiny(tmp_path, reward=TWO_STEPS, advantage="rloo"))

@@ -217,6 +217,13 @@ def check_config(cfg) -> None:
         cfg._bad("truncation", "'bootstrap' needs a critic's value: PPO only (GRPO has no critic); use 'terminal'")
     if cfg.missing_eos_penalty is not None and not math.isfinite(cfg.missing_eos_penalty):
         cfg._bad("missing_eos_penalty", "must be finite or None")
+    if cfg.missing_eos_penalty is not None:  # added to the float32 scores: beyond float32 it would not convert
+        from rlkernels import _checks
+
+        try:
+            _checks.finite(cfg.missing_eos_penalty, "missing_eos_penalty")
+        except ValueError as error:
+            cfg._bad("missing_eos_penalty", str(error).removeprefix("missing_eos_penalty ").rsplit(", got ", 1)[0])
     from .recipes import RECIPES
 
     if cfg.recipe and cfg.recipe not in RECIPES:
