@@ -51,6 +51,11 @@ def _parse(out, lengths=(3, 3)):
     ([1.0, None], "entry 1 must be a float or a list"),
     ([1.0, "1.0"], "entry 1 must be a float or a list"),
     ([True, False], "entry 0 must be a float or a list"),  # a bool is not a reward
+    (torch.tensor([True, False]), "entry 0 must be a float or a list"),  # nor is a bool tensor's element
+    ([1.0, torch.tensor(False)], "entry 1 must be a float or a list"),
+    (torch.tensor([1 + 1j, 0j]), "entry 0 must be a float or a list"),  # a complex number is not a reward
+    (torch.tensor([1 + 0j, 0j]), "entry 0 must be a float or a list"),  # not even a real-valued one (as NumPy's)
+    ([[(torch.tensor(1 + 1j), 0)], 1.0], r"entry 0 holds \(tensor\(1\.\+1\.j\), 0\); each step must be a"),
     ([1.0, 10**400], "entry 1 is 1000.*, too large for a float"),
     ([[(1.0, 0.0)], 1.0], r"entry 0 holds \(1.0, 0.0\); each step must be a \(reward, end_token_index\) pair"),
     ([[(1.0, 3)], 1.0], "entry 0 has a step ending at token 3, outside its 3 response tokens"),

@@ -74,7 +74,10 @@ def call_reward(fn, prompts, completions, answers, eos: torch.Tensor, labels: to
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.numel() == 1)
+    # a one-element tensor of a real dtype: a bool tensor is no more a reward than a bool, a complex one no more
+    # than a complex number (float() of one with an imaginary part raised a RuntimeError, not a RewardError)
+    real_tensor = isinstance(x, torch.Tensor) and not x.dtype.is_complex and x.dtype != torch.bool
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) or (real_tensor and x.numel() == 1)
 
 
 def _float(x, where: str) -> float:
