@@ -372,6 +372,16 @@ def test_a_preset_or_recipe_of_another_type_in_a_config_file_is_refused(tmp_path
     assert "expected str" in _error_line(capsys, f"invalid configuration: {field}: ")
 
 
+@pytest.mark.parametrize("field", ["lr", "clip_high", "missing_eos_penalty"])
+@pytest.mark.parametrize("sign", ["", "-"])
+def test_a_config_files_integer_beyond_the_float_range_is_refused(tmp_path, capsys, field, sign):
+    path = tmp_path / "run.json"
+    path.write_text(f'{{"{field}": {sign}1{"0" * 400}}}')  # JSON and TOML read it as a Python int
+    assert main(["--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
+    err = _error_line(capsys, f"invalid configuration: {field}: ")
+    assert "an integer of 401 digits is too large for a float" in err
+
+
 def test_weights_driven_to_non_finite_probabilities_stop_with_exit_3(tmp_path, capsys):
     """An absurd (finite) learning rate: the first update makes the policy's logits non-finite, and the next
     rollout's sampling cannot draw from them: the run stops as for a NaN loss (exit 3, named), not a traceback."""

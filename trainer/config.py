@@ -610,6 +610,10 @@ def _coerce(name: str, value):
         return value
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected {tp.__name__}{' or None' if optional else ''} (got {value!r})") from None
+    except OverflowError:  # a config file's integer beyond the float range, where a float is meant
+        digits = str(value)
+        raise ConfigError(f"{name}: an integer of {len(digits.lstrip('-'))} digits is too large for a float (got "
+                          f"{digits[:12]}...)") from None
 
 
 def load_file(path: str) -> dict:
