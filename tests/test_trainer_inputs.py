@@ -185,6 +185,20 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path, capsys):
     assert path.read_text() == "mine"
 
 
+@pytest.mark.parametrize("name, kind", [("checkpoints", "file"), ("metrics.jsonl", "folder"),
+                                        ("summary.json", "folder"), ("config.json", "folder")])
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume"]])
+def test_a_run_path_of_the_wrong_kind_is_refused_before_training(tmp_path, capsys, name, kind, flag):
+    """A file named checkpoints/ used to fail the run's save after its last step (a traceback, no summary); a folder
+    named metrics.jsonl, --overwrite's deletion of it."""
+    path = tmp_path / name
+    path.write_text("mine") if kind == "file" else path.mkdir()
+    assert main(CLI + ["--output-dir", str(tmp_path)] + flag) == 2
+    why = "a folder: the run saves its checkpoints there" if kind == "file" else "a file the run writes"
+    assert f"{path} is not {why}" in _error_line(capsys, "invalid configuration: output_dir: ")
+    assert path.exists() and path.is_dir() == (kind == "folder")
+
+
 def test_output_dir_is_created_by_the_check(tmp_path):
     out = tmp_path / "a" / "b"
     assert check_output_dir(from_dict({"output_dir": str(out)})) == [] and out.is_dir()

@@ -158,6 +158,11 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {out} is a file, not a folder")
+    for name in (*checkpoint.RUN_FILES, "checkpoints"):  # else the run (or --overwrite's deletion) fails midway
+        path = out / name
+        if path.exists() and path.is_dir() != (name == "checkpoints"):
+            want = "a folder: the run saves its checkpoints there" if name == "checkpoints" else "a file the run writes"
+            raise ConfigError(f"output_dir: {path} is not {want}; move it away or choose another --output-dir")
     if cfg.resume:
         path = checkpoint.latest(out / "checkpoints")
         if path is None:
