@@ -167,6 +167,20 @@ def test_truncation_bootstrap_adds_the_critics_value_after_the_last_token(tmp_pa
     assert not batch.eos.all(), "the seed gives truncated rows (else nothing was bootstrapped)"
 
 
+@pytest.mark.parametrize("over, name", [
+    (dict(advantage="rloo"), "advantage"),
+    (dict(advantage="dr_grpo", reward_norm="batch"), "reward_norm"),
+    (dict(advantage="dr_grpo", reward_clip=1.0), "reward_clip"),
+    (dict(algo="ppo", reward_norm="running"), "reward_norm"),
+])
+def test_the_steps_rule_refuses_what_step_rewards_refuse_before_any_model_loads(tmp_path, over, name):
+    """The rule 'steps' returns step rewards for every batch: these used to pass start-up and be refused only at the
+    first batch, after the models had loaded."""
+    with pytest.raises(ConfigError, match=f"^{name}: .*reward 'steps' returns step rewards"):
+        tiny(tmp_path, reward="steps", task="prefix_sums", **over)
+    tiny(tmp_path, reward="steps", task="prefix_sums", **{**over, name: from_dict({}).__dict__[name]})
+
+
 def test_issue15_fields_refused_naming_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="^truncation: 'bootstrap' needs a critic"):
         tiny(tmp_path, truncation="bootstrap")  # GRPO

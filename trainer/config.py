@@ -204,6 +204,7 @@ class TrainConfig:
         from .process import check_config
 
         check_config(self)
+        self._check_step_rule()
         if self.resume and self.overwrite:
             self._bad("overwrite", "cannot be combined with resume (it would delete the checkpoint to resume from)")
         if self.fsdp_offload_ref and self.shard != "fsdp":
@@ -305,6 +306,21 @@ class TrainConfig:
         if self.fsdp_offload_ref and self.kl_coef == 0 and not self._reward_is_model():
             self._refuse("fsdp_offload_ref", "there is nothing to offload: no reference model (kl_coef is 0) and a "
                                              "rule reward, not a reward model")
+
+    def _check_step_rule(self) -> None:
+        """The rule 'steps' returns step rewards (process supervision) for every batch: what the first batch would
+        refuse after the models load (Trainer._score_here) is refused here, before any model loads."""
+        if self.reward != "steps":
+            return
+        from rlkernels.reference import PROCESS_MODES
+
+        if self.algo == "grpo" and self.advantage not in PROCESS_MODES:
+            self._bad("advantage", f"reward 'steps' returns step rewards (process supervision), which take "
+                                   f"{list(PROCESS_MODES)}")
+        for name in ("reward_norm", "reward_clip"):
+            if getattr(self, name) not in ("none", None):
+                self._bad(name, "normalises outcome scores, but reward 'steps' returns step rewards (process "
+                                "supervision); run without it")
 
     def _check_recipe_algo(self) -> None:
         if self.recipe and self.was_set("algo"):
