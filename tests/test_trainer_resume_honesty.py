@@ -392,3 +392,25 @@ def test_two_processes_stopped_in_a_later_score_phase_save_the_steps_trained(tmp
     torch.multiprocessing.spawn(_stop_worker, args=(2, str(tmp_path / "init"), cfg_dict), nprocs=2, join=True)
     assert [(tmp_path / f"said{rank}.txt").read_text() for rank in range(2)] == ["RewardError", "KeyError"]
     assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path / "checkpoints")] == ["step_000001"]
+
+
+def test_a_resume_after_a_crash_that_cut_the_last_metrics_line_short_continues(tmp_path, capsys):
+    """A run killed while writing a metrics line leaves it cut short; --resume then died on it in a JSONDecodeError
+    traceback. The cut line (a step after the checkpoint's) is dropped with a note; a bad line before the last is
+    named (exit 2)."""
+    from rlkernels.trainer.__main__ import main
+
+    base = dict(losses="eager", steps=1, reward=DISTINCT)
+    Trainer(tiny(tmp_path, **base)).run()
+    log = tmp_path / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 2, "reward/me')
+    summary = Trainer(tiny(tmp_path, **{**base, "steps": 2, "resume": True})).run()
+    assert summary["steps"] == 2 and "dropped the last line of" in capsys.readouterr().err
+    assert [json.loads(ln)["step"] for ln in log.read_text().splitlines()] == [1, 2]
+    log.write_text("not json\n" + log.read_text())
+    cli = ["--output-dir", str(tmp_path), "--steps", "3", "--resume", "--losses", "eager", "--reward", DISTINCT,
+           "--prompts-per-step", "4", "--group-size", "4", "--tiny-hidden", "32", "--save-every", "0",
+           "--no-progress", "--no-plot"]
+    assert main(cli) == 2
+    assert f"resume: line 1 of {log} is not a metrics record" in capsys.readouterr().err

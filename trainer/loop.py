@@ -776,7 +776,21 @@ class Trainer:
         """Drop the lines of ``metrics.jsonl`` logged after the step resumed from (rank 0)."""
         log = self.out / "metrics.jsonl"
         if self.rank == 0 and log.exists():
-            kept = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+            lines = [(number, ln) for number, ln in enumerate(log.read_text().splitlines(), 1) if ln.strip()]
+            kept = []
+            for number, ln in lines:
+                try:
+                    step = json.loads(ln)["step"]
+                    keep = step <= self.step
+                except (ValueError, KeyError, TypeError):
+                    if number == lines[-1][0]:  # the write a crash cut short: a step after the checkpoint's
+                        print(f"resume: dropped the last line of {log}, cut short (not a metrics record)",
+                              file=sys.stderr, flush=True)
+                        continue
+                    raise ConfigError(f"resume: line {number} of {log} is not a metrics record (a JSON object with "
+                                      f"a 'step'); repair or remove that line") from None
+                if keep:
+                    kept.append(ln)
             log.write_text("".join(ln + "\n" for ln in kept))
 
     def _install_sigint(self):
