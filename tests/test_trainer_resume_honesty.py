@@ -414,3 +414,19 @@ def test_a_resume_after_a_crash_that_cut_the_last_metrics_line_short_continues(t
            "--no-progress", "--no-plot"]
     assert main(cli) == 2
     assert f"resume: line 1 of {log} is not a metrics record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("knob", [dict(ref_update_every=1), dict(ref_mix_alpha=0.5)])
+def test_a_ref_model_of_another_width_that_the_policy_would_be_copied_into_is_refused(tmp_path, knob):
+    """A ref_model may be narrower or wider than the policy, but ref_update_every / ref_mix_alpha copy the policy
+    into it: that used to fail after the first step's update (a RuntimeError traceback, nothing saved)."""
+    tok = tiny_tokenizer()
+    policy, vocab = _policy_dir(tmp_path)
+    for name, hidden in (("wide", 48), ("same", 32)):
+        tiny_model(vocab, hidden=hidden, layers=1, seed=3, tokenizer=tok).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    name = next(iter(knob))
+    with pytest.raises(ConfigError, match=f"^{name}: .* ref_model {tmp_path / 'wide'} has another architecture"):
+        Trainer(_models_cfg(tmp_path, model=str(policy), ref_model=str(tmp_path / "wide"), steps=2, **knob))
+    assert Trainer(_models_cfg(tmp_path, model=str(policy), ref_model=str(tmp_path / "same"), steps=2,
+                               **knob)).run()["steps"] == 2

@@ -288,6 +288,21 @@ class Trainer:
         saved = checkpoint.saved_config(checkpoint.latest(Path(cfg.output_dir) / "checkpoints"))
         return dataclasses.replace(cfg, seed=saved.get("seed", cfg.seed))
 
+    def _check_reference_takes_the_policy(self, ref: torch.nn.Module) -> None:
+        """ConfigError naming ref_update_every / ref_mix_alpha unless ``ref`` (from ref_model) has the policy's
+        parameter and buffer names and shapes: else the first copy or mix would fail after a step's update."""
+        mine = {name: tuple(t.shape) for name, t in self.policy.state_dict().items()}
+        theirs = {name: tuple(t.shape) for name, t in ref.state_dict().items()}
+        if mine == theirs:
+            return
+        name = "ref_update_every" if self.cfg.ref_update_every else "ref_mix_alpha"
+        what = "copies" if name == "ref_update_every" else "mixes"
+        key = next(k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k))
+        raise ConfigError(f"{name}: {what} the policy into the reference, but ref_model {self.cfg.ref_model} has "
+                          f"another architecture ({key}: {theirs.get(key, 'absent')} there, "
+                          f"{mine.get(key, 'absent')} in the policy); give a reference of the policy's architecture "
+                          f"or leave ref_model empty (got {getattr(self.cfg, name)!r})")
+
     def _load_reference(self) -> TokenLogprobs:
         """The frozen reference policy: a copy of the initial policy, or ``ref_model`` (dropout off)."""
         cfg = self.cfg
@@ -296,6 +311,8 @@ class Trainer:
         else:
             model, _ = load_policy(dataclasses.replace(cfg, model=cfg.ref_model), field="ref_model")
             check_vocabulary("ref_model", cfg.ref_model, self.policy, model)
+            if cfg.ref_update_every or cfg.ref_mix_alpha:  # knobs.mix_into needs the policy's names and shapes
+                self._check_reference_takes_the_policy(model)
             model = frozen_copy(model.to(self.device))
         knobs.disable_dropout(model)
         return TokenLogprobs(model, self.ops, cfg.temperature)
