@@ -361,6 +361,8 @@ def test_a_checkpoint_that_reads_back_but_does_not_fit_is_named_on_resume(tmp_pa
     ({"output_dir": "  "}, "output_dir"),
     ({"tiny_hidden": 12}, "tiny_hidden"),  # 4 heads of 3: rotary embeddings need an even head size
     ({"tiny_hidden": 20}, "tiny_hidden"),
+    ({"lr": 1e39}, "lr"),  # AdamW takes it in float32: a RuntimeError traceback at the first optimizer step
+    ({"algo": "ppo", "critic_lr": 1e39}, "critic_lr"),
 ])
 def test_values_that_would_fail_later_are_refused_at_start_up(values, name):
     with pytest.raises(ConfigError, match=f"^{name}:"):
@@ -394,6 +396,12 @@ def test_a_config_files_integer_beyond_the_float_range_is_refused(tmp_path, caps
     assert main(["--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2
     err = _error_line(capsys, f"invalid configuration: {field}: ")
     assert "an integer of 401 digits is too large for a float" in err
+
+
+def test_a_learning_rate_beyond_float32_exits_2_and_a_large_finite_one_is_left_to_the_run(tmp_path, capsys):
+    assert main(CLI + ["--output-dir", str(tmp_path / "a"), "--lr", "1e39"]) == 2
+    assert "AdamW takes it in float32" in _error_line(capsys, "invalid configuration: lr: must be <= 3.4e+38")
+    assert from_dict({"lr": 3e38, "algo": "ppo", "critic_lr": 3e38}).lr == 3e38  # exit 3 at the rollout it spoils
 
 
 def test_weights_driven_to_non_finite_probabilities_stop_with_exit_3(tmp_path, capsys):

@@ -438,6 +438,9 @@ class TrainConfig:
         checks = dict.fromkeys(("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "value_clip",
                                 "value_coef"), _checks.finite)
         checks["temperature"] = _checks.invertible  # the logits are scaled by 1 / temperature
+        for name in ("lr", "critic_lr"):  # the optimizer takes the rate as a float32 (beyond it: a RuntimeError)
+            if getattr(self, name) > _checks._FLOAT32_MAX:
+                self._bad(name, f"must be <= {_checks._FLOAT32_MAX:.3g} (AdamW takes it in float32)")
         for name, check in checks.items():
             if getattr(self, name) is not None:
                 try:
