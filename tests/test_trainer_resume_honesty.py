@@ -430,3 +430,26 @@ def test_a_ref_model_of_another_width_that_the_policy_would_be_copied_into_is_re
         Trainer(_models_cfg(tmp_path, model=str(policy), ref_model=str(tmp_path / "wide"), steps=2, **knob))
     assert Trainer(_models_cfg(tmp_path, model=str(policy), ref_model=str(tmp_path / "same"), steps=2,
                                **knob)).run()["steps"] == 2
+
+
+def test_a_resume_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch, capsys):
+    """'policy', './policy/' and the folder's absolute path name one model: a resume used to refuse all but the
+    spelling the checkpoint recorded ('model: ... was trained with 'policy''). Another folder is still refused,
+    and so is a folder called 'tiny' for the built-in model."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    policy, _ = _policy_dir(tmp_path)
+    Trainer(_models_cfg(tmp_path, model="policy", kl_coef=0.0)).run()
+    capsys.readouterr()
+    for spelling in ("./policy/", str(policy)):
+        check_output_dir(_models_cfg(tmp_path, model=spelling, kl_coef=0.0, steps=2, resume=True))
+    tr = Trainer(_models_cfg(tmp_path, model="./policy/", kl_coef=0.0, steps=2, resume=True))
+    assert tr.run()["steps"] == 2 and "model changed" not in capsys.readouterr().err
+    shutil.copytree(policy, tmp_path / "copy")
+    with pytest.raises(ConfigError, match="^model: .* was trained with './policy/'"):
+        check_output_dir(_models_cfg(tmp_path, model="copy", kl_coef=0.0, steps=3, resume=True))
+    Trainer(_models_cfg(tmp_path / "t", tiny_hidden=32, kl_coef=0.0)).run()
+    shutil.copytree(policy, tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="^model: .* was trained with 'tiny'"):
+        check_output_dir(_models_cfg(tmp_path / "t", model="./tiny", kl_coef=0.0, steps=2, resume=True))

@@ -169,7 +169,7 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
             raise ConfigError(f"resume: no checkpoint under {out / 'checkpoints'} (start without --resume)")
         saved, now = checkpoint.saved_config(path), cfg.to_dict()
         for name in RESUME_FIXED:
-            if name in saved and saved[name] != now[name]:
+            if name in saved and not _same_value(name, saved[name], now[name]):
                 raise ConfigError(f"{name}: {path} was trained with {saved[name]!r}; resume with that, or start a new "
                                   f"run in another output_dir (got {now[name]!r})")
         if sharding.is_sharded_checkpoint(path) != (cfg.shard == "fsdp"):  # DCP shards or whole safetensors
@@ -180,13 +180,31 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
                          "keep the run's)"} if cfg.model == "tiny" else {}
         return [f"resume: {name} changed: {saved[name]!r} -> {value!r}{notes.get(name, '')}"
                 for name, value in now.items()
-                if name in saved and name not in _NOT_HYPERPARAMETERS and saved[name] != value]
+                if name in saved and name not in _NOT_HYPERPARAMETERS and not _same_value(name, saved[name], value)]
     used = checkpoint.run_files(out)
     if used and not cfg.overwrite:
         raise ConfigError(f"output_dir: {out} holds an earlier run ({', '.join(used)}); --resume continues it, "
                           "--overwrite deletes it, or choose another --output-dir")
     _check_writable(out)
     return []
+
+
+_PATH_FIELDS = ("model", "critic_model", "ref_model", "prompts")  # a model or file named by its path (or 'tiny', '')
+
+
+def _same_value(name: str, saved, now) -> bool:
+    """Whether a field's value in a checkpoint and now are the same: equal, or for a path field two spellings of
+    one existing file or folder ('pol', './pol/', its absolute path; a relative one read from where we run now)."""
+    if saved == now:
+        return True
+    if name not in _PATH_FIELDS or not (isinstance(saved, str) and isinstance(now, str) and saved and now):
+        return False
+    if name == "model" and "tiny" in (saved, now):  # the built-in model, whatever folder is called 'tiny'
+        return False
+    try:
+        return os.path.samefile(saved, now)
+    except OSError:  # either does not exist (here)
+        return False
 
 
 def _check_writable(out: Path) -> None:
