@@ -247,6 +247,37 @@ def test_model_directory_without_tokenizer_is_refused(tmp_path, capsys):
     assert "tokenizer.save_pretrained" in err
 
 
+@pytest.mark.parametrize("field", ["model", "ref_model", "critic_model", "reward"])
+@pytest.mark.parametrize("damage", ["no_weights", "unknown_model_type"])
+def test_a_model_directory_whose_weights_cannot_load_is_refused(tmp_path, capsys, field, damage):
+    """A folder with its tokenizer and config.json but no weights file (or a model_type transformers does not
+    know) used to end in transformers' OSError / ValueError traceback (exit 1)."""
+    from rlkernels.trainer.data import tiny_tokenizer
+    from rlkernels.trainer.models import tiny_model
+
+    tok = tiny_tokenizer()
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for path in (good, bad):
+        tiny_model(len(tok), 32, 1, 0, tok).save_pretrained(path)
+        tok.save_pretrained(path)
+    if damage == "no_weights":
+        for weights in bad.glob("*.safetensors"):
+            weights.unlink()
+    else:
+        config = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture"}))
+    capsys.readouterr()
+    args = ["--steps", "1", "--save-every", "0", "--no-progress", "--no-plot", "--losses", "eager",
+            "--prompts-per-step", "2", "--group-size", "2", "--output-dir", str(tmp_path / "run")]
+    args += {"model": ["--model", str(bad)], "ref_model": ["--model", str(good), "--ref-model", str(bad)],
+             "critic_model": ["--model", str(good), "--algo", "ppo", "--critic-model", str(bad)],
+             "reward": ["--reward", str(bad)]}[field]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own progress bars and warnings
+    assert err.startswith(f"rlkernels-train: invalid configuration: {field}: cannot load the model's weights from "
+                          f"{bad} ("), err
+
+
 # ------------------------------------------------------------------ the config file
 
 

@@ -192,7 +192,9 @@ def critic_from_reward_model(path: str, critic_cls, dtype: torch.dtype, vocab_si
 
     from .config import ConfigError
 
-    rm = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    from .models import load_weights
+
+    rm = load_weights("critic_init", path, AutoModelForSequenceClassification.from_pretrained, path, dtype=dtype)
     if rm.config.vocab_size != vocab_size:
         raise ConfigError(f"critic_init: the reward model at {path!r} has vocabulary {rm.config.vocab_size}, the policy "
                          f"{vocab_size}; the critic reads the policy's token ids")

@@ -67,6 +67,19 @@ def load_tokenizer(field: str, path: str, **kwargs):
                           f"model (tokenizer.save_pretrained)") from None
 
 
+def load_weights(field: str, path: str, loader, *args, **kwargs):
+    """``loader(*args, **kwargs)`` (a transformers ``from_pretrained``); ConfigError naming ``field`` when ``path``
+    holds no model it can load (a folder without weights, an unknown ``model_type``, a GGUF of an architecture
+    transformers does not read), instead of transformers' traceback."""
+    from .config import ConfigError
+
+    try:
+        return loader(*args, **kwargs)
+    except (OSError, ValueError, KeyError) as error:
+        first = " ".join(str(error).split())[:300] or type(error).__name__  # one line
+        raise ConfigError(f"{field}: cannot load the model's weights from {path} ({first})") from None
+
+
 def load_policy(cfg, field: str = "model"):
     """(model, tokenizer) for ``cfg.model`` (the config field ``field`` gave it: 'model', or 'ref_model' for a
     reference). ConfigError naming ``field`` when the tokenizer cannot be loaded or, with ``chat_template``, has
@@ -92,9 +105,11 @@ def load_policy(cfg, field: str = "model"):
     if cfg.model == "tiny":
         model = tiny_model(len(tok), cfg.tiny_hidden, cfg.tiny_layers, cfg.seed, tok)
     elif os.path.isfile(cfg.model):
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        model = load_weights(field, cfg.model, AutoModelForCausalLM.from_pretrained, directory, gguf_file=name,
+                             dtype=dtype)
     else:
-        model, info = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, output_loading_info=True)
+        model, info = load_weights(field, cfg.model, AutoModelForCausalLM.from_pretrained, cfg.model, dtype=dtype,
+                                   output_loading_info=True)
         if info.get("missing_keys"):
             missing = sorted(info["missing_keys"])
             raise ConfigError(f"{field}: {cfg.model} is not a causal language model: its weights lack "
@@ -221,9 +236,11 @@ def load_critic(cfg, policy: nn.Module) -> Critic:
         dtype = getattr(torch, cfg.dtype)
         if os.path.isfile(cfg.critic_model):
             directory, name = os.path.split(os.path.abspath(cfg.critic_model))
-            backbone = AutoModel.from_pretrained(directory, gguf_file=name, dtype=dtype)
+            backbone = load_weights("critic_model", cfg.critic_model, AutoModel.from_pretrained, directory,
+                                    gguf_file=name, dtype=dtype)
         else:
-            backbone = AutoModel.from_pretrained(cfg.critic_model, dtype=dtype)
+            backbone = load_weights("critic_model", cfg.critic_model, AutoModel.from_pretrained, cfg.critic_model,
+                                    dtype=dtype)
         check_vocabulary("critic_model", cfg.critic_model, policy, backbone)
     for p in backbone.parameters():
         p.requires_grad_(True)

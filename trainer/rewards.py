@@ -121,12 +121,13 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from .models import load_tokenizer
+        from .models import load_tokenizer, load_weights
 
         self.tok = load_tokenizer("reward", path)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
-        model, info = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+        model, info = load_weights("reward", path, AutoModelForSequenceClassification.from_pretrained, path,
+                                   output_loading_info=True)
         if info.get("missing_keys"):  # e.g. a causal LM's folder: its score head would be random numbers
             from .config import ConfigError
 
