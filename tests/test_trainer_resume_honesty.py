@@ -453,3 +453,25 @@ def test_a_resume_accepts_another_spelling_of_the_same_model_folder(tmp_path, mo
     shutil.copytree(policy, tmp_path / "tiny")
     with pytest.raises(ConfigError, match="^model: .* was trained with 'tiny'"):
         check_output_dir(_models_cfg(tmp_path / "t", model="./tiny", kl_coef=0.0, steps=2, resume=True))
+
+
+def test_a_resumed_run_that_stops_later_leaves_no_stale_summary(tmp_path, capsys):
+    """A resumed run that stopped at a later step used to leave the earlier invocation's summary.json ("steps": 1)
+    beside its own config, its longer log and a newer checkpoint; like a fresh run that stops, it now leaves none.
+    A resume refused at its first batch still leaves the folder as it was, summary included."""
+    base = dict(losses="eager", steps=1, reward=f"{__name__}:fails_at_one_call")
+    FAIL_AT.update(call=None, calls=0, rank=None)
+    Trainer(tiny(tmp_path, **base)).run()
+    summary = (tmp_path / "summary.json").read_text()
+    FAIL_AT.update(call=1, calls=0)
+    with pytest.raises(KeyError, match="answer"):
+        Trainer(tiny(tmp_path, **{**base, "steps": 3, "resume": True})).run()
+    assert (tmp_path / "summary.json").read_text() == summary
+    FAIL_AT.update(call=2, calls=0)
+    with pytest.raises(KeyError, match="answer"):
+        Trainer(tiny(tmp_path, **{**base, "steps": 3, "resume": True})).run()
+    assert "saved step 2 before the stop" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists() and [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+    FAIL_AT.update(call=None, calls=0)
+    assert Trainer(tiny(tmp_path, **{**base, "steps": 3, "resume": True})).run()["steps"] == 3
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3

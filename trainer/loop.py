@@ -889,6 +889,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             if cfg.resume:
                 self._trim_log()
+                if self.rank == 0:  # the earlier invocation's: a stop from here on must not leave it describing
+                    (self.out / "summary.json").unlink(missing_ok=True)  # the changed log and checkpoints
             if self.rank == 0:
                 (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         except BaseException:
