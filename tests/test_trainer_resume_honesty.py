@@ -475,3 +475,24 @@ def test_a_resumed_run_that_stops_later_leaves_no_stale_summary(tmp_path, capsys
     FAIL_AT.update(call=None, calls=0)
     assert Trainer(tiny(tmp_path, **{**base, "steps": 3, "resume": True})).run()["steps"] == 3
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+
+
+def test_a_model_folders_config_json_is_no_earlier_run_and_is_never_deleted(tmp_path, capsys):
+    """A model folder as output_dir: its config.json used to count as an earlier run's, and --overwrite then deleted
+    it (and wrote the run's own over it). Now the folder is refused, with or without --overwrite; a run's own
+    config.json still makes an earlier run that --overwrite replaces."""
+    from rlkernels.trainer.__main__ import main
+
+    policy, _ = _policy_dir(tmp_path)
+    before = (policy / "config.json").read_text()
+    cli = ["--model", str(policy), "--output-dir", str(policy), "--steps", "1", "--prompts-per-step", "2",
+           "--group-size", "2", "--save-every", "0", "--losses", "eager", "--no-progress", "--no-plot"]
+    for extra in ([], ["--overwrite"]):
+        assert main(cli + extra) == 2
+        assert f"output_dir: {policy / 'config.json'} is not a run's config.json" in capsys.readouterr().err
+        assert (policy / "config.json").read_text() == before
+    run = tmp_path / "run"
+    Trainer(tiny(run, losses="eager", steps=1)).run()
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(metrics.jsonl, summary.json, config.json"):
+        check_output_dir(tiny(run, losses="eager", steps=1))
+    check_output_dir(tiny(run, losses="eager", steps=1, overwrite=True))

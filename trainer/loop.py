@@ -163,6 +163,9 @@ def check_output_dir(cfg: TrainConfig) -> list[str]:
         if path.exists() and path.is_dir() != (name == "checkpoints"):
             want = "a folder: the run saves its checkpoints there" if name == "checkpoints" else "a file the run writes"
             raise ConfigError(f"output_dir: {path} is not {want}; move it away or choose another --output-dir")
+    if not cfg.resume and (out / "config.json").is_file() and not _is_run_config(out / "config.json"):
+        raise ConfigError(f"output_dir: {out / 'config.json'} is not a run's config.json (a model folder's?): the run "
+                          "writes its own there, and --overwrite would delete it; choose another --output-dir")
     if cfg.resume:
         path = checkpoint.latest(out / "checkpoints")
         if path is None:
@@ -205,6 +208,16 @@ def _same_value(name: str, saved, now) -> bool:
         return os.path.samefile(saved, now)
     except OSError:  # either does not exist (here)
         return False
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether ``path`` (a config.json) is one the trainer wrote: a JSON object with its 'algo' and 'output_dir'
+    (text that is not JSON counts as a write a crash cut short; a user's or a model folder's config.json is JSON)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return isinstance(data, dict) and "algo" in data and "output_dir" in data
 
 
 def _check_writable(out: Path) -> None:
