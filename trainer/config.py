@@ -149,7 +149,9 @@ class TrainConfig:
 
     # --- issue 15: reference/KL/reward/value knobs ---
     ref_model: str = ""
-    """Reference policy of the KL: empty = a frozen copy of the initial policy; else a transformers model directory or .gguf file with the policy's vocabulary (checked at start; its width may differ, except with ref_update_every or ref_mix_alpha, which copy the policy into it: then the policy's architecture, checked once it loads)."""
+    """Reference policy of the KL: empty = a frozen copy of the initial policy; else a transformers model directory
+    or .gguf file with the policy's vocabulary (checked at start; its width may differ, except with ref_update_every
+    or ref_mix_alpha, which copy the policy into it: then the policy's architecture, checked once it loads)."""
     ref_update_every: int = 0
     """Copy the policy into the reference after every N-th step (DeepSeekMath's iterative GRPO); 0 = never. The reference is then saved in checkpoints."""
     ref_mix_alpha: float = 0.0
