@@ -434,6 +434,17 @@ class LinearLogprobsOptions:
     ignore_index: int  # the label value whose tokens give 0 in both outputs and no gradient
 
 
+@dataclass(frozen=True)
+class LinearLogprobsBackwardOptions:
+    """The backward op's options: :class:`LinearLogprobsOptions`' fields, then whether ``weight``'s gradient is
+    wanted (False for a frozen head: no ``d_weight`` GEMM and no ``[V, H]`` buffer; the op returns ``[0]`` for it)."""
+
+    temperature: float
+    return_entropy: bool
+    ignore_index: int
+    grad_weight: bool
+
+
 def _validate(*, hidden, weight, labels, bias, temperature, return_entropy, ignore_index) -> LinearLogprobsOptions:
     """Checks :func:`linear_logprobs`'s arguments (each error names its argument); returns the options. The labels'
     range is checked where they are read (the op, or the reference path), on the CPU."""
@@ -952,7 +963,8 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
-    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t)
+    grad_weight = getattr(opt, "grad_weight", True)  # the backward op's options say; False: a frozen head
+    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t, grad_weight)
     return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
 
 
@@ -963,14 +975,15 @@ def _vocab_chunk(N: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
     return min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))
 
 
-def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True):
     """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
     (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
     written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), 16-bit ones
     with the label residuals added inside that GEMM (:func:`_gemm_with_label_residuals`, planned for every chunk at
     once by :func:`_label_runs`: no host read inside the loop). No weight-sized float32
     buffer and no float32 slice of one: beyond the outputs, ``[N, H]`` float32 and the ``dz`` chunk, sized to
-    ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``; without ``grad_weight`` (a
+    frozen head) no ``d_weight`` GEMM, and ``d_weight`` is None."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
@@ -981,7 +994,7 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
     resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
     dh = torch.zeros(N, H, dtype=torch.float32, device=dev)  # [N, H] (float32 inputs: d_hidden itself)
-    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if grad_weight else None  # [V, H]
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
     # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused);
     # 16-bit: per chunk, those tokens' runs of equal labels (the label rows' sums, planned here once)
@@ -998,9 +1011,9 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
         # d_weight's slice straight from the GEMM: float32 accumulation inside it (cuBLAS's compute type for 16-bit
         # GEMMs, its split-K partial sums too: _float32_reductions), rounded once to its dtype; 16-bit: with the
         # label residuals added inside the same GEMM
-        if low and runs[j][1].numel():  # labels in this chunk (a size known on the host: no read)
+        if d_weight is not None and low and runs[j][1].numel():  # labels in this chunk (a size known on the host)
             _gemm_with_label_residuals(d_weight, v0, v1, dz, hidden, runs[j], resid[runs[j][0]])
-        else:
+        elif d_weight is not None:
             with _float32_reductions(dz.device):
                 torch.mm(dz.T, hidden, out=d_weight[v0:v1])
         if low:
@@ -1018,11 +1031,12 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
     return dh.to(hidden.dtype), d_weight, d_bias32
 
 
-def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles):
+def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True):
     """Tokens outer (N >= V): per chunk of tokens (``[chunk, V]`` of ``dz``, sized to ``_DZ_BUDGET_BYTES``),
     ``d_hidden[chunk] = dz @ W`` (the whole vocabulary in one GEMM) and ``d_weight += dz.T @ hidden[chunk]`` into a
     float32 ``[V, H]`` accumulator, here no larger than the tokens' ``[N, H]``, cast once at the end. Returns
-    ``(d_hidden, d_weight, d_bias32 float32 or None)``."""
+    ``(d_hidden, d_weight, d_bias32 float32 or None)``; without ``grad_weight`` (a frozen head) no ``d_weight``
+    GEMM, and ``d_weight`` is None."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
@@ -1050,9 +1064,9 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
         y_c = safe[c0:c1]  # [n]
         if not low:
             torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
-            if d_weight32 is None:
+            if grad_weight and d_weight32 is None:
                 d_weight32 = dz_c.T @ h_c  # [V, H]; float32 inputs: this is the accumulator
-            else:
+            elif grad_weight:
                 d_weight32.addmm_(dz_c.T, h_c)
         else:
             r_c = torch.where(valid[c0:c1], r_c, torch.zeros_like(r_c))  # [n]
@@ -1060,16 +1074,19 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles)
             dh += r_c[:, None] * weight[y_c].float()
             d_hidden[c0:c1] = dh
             del dh
-            if d_weight32 is None:
-                d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
-            else:
-                _addmm_f32(d_weight32, dz_c.T, h_c)
-            t_c = runs[c0 // chunk][0] - c0  # [k] the chunk's tokens with a label, by label, as rows of the chunk
-            _add_run(d_weight32, runs[c0 // chunk], r_c[t_c, None] * h_c[t_c].float())
+            if grad_weight:
+                if d_weight32 is None:
+                    d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
+                else:
+                    _addmm_f32(d_weight32, dz_c.T, h_c)
+                t_c = runs[c0 // chunk][0] - c0  # [k] the chunk's tokens with a label, by label, as rows of it
+                _add_run(d_weight32, runs[c0 // chunk], r_c[t_c, None] * h_c[t_c].float())
         if d_bias32 is not None:
             d_bias32 += dz_c.sum(0, dtype=torch.float32)
             if low:
                 _add_run(d_bias32, runs[c0 // chunk], r_c[runs[c0 // chunk][0] - c0])
+    if not grad_weight:
+        return d_hidden, None, d_bias32
     if d_weight32 is None:  # N == 0
         d_weight32 = torch.zeros(V, H, dtype=torch.float32, device=dev)
     d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
@@ -1410,7 +1427,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     worker sums its chunks' ``d_hidden`` terms in its own float32 ``[N, H]`` buffer (no weight-sized float32 buffer,
     no float32 copy of a 16-bit weight); otherwise the token chunks, each worker summing ``d_weight`` in a float32
     ``[V, H]`` buffer. The workers' buffers are added in worker order: the same bits at the same thread count.
-    Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes."""
+    Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes; ``d_weight`` None
+    without ``opt.grad_weight`` (a frozen head: no ``d_weight`` GEMM, no ``[V, H]`` buffer)."""
     # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
     N, H = hidden.shape
     V = weight.shape[0]
@@ -1425,7 +1443,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     outer = S if vocab_outer else len(row_starts)  # the items split over the workers
     n_workers = max(1, min(_cpu_workers.workers(), outer))
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
-    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev)  # [V, H]
+    grad_weight = getattr(opt, "grad_weight", True)  # the backward op's options say; False: a frozen head
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None and vocab_outer else None  # [V]
     h_all = hidden.to(cdt) if vocab_outer else None  # [N, H] (token-sized; a view for float32)
     w_all = None if vocab_outer else weight.to(cdt)  # [V, H] (smaller than the tokens; a view for float32)
@@ -1434,19 +1453,22 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
         zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
         pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
         # this worker's share of the gradient summed over the outer loop: d_hidden (vocabulary outer) or d_weight
-        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev)  # [N or V, H]
+        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) \
+            if vocab_outer or grad_weight else None  # [N or V, H]
         acc_b = torch.zeros(V, dtype=cdt, device=dev) if b is not None and not vocab_outer else None  # [V]
         for o in range(outer * worker // n_workers, outer * (worker + 1) // n_workers):
             if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once
                 v0, v1 = o * vchunk, min(V, (o + 1) * vchunk)
                 w_j = weight[v0:v1].to(cdt)  # [vc, H]
-                direct = d_weight.dtype == cdt  # float32 sums straight into d_weight
-                dw_j = d_weight[v0:v1].zero_() if direct else torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
+                direct = d_weight is None or d_weight.dtype == cdt  # float32 sums straight into d_weight
+                dw_j = None if d_weight is None else d_weight[v0:v1].zero_() if direct else \
+                    torch.zeros(v1 - v0, H, dtype=cdt, device=dev)  # [vc, H]
                 for r0 in row_starts:
                     h_c = h_all[r0:r0 + rows]  # [n, H]
                     dz = tile(r0, o, h_c, w_j, zbuf, pbuf)  # [n, vc]
                     acc[r0:r0 + rows].addmm_(dz, w_j)
-                    dw_j.addmm_(dz.T, h_c)
+                    if dw_j is not None:
+                        dw_j.addmm_(dz.T, h_c)
                     if b is not None:
                         d_bias[v0:v1] += dz.sum(0)
                 if not direct:
@@ -1459,7 +1481,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
                     v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
                     dz = tile(r0, j, h_c, w_all[v0:v1], zbuf, pbuf)  # [n, vc]
                     dh_c.addmm_(dz, w_all[v0:v1])
-                    acc[v0:v1].addmm_(dz.T, h_c)
+                    if acc is not None:
+                        acc[v0:v1].addmm_(dz.T, h_c)
                     if acc_b is not None:
                         acc_b[v0:v1] += dz.sum(0)
                 d_hidden[r0:r0 + rows] = dh_c
@@ -1468,10 +1491,12 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     parts = _cpu_workers.run(work, n_workers)
     acc, acc_b = parts[0]
     for more, more_b in parts[1:]:  # in worker order
-        acc += more
+        if acc is not None:
+            acc += more
         if acc_b is not None:
             acc_b += more_b
-    (d_hidden if vocab_outer else d_weight).copy_(acc)
+    if acc is not None:
+        (d_hidden if vocab_outer else d_weight).copy_(acc)
     if acc_b is not None:
         d_bias = acc_b
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
@@ -1540,12 +1565,12 @@ def _(hidden, weight, labels, bias, *options):
 
 
 @custom_op("rlkernels::linear_logprobs_backward",
-           schema=op_schema(_BWD_TENSORS, LinearLogprobsOptions, "(Tensor, Tensor, Tensor)"))
+           schema=op_schema(_BWD_TENSORS, LinearLogprobsBackwardOptions, "(Tensor, Tensor, Tensor)"))
 def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
     """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
-    ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsOptions)``. Returns
-    ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or [0])``."""
-    opt = options_from(LinearLogprobsOptions, options)
+    ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsBackwardOptions)``.
+    Returns ``(d_hidden [N, H], d_weight [V, H] or [0] without grad_weight, d_bias [V] or [0])``."""
+    opt = options_from(LinearLogprobsBackwardOptions, options)
     if not opt.return_entropy:
         g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
     impl = _backend.implementation(_BWD_IMPLS, hidden)
@@ -1555,19 +1580,33 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
             dh, dw, db = impl(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
         else:
             dh = hidden.new_zeros(hidden.shape)  # [N, H] exact zeros at the ignored rows
-            dw = weight.new_zeros(weight.shape)  # [V, H]
+            dw = weight.new_zeros(weight.shape) if opt.grad_weight else None  # [V, H]
             db = None if bias is None else bias.new_zeros(bias.shape)  # [V]
             if keep.numel():
                 dh[keep], dw, db = impl(g_logp[keep], g_entropy[keep], hidden[keep], weight, labels[keep], bias,
                                         stats[:, keep], entropy[keep], logp[keep], opt)
-    return dh, dw, hidden.new_empty(0) if db is None else db
+    empty = hidden.new_empty(0)  # [0]: a gradient not computed
+    return dh, empty if dw is None else dw, empty if db is None else db
 
 
 @_linear_logprobs_backward_op.register_fake
 def _(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
+    opt = options_from(LinearLogprobsBackwardOptions, options)
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)  # [V] or [0]
     dense = torch.contiguous_format
-    return torch.empty_like(hidden, memory_format=dense), torch.empty_like(weight, memory_format=dense), db
+    dw = torch.empty_like(weight, memory_format=dense) if opt.grad_weight else hidden.new_empty(0)  # [V, H] or [0]
+    return torch.empty_like(hidden, memory_format=dense), dw, db
+
+
+# where LinearLogprobsBackwardOptions' one extra field, grad_weight (a bool, its last field), sits in its lists
+_BOOL_LIST = [type(values[0]) for values in option_values(LinearLogprobsOptions(1.0, True, 0))].index(bool)
+
+
+def _backward_option_lists(options: tuple, grad_weight: bool) -> tuple:
+    """The backward op's option lists (:class:`LinearLogprobsBackwardOptions`) from the forward op's ``options``
+    (:class:`LinearLogprobsOptions`' lists): ``grad_weight`` appended to the bool list. Plain list work, which
+    torch.compile traces in the backward (a dataclass rebuilt there, with ``options_from``, it cannot)."""
+    return tuple([*values, grad_weight] if k == _BOOL_LIST else values for k, values in enumerate(options))
 
 
 def _setup_context(ctx, inputs, output):
@@ -1584,9 +1623,10 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
     g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
+    grad_weight = ctx.needs_input_grad[1]  # a frozen head: no d_weight GEMM, no [V, H] buffer
     dh, dw, db = call(_linear_logprobs_backward_op, g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy,
-                      logp, *ctx.options)
-    return dh, dw, None, db if ctx.has_bias else None
+                      logp, *_backward_option_lists(ctx.options, grad_weight))
+    return dh, dw if grad_weight else None, None, db if ctx.has_bias else None
 
 
 _LinearLogprobs = autograd_function("_LinearLogprobs", _linear_logprobs_op, _setup_context, _backward)
@@ -1652,7 +1692,8 @@ def linear_logprobs(
     Returns:
         ``logp`` ``[...]`` float32 (also for float64 inputs, which compute in float64), and with
         ``return_entropy`` also ``entropy`` of the same shape. Differentiable in
-        ``hidden``, ``weight`` and ``bias``; their gradients keep their dtypes.
+        ``hidden``, ``weight`` and ``bias``; their gradients keep their dtypes. A frozen head
+        (``weight.requires_grad=False``) costs no ``d_weight`` GEMM and no ``[V, H]`` buffer in the backward.
 
     Labels of any integer dtype are accepted (compared in int64). A label outside ``[0, V)``
     raises on the CPU, whatever the backend; on a GPU that token's ``logp`` is NaN. Under

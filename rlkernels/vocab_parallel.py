@@ -189,7 +189,8 @@ class _LinearLogprobs(torch.autograd.Function):
             g_logp, g_ent = g_logp[keep], g_ent[keep]  # [n]
         dh, dw, db = call(fused_linear._linear_logprobs_backward_op, g_logp.contiguous(), g_ent.contiguous(), h,
                           weight, y_local, bias, stats, entropy, logp,
-                          *option_values(ctx.opt))  # [n, H], [V_r, H], [V_r] or [0]
+                          *fused_linear._backward_option_lists(option_values(ctx.opt), ctx.needs_input_grad[1]))
+        # dh [n, H], dw [V_r, H] or [0] (a frozen head), db [V_r] or [0]
         if ctx.needs_input_grad[0]:
             dist.all_reduce(dh, group=ctx.group)  # d_hidden = Σ_r dz_r W_r
             if keep is not None:
@@ -198,7 +199,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 dh = full
         else:
             dh = None
-        return dh, dw, (db if bias is not None else None), None, None, None, None
+        return dh, (dw if ctx.needs_input_grad[1] else None), (db if bias is not None else None), None, None, None, None
 
 
 @torch.compiler.disable

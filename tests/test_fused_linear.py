@@ -1502,3 +1502,33 @@ def test_float32_reductions_turn_off_16_bit_split_k_sums_and_restore_the_flags()
     finally:
         for n, v in before.items():
             setattr(matmul, n, v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_head_backward_allocates_no_weight_sized_gradient(backend, dtype):
+    """A frozen head (weight.requires_grad=False: LoRA, a frozen lm_head) gets no d_weight: the backward neither
+    runs the d_weight GEMM nor allocates a [V, H] buffer nobody receives (it did, then dropped it): its peak is
+    below the trainable head's by at least that gradient, and d_hidden and d_bias are those of the same call with a
+    trainable head. N < V (vocabulary outer) for the memory; N >= V (tokens outer) for the gradients."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    for N, H, V in ((8, 64, 2000), (50, 16, 40)):
+        hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=True, seed=5)
+        frozen = weight.to(dtype)  # [V, H] no gradient wanted
+        h, bb = _leaf(hidden, dtype), _leaf(b, dtype)  # [N, H], [V]
+
+        def grads(w):  # d_hidden, d_bias of Σ g_logp·logp + g_ent·H
+            logp, ent = linear_logprobs(h, w, labels, bias=bb, temperature=0.9, return_entropy=True)  # [N] each
+            loss = (logp * g_logp.float()).sum() + (ent * g_ent.float()).sum()
+            return torch.autograd.grad(loss, (h, bb))
+
+        with forced_backend(backend):
+            want = grads(_leaf(weight, dtype))
+            got = grads(frozen)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            if N < V:  # the [V, H] gradient (and its float32 slices) gone from the peak
+                w = _leaf(weight, dtype)  # [V, H]
+                trainable = measure_cpu(lambda: grads(w)).peak_bytes
+                peak = measure_cpu(lambda: grads(frozen)).peak_bytes
+                assert peak <= trainable - V * H * frozen.element_size(), (backend, dtype, peak, trainable)
