@@ -1174,7 +1174,8 @@ def _finite_unused_rows(hidden: torch.Tensor, labels: torch.Tensor, mask: torch.
     would turn the whole ``d_weight`` into NaN. Their per-token log-probs (a metric) then come from the cleaned
     row. A copy only where such an entry exists (checked on the CPU, where it costs no sync; on a GPU, and while
     torch.compile traces, always: three elementwise passes over ``hidden``)."""
-    unused = (mask == 0) | (labels == opt.ignore_index)  # [B, T]
+    # in int64, as the ops read labels: a narrow dtype's comparison wraps ignore_index (uint8: -100 == 156)
+    unused = (mask == 0) | (labels.long() == opt.ignore_index)  # [B, T]
     if (hidden.device.type == "cpu" and not _checks._tracing()  # traced: no data-dependent branch
             and (not bool(unused.any()) or bool(torch.isfinite(hidden[unused]).all()))):
         return hidden

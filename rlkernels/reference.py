@@ -92,7 +92,9 @@ def linear_logprobs(
     gemm = torch.float64 if torch.is_autocast_enabled(hidden.device.type) else dtype
     # an ignored token's row never meets the weight: its gradient is 0 even where its hidden state is NaN/inf
     # (a product with it would put 0 * NaN into d_weight)
-    h = torch.where((labels == ignore_index)[..., None], torch.zeros((), dtype=gemm, device=hidden.device), hidden.to(gemm))
+    # (labels in int64: a narrow dtype's comparison wraps ignore_index, e.g. uint8 -100 == 156)
+    h = torch.where((labels.long() == ignore_index)[..., None], torch.zeros((), dtype=gemm, device=hidden.device),
+                    hidden.to(gemm))
     logits = h @ weight.to(gemm).T  # [..., V]
     if bias is not None:
         logits = logits + bias.to(gemm)  # [..., V]

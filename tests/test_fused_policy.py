@@ -1672,3 +1672,36 @@ def test_k3_gradients_no_worse_than_an_accurate_log_softmax(device, backend, agg
     _, _, grads = _fused(x, options, 1.7, torch.float32, backend)
     for name, g, t, a in zip(("hidden", "weight", "bias"), grads, t_grads, a_grads):
         assert_close_to_truth(g, t, torch.float32, eager=a, name=f"d_{name}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_narrow_labels_are_not_read_as_ignore_index_by_the_two_op_layout(backend, monkeypatch):
+    """uint8 labels with ignore_index=-100: -100 wraps to 156 in a uint8 comparison, so the two-op layout (16-bit
+    weights, N > H/2 on the CPU; 2H < N < V beyond one chunk on the Triton row) took a token labelled 156 for an
+    ignored one and zeroed the NaN in its hidden row: a finite loss and log-prob where the int64 labels (and the
+    reference) give NaN. Every route compares the labels in int64, as it reads them."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 8 * 300 * 6)  # chunks of 8 tokens: 5 of them
+    x = _inputs(2, 20, 16, 300, seed=41)  # N = 40: > H/2 (torch), > 2H and < V (Triton)
+    labels = x["labels"].clamp(min=0) % 256  # [B, T] ids a uint8 holds
+    labels[0, :5] = 156
+    hidden = x["hidden"].clone()  # [B, T, H]
+    hidden[0, 2, 3] = float("nan")  # a counted token's hidden state: NaN must reach the loss
+    mask = torch.ones_like(x["mask"])  # [B, T]
+    results = []
+    for y in (labels.to(torch.uint8), labels):
+        h, w = hidden.to(torch.bfloat16).requires_grad_(), x["weight"].to(torch.bfloat16).requires_grad_()
+        with forced_backend(backend):
+            assert fused_policy._layout(h, w, fused_policy._validate(
+                head_input=h, head_name="hidden", weight=w, labels=y, bias=None, old_logp=x["old_logp"],
+                advantages=x["advantages"], mask=mask, ref_logp=None, temperature=1.0, ignore_index=-100,
+                return_entropy=False, policy_kwargs=dict(clip_low=0.2, clip_high=None, dual_clip=None, ratio="token",
+                                                         kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+                                                         agg="token-mean", norm_length=None),
+                grads=(True, True, False))) == "two-op"
+            loss, metrics = rlkernels.linear_policy_loss(h, w, y, x["old_logp"], x["advantages"], mask)
+        results.append((loss, metrics["token_logp"]))
+    (loss8, logp8), (loss64, logp64) = results
+    assert torch.isnan(loss64) and torch.isnan(loss8), (loss8, loss64)
+    torch.testing.assert_close(logp8, logp64, equal_nan=True, rtol=0, atol=0)

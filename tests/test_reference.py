@@ -158,3 +158,16 @@ def test_reference_statistics_hold_float32_extremes():
     got = ref.process_advantages(r, ends, 2, group_size=2)
     truth = torch.tensor([[n[0] + n[1], n[1]], [n[2] + n[3], n[2] + n[3]]])
     assert got.dtype == torch.float32 and torch.allclose(got, truth, atol=1e-6), got
+
+
+def test_linear_logprobs_reads_narrow_labels_as_their_values():
+    """uint8 labels: ignore_index=-100 compared in uint8 wraps to 156, and linear_logprobs zeroed the hidden row of
+    a token labelled 156 (its log-prob then that of a zero row, 1/V's). The labels compare in int64, as logprobs
+    reads them."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 4, generator=g, dtype=torch.float64)  # [N, H]
+    weight = torch.randn(200, 4, generator=g, dtype=torch.float64)  # [V, H]
+    labels = torch.tensor([156, 3, 156])  # [N]
+    want = ref.linear_logprobs(hidden, weight, labels)  # [N]
+    assert torch.equal(ref.linear_logprobs(hidden, weight, labels.to(torch.uint8)), want)
+    assert want[0].item() != pytest.approx(-math.log(200))
