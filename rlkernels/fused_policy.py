@@ -446,6 +446,10 @@ def _two_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, 
     vocabulary-outer backward, each ``d_weight`` slice summed over the tokens in float32 and written once, at
     backward time, so a 16-bit gradient is rounded once whatever the upstream gradient) then the policy loss."""
     hidden = _finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]: as the three-GEMM op cleans it
+    # linear_logprobs saves hidden, which autograd refuses for an inference tensor; the three-GEMM op saves no
+    # input, so it takes one: so does this layout (not while traced: dynamo cannot trace is_inference)
+    if not _checks._tracing() and hidden.is_inference():
+        hidden = hidden.clone()  # [B, T, H]
     out = _fl.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                               return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     logp, entropy = out if opt.with_entropy else (out, None)  # [B, T] each

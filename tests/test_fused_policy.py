@@ -1705,3 +1705,25 @@ def test_narrow_labels_are_not_read_as_ignore_index_by_the_two_op_layout(backend
     (loss8, logp8), (loss64, logp64) = results
     assert torch.isnan(loss64) and torch.isnan(loss8), (loss8, loss64)
     torch.testing.assert_close(logp8, logp64, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inference_mode_hidden_states_train_the_head_on_every_layout(backend, monkeypatch):
+    """Hidden states made under torch.inference_mode (a frozen trunk) training only the head: the three-GEMM op
+    saves no input, so it took them, but the two-op layout (linear_logprobs saves hidden for its backward) raised
+    'Inference tensors cannot be saved for backward' -- the same call failed or not with the number of tokens.
+    Both layouts give the same d_weight as for an ordinary tensor."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(fused_policy, "_TRITON_CHUNK_BYTES", 8 * 300 * 6)  # chunks of 8 tokens: 5 of them
+    for B, T in ((1, 4), (2, 20)):  # N = 4: one chunk (torch) / held (Triton); N = 40: the two-op layout
+        x = _inputs(B, T, 16, 300, seed=43)
+        with torch.inference_mode():
+            frozen = x["hidden"].to(torch.bfloat16)  # [B, T, H] an inference tensor
+        grads = []
+        for h in (frozen, x["hidden"].to(torch.bfloat16)):
+            w = x["weight"].to(torch.bfloat16).requires_grad_()  # [V, H]
+            with forced_backend(backend):
+                loss, _ = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"])
+                grads.append(torch.autograd.grad(loss, (w,))[0])
+        assert torch.equal(grads[0], grads[1]), (B, T)
