@@ -1307,7 +1307,8 @@ def _handed_out(ctx, key: str, g: torch.Tensor, d_loss: torch.Tensor, dtype: tor
     if g.dtype != dtype:  # d_loss a float32 0-dim tensor: the product formed in g's dtype, rounded once into dtype
         return torch.mul(g, d_loss, out=torch.empty(g.shape, dtype=dtype, device=g.device))
     if not _device_scale(g):
-        if not _checks._tracing() and bool(d_loss == 1):  # the host's check: no device sync on the CPU
+        # the host's check only where it costs no device sync (the CPU; a meta tensor has no value to read)
+        if g.device.type == "cpu" and not _checks._tracing() and bool(d_loss == 1):
             return g
         return (g.to(torch.promote_types(g.dtype, torch.float32)) * d_loss).to(dtype)
     applied = ctx.applied.get(key)  # the d_loss a first backward scaled g by, in place

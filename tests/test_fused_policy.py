@@ -1727,3 +1727,25 @@ def test_inference_mode_hidden_states_train_the_head_on_every_layout(backend, mo
                 loss, _ = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"])
                 grads.append(torch.autograd.grad(loss, (w,))[0])
         assert torch.equal(grads[0], grads[1]), (B, T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_tensors_run_forward_and_backward_on_every_layout(dtype):
+    """Meta tensors (shape inference, deferred init): both ops run forward and backward and give the gradients'
+    shapes and dtypes. The backward read the upstream gradient on the host (`d_loss == 1`, meant for the CPU) for
+    every device whose stored gradient skips the device-side scaling, and Tensor.item() raised on meta -- while
+    linear_policy_loss's two-op layout (16-bit, more tokens than H/2) went through."""
+    B, T, H, V = 2, 20, 16, 300  # [B, T, H], [V, H]
+    h = torch.empty(B, T, H, device="meta", dtype=dtype, requires_grad=True)
+    w = torch.empty(V, H, device="meta", dtype=dtype, requires_grad=True)
+    z = torch.empty(B, T, V, device="meta", dtype=dtype, requires_grad=True)
+    labels = torch.zeros(B, T, dtype=torch.long, device="meta")  # [B, T]
+    per_token = torch.empty(B, T, device="meta")  # [B, T] old_logp, advantages
+    mask = torch.ones(B, T, dtype=torch.bool, device="meta")  # [B, T]
+    with forced_backend("torch"):
+        loss, _ = rlkernels.linear_policy_loss(h, w, labels, per_token, per_token, mask)
+        d_h, d_w = torch.autograd.grad(loss * 2, (h, w))
+        loss, _ = rlkernels.logits_policy_loss(z, labels, per_token, per_token, mask)
+        (d_z,) = torch.autograd.grad(loss * 2, (z,))
+    for g, x in ((d_h, h), (d_w, w), (d_z, z)):
+        assert g.device.type == "meta" and g.shape == x.shape and g.dtype == dtype
