@@ -1452,9 +1452,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     def work(worker):
         zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
         pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
-        # this worker's share of the gradient summed over the outer loop: d_hidden (vocabulary outer) or d_weight
-        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) \
-            if vocab_outer or grad_weight else None  # [N or V, H]
+        # [N or V, H] this worker's share of the gradient over the outer loop: d_hidden (vocabulary outer) or d_weight
+        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) if vocab_outer or grad_weight else None
         acc_b = torch.zeros(V, dtype=cdt, device=dev) if b is not None and not vocab_outer else None  # [V]
         for o in range(outer * worker // n_workers, outer * (worker + 1) // n_workers):
             if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once
@@ -1491,10 +1490,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     parts = _cpu_workers.run(work, n_workers)
     acc, acc_b = parts[0]
     for more, more_b in parts[1:]:  # in worker order
-        if acc is not None:
-            acc += more
-        if acc_b is not None:
-            acc_b += more_b
+        acc = None if acc is None else acc.add_(more)
+        acc_b = None if acc_b is None else acc_b.add_(more_b)
     if acc is not None:
         (d_hidden if vocab_outer else d_weight).copy_(acc)
     if acc_b is not None:
@@ -1585,8 +1582,8 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
             if keep.numel():
                 dh[keep], dw, db = impl(g_logp[keep], g_entropy[keep], hidden[keep], weight, labels[keep], bias,
                                         stats[:, keep], entropy[keep], logp[keep], opt)
-    empty = hidden.new_empty(0)  # [0]: a gradient not computed
-    return dh, empty if dw is None else dw, empty if db is None else db
+    # [0] for a gradient not computed (one tensor each: a custom op's outputs may not alias each other)
+    return dh, hidden.new_empty(0) if dw is None else dw, hidden.new_empty(0) if db is None else db
 
 
 @_linear_logprobs_backward_op.register_fake
