@@ -57,6 +57,20 @@ def test_mix_into_is_the_convex_combination():
     _assert_state(a, _state(b))
 
 
+def test_mix_into_mixes_tied_weights_once():
+    """A model whose head is tied to its embeddings (GPT-2, Qwen2.5-0.5B) lists that one tensor under two state-dict
+    names; ref_mix_alpha must give alpha * policy + (1 - alpha) * reference there too, not mix it twice."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=20, n_embd=8, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    a, b = GPT2LMHeadModel(config), GPT2LMHeadModel(config)
+    assert a.lm_head.weight is a.transformer.wte.weight
+    want = {k: 0.3 * b.state_dict()[k].double() + 0.7 * v.double() for k, v in a.state_dict().items()}
+    knobs.mix_into(a, b, 0.3)
+    _assert_state(a, want, exact=False)
+
+
 @pytest.mark.parametrize("every, alpha", [(2, 0.0), (0, 0.25)])
 def test_reference_update_and_mix_in_the_loop(tmp_path, every, alpha):
     """ref_update_every copies the policy after every k-th step only; ref_mix_alpha mixes after every step."""

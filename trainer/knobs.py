@@ -67,10 +67,15 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     """``target <- alpha * source + (1 - alpha) * target`` for every parameter and floating buffer
-    (``alpha = 1`` copies exactly). Both modules must have the same state-dict names and shapes."""
+    (``alpha = 1`` copies exactly). Both modules must have the same state-dict names and shapes. A tensor listed
+    under several names (a head tied to the embeddings) is mixed once."""
     src = source.state_dict()
-    for name, t in target.state_dict().items():
-        s = src[name]
+    seen = set()
+    for name, t in target.state_dict(keep_vars=True).items():
+        if id(t) in seen:  # tied weights: mixing again would give (1 - alpha)^2 of the old reference
+            continue
+        seen.add(id(t))
+        t, s = t.detach(), src[name]
         if not t.is_floating_point():
             t.copy_(s)
         elif alpha == 1.0:
