@@ -200,6 +200,47 @@ def test_adaptive_kl_controller_for_every_placement(tmp_path, algo, kl_in):
     assert r2["policy/kl_coef"] != 0.05
 
 
+def _adaptive_kl_worker(rank, world, init_file, out_dir, cfg_dict):
+    in_gloo_group(rank, world, f"file://{init_file}", _adaptive_kl_work, rank, out_dir, cfg_dict)
+
+
+def _adaptive_kl_work(rank, out_dir, cfg_dict):
+    """One process of a 2-process run: kl_target set just above the global mean per-sequence KL of step 1 (so the
+    controller's error is not clipped there), one step; writes ``kl<rank>.txt``: kl_coef after the step, the
+    process's own mean KL and the global one."""
+    import torch.distributed as dist
+
+    tr = Trainer(from_dict(cfg_dict))
+    _perturb(tr.ref.model, 11)  # the same in both processes: the KL at step 1 is nonzero
+    batch, _ = tr.rollout_and_score(1)
+    batch = tr.advantages(tr.score_tokens(tr.normalize_scores(batch)))
+    local = float(batch.kl_seq.mean())
+    total = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    tr.cfg.kl_target = float(total) / 2 * 1.05
+    tr.train_step(1)  # the same rollout again (seeded by step and rank)
+    (Path(out_dir) / f"kl{rank}.txt").write_text(f"{tr.kl_coef!r} {local!r} {float(total) / 2!r}")
+
+
+def test_adaptive_kl_controller_moves_kl_coef_alike_in_every_process(tmp_path):
+    """Under torchrun the controller reads the global batch's mean per-sequence KL (what policy/kl_seq logs), so
+    every process keeps the same kl_coef (each one's own mean made them drift apart: another KL weight per
+    process, and the checkpoint kept rank 0's)."""
+    cfg_dict = dict(output_dir=str(tmp_path), progress=False, plot=False, steps=1, prompts_per_step=4, group_size=2,
+                    tiny_hidden=32, losses="eager", max_new_tokens=4, save_every=0, reward=DISTINCT, kl_coef=0.05,
+                    kl_target=1.0, kl_horizon=20)
+    torch.multiprocessing.spawn(_adaptive_kl_worker, args=(2, str(tmp_path / "init"), str(tmp_path), cfg_dict),
+                                nprocs=2, join=True)
+    rows = [[float(x) for x in (tmp_path / f"kl{rank}.txt").read_text().split()] for rank in range(2)]
+    locals_ = [row[1] for row in rows]
+    glob = rows[0][2]
+    assert locals_[0] != locals_[1]  # the processes' own means differ (else the test could not fail)
+    want = 0.05 * (1 + (1 / 1.05 - 1) * 8 / 20)
+    for coef, _, _ in rows:
+        assert coef == pytest.approx(want, rel=1e-9)
+    assert glob == pytest.approx(sum(locals_) / 2, rel=1e-12)
+
+
 # ------------------------------------------------------------------ 4. KL early stop
 
 

@@ -723,7 +723,9 @@ class Trainer:
         update_s = self._clock() - before_update
         metrics.update(self.batch_metrics(batch))  # log
         if cfg.kl_target is not None:
-            self.adapt_kl(float(batch.kl_seq.mean()))  # after logging the coefficient this step used
+            # after logging the coefficient this step used; the global batch's mean (every process holds as many
+            # sequences), what policy/kl_seq logs, so that every process keeps the same kl_coef
+            self.adapt_kl(self._global_mean(float(batch.kl_seq.mean())))
         if self.ref is not None:  # after the update: ref_update_every / ref_mix_alpha
             knobs.update_reference(sharding.unwrap(self.ref).model, self.policy, step, cfg.ref_update_every, cfg.ref_mix_alpha)
         if self.distributed:  # average the logged scalars over processes
