@@ -312,6 +312,22 @@ def test_dropout_off_gives_ratio_one_at_the_first_minibatch(tmp_path, monkeypatc
     assert calls[0]["policy/approx_kl"] != 0.0
 
 
+def test_disable_dropout_also_stops_the_moe_router_jitter():
+    """Mixtral's (MiniMax's, Switch's) router multiplies its input by uniform noise in train mode when
+    router_jitter_noise > 0 (DBRX: moe_jitter_eps): two train-mode forwards of the same tokens differed after
+    disable_dropout, so the update's log-probs were not the old ones' function. The jitter is 0 too now."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                           router_jitter_noise=0.1)
+    torch.manual_seed(0)
+    model = knobs.disable_dropout(MixtralForCausalLM(config)).train()
+    ids = torch.randint(0, 32, (2, 6))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model(ids).logits)
+
+
 # ------------------------------------------------------------------ 7. score normalisation
 
 

@@ -15,6 +15,10 @@ from torch import nn
 
 # config / module attribute names that hold a dropout probability in transformers models
 _DROPOUT_NAME = re.compile(r"(dropout|pdrop)(_prob|_rate|_p)?$|^dropout_\w+$|layerdrop$")
+# module attributes of MoE routers that scale their input by uniform noise in train mode only (Mixtral, MiniMax,
+# Switch: jitter_noise; PhiMoE: input_jitter_noise; DBRX: moe_jitter_eps); PhiMoE's router_jitter_noise is a
+# threshold used in eval too, so it is left alone
+_JITTER_NAME = re.compile(r"^(input_)?jitter_noise$|^moe_jitter_eps$")
 
 
 def enable_gradient_checkpointing(policy: nn.Module, critic: nn.Module | None = None) -> None:
@@ -44,8 +48,10 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     ``nn.Dropout`` (and its siblings) get ``p = 0``; float attributes named like a dropout probability
     (``attention_dropout``, ``hidden_dropout``, ``resid_pdrop``, ``embd_pdrop``, ``attn_pdrop``,
     ``hidden_dropout_prob``, ...) on ``model.config`` and on every submodule (attention layers copy
-    ``config.attention_dropout`` at init and pass it to the attention kernel in train mode) become 0.0.
-    Train mode stays as it is: nothing else in these models differs between train and eval.
+    ``config.attention_dropout`` at init and pass it to the attention kernel in train mode) become 0.0, and so
+    does an MoE router's train-mode input jitter (``jitter_noise``, ``input_jitter_noise``, ``moe_jitter_eps``).
+    Train mode stays as it is: nothing else in these models differs between train and eval (except PhiMoE's
+    sparsemixer routing, which samples in train mode).
     """
     configs = []
     for module in model.modules():
@@ -53,6 +59,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
             module.p = 0.0
         for name, value in list(vars(module).items()):
             if isinstance(value, float) and not isinstance(value, bool) and _DROPOUT_NAME.search(name):
+                setattr(module, name, 0.0)
+            elif isinstance(value, float) and _JITTER_NAME.search(name):  # MoE router noise, train mode only
                 setattr(module, name, 0.0)
         config = getattr(module, "config", None)
         if config is not None and all(config is not c for c in configs):
