@@ -353,6 +353,20 @@ def test_score_normalizer_against_float64():
     assert torch.equal(knobs.ScoreNormalizer("running")(torch.tensor([3.0])), torch.tensor([0.0]))  # one score: scale 1
 
 
+def test_sharded_checkpoint_keeps_the_running_reward_statistics(tmp_path, monkeypatch):
+    """shard='fsdp' writes its checkpoints with trainer.distributed.save: they must carry reward_norm 'running''s
+    statistics (restored on --resume) as the whole checkpoints do, in state.json (JSON)."""
+    import json
+
+    tr = Trainer(tiny(tmp_path, losses="eager", reward=DISTINCT, reward_norm="running", reward_clip=1.0))
+    tr.score_norm.update(torch.tensor([1.0, 2.0, 4.0]))
+    written = {}
+    monkeypatch.setattr(loop.sharding, "save", lambda root, step, modules, optimizer, extra: written.update(extra))
+    tr.cfg.shard = "fsdp"  # (a 2-process run is not needed to see what the sharded save is handed)
+    tr.save()
+    assert json.loads(json.dumps(written["reward_norm"])) == tr.score_norm.state_dict()
+
+
 def test_reward_norm_in_the_loop_and_resume(tmp_path):
     """The advantages see the normalised scores, reward/mean logs the raw ones, and resume restores the running
     statistics from the checkpoint."""

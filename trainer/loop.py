@@ -761,7 +761,8 @@ class Trainer:
     def save(self) -> Path | None:
         if self.cfg.shard == "fsdp":  # every process writes its shards
             path = sharding.save(self.out / "checkpoints", self.step, self._modules(), self.optimizer,
-                                 {"kl_coef": self.kl_coef, "config": self.cfg.to_dict()})
+                                 {"kl_coef": self.kl_coef, "reward_norm": self.score_norm.state_dict(),
+                                  "config": self.cfg.to_dict()})
             self._saved_step = self.step
             return path
         path = None
