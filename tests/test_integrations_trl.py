@@ -349,3 +349,26 @@ def test_lazy_attribute_reaches_the_adapter():
     code = "import rlkernels; assert rlkernels.integrations.trl.RLKernelsGRPOTrainer.__name__ == 'RLKernelsGRPOTrainer'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("on_policy", [True, False], ids=["one-op", "two-op"])
+def test_second_trainer_on_the_same_model_installs_its_own_head(on_policy, tokenizer, base_model, dataset, tmp_path):
+    """A second RLKernelsGRPOTrainer on a model an earlier one patched (a sweep, a re-run notebook cell): TRL's
+    GRPOTrainer wraps the model's forward again, over the rlkernels head; the new trainer must put the rlkernels
+    head (at its own temperature) back on top, not find the old flag and leave TRL's head (or a crash) in charge."""
+    overrides = dict(loss_type="bnpo", temperature=0.7)
+    model = copy.deepcopy(base_model)
+    make_trainer(RLKernelsGRPOTrainer, model, tokenizer, dataset, make_args(tmp_path, loss_type="bnpo"))
+    ours = make_trainer(RLKernelsGRPOTrainer, model, tokenizer, dataset, make_args(tmp_path, **overrides))
+    ref_tr = make_trainer(GRPOTrainer, copy.deepcopy(base_model), tokenizer, dataset, make_args(tmp_path, **overrides))
+    for t in (ref_tr, ours):
+        t.current_gradient_accumulation_steps = 1
+    inputs = make_batch(ref_tr, tokenizer, empty_row=False)
+    if on_policy:
+        del inputs["old_per_token_logps"]
+    calls = []
+    hook = ours.model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    got = loss_and_grads(ours, inputs)
+    hook.remove()
+    assert calls == [], "the second trainer's loss ran TRL's LM head, not rlkernels'"
+    _assert_same(got, loss_and_grads(ref_tr, inputs), "second trainer vs TRL")

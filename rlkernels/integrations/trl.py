@@ -162,8 +162,16 @@ def add_rlkernels_lm_head(model, *, temperature: float = 1.0, cast_lm_head_to_fp
         denom = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         return FusedCausalLMOutput(loss=-log_probs.sum() / denom, log_probs=log_probs, entropy=ent, label_mask=mask)
 
+    _rlkernels_forward._rlkernels_options = (temperature, cast_lm_head_to_fp32, entropy)
     model.forward = types.MethodType(_rlkernels_forward, model)
     model._rlkernels_lm_head = True
+
+
+def _has_rlkernels_head(model, options) -> bool:
+    """Whether ``model.forward`` is (on top) an rlkernels head installed with ``options``: a later GRPOTrainer on the
+    same model wraps TRL's head over it (its fused calls never reach ours), so the flag alone does not say."""
+    forward = getattr(model, "forward", None)
+    return getattr(getattr(forward, "__func__", None), "_rlkernels_options", None) == options
 
 
 def _head_policy_loss(model, hidden, labels, spec: dict, temperature: float, head_dtype):
@@ -191,7 +199,9 @@ class RLKernelsGRPOMixin:
     def _rlkernels_install(self) -> None:
         check_supported(self.args, self.model, self.ref_model, aux_loss_enabled=self.aux_loss_enabled)
         for m, ent in ((self.model, True), (self.ref_model, False)):
-            if m is not None and not getattr(hf.causal_lm(m), "_rlkernels_lm_head", False):
+            options = (_checks.temperature(self.temperature),
+                       _checks.flag(self.args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32"), ent)
+            if m is not None and not _has_rlkernels_head(hf.causal_lm(m), options):
                 add_rlkernels_lm_head(m, temperature=self.temperature,
                                       cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, entropy=ent)
 
