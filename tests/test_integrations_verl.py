@@ -359,6 +359,24 @@ def test_patch_fused_kernels(verl_core):
         exp.FusedLinearForPPO, verl_F.logprobs_from_logits = saved
 
 
+def test_patch_fused_kernels_reaches_modules_that_imported_the_name(verl_core, monkeypatch):
+    """verl's engines and rollouts bind ``from verl.utils.torch_functional import logprobs_from_logits`` at import:
+    a module imported before register(patch_fused_kernels=True) must get the rlkernels one too, not keep verl's
+    while register() reports it patched (it lists the rebound names)."""
+    import verl.utils.experimental.torch_functional as exp
+    import verl.utils.torch_functional as verl_F
+
+    import verl.workers.rollout.naive.naive_rollout as naive
+    original = verl_F.logprobs_from_logits
+    assert naive.logprobs_from_logits is original
+    for module, name in ((exp, "FusedLinearForPPO"), (verl_F, "logprobs_from_logits"),
+                         (naive, "logprobs_from_logits")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    out = rkv.register(patch_fused_kernels=True)
+    assert naive.logprobs_from_logits is rkv.logprobs_from_logits
+    assert "verl.workers.rollout.naive.naive_rollout.logprobs_from_logits" in out["rebound"]
+
+
 @pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-sum-norm"),
                                             ("gspo", "seq-mean-token-mean")])
 def test_policy_loss_from_hidden_equals_the_two_op_loss(loss_mode, agg):

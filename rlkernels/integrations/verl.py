@@ -412,7 +412,9 @@ def register(*, patch_fused_kernels: bool = False, core_algos: Any = None) -> di
     Uses ``verl.trainer.ppo.core_algos.register_policy_loss`` / ``register_adv_est`` (or the module
     passed as ``core_algos``). Idempotent. With ``patch_fused_kernels=True`` it also replaces verl's
     ``FusedLinearForPPO`` (its fused-kernel backend, ``use_fused_kernels=True``) and
-    ``logprobs_from_logits`` with the rlkernels ones. Returns the registered names.
+    ``logprobs_from_logits`` with the rlkernels ones, also in the verl modules already imported that bound verl's
+    function by name (``rebound``: e.g. ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``); modules
+    imported later read the patched one. Returns the registered names.
     """
     if core_algos is None:
         try:
@@ -426,15 +428,27 @@ def register(*, patch_fused_kernels: bool = False, core_algos: Any = None) -> di
         core_algos.register_policy_loss(name)(fn)
     for name, fn in ADV_ESTIMATORS.items():
         core_algos.register_adv_est(name)(fn)  # verl refuses a *different* fn under a taken name
-    patched = []
+    patched, rebound = [], []
     if patch_fused_kernels:
         exp = sys.modules.get("verl.utils.experimental.torch_functional")
         if exp is None:
             import verl.utils.experimental.torch_functional as exp
         import verl.utils.torch_functional as verl_F
 
+        originals = {"FusedLinearForPPO": (exp.FusedLinearForPPO, FusedLinearForPPO),
+                     "logprobs_from_logits": (verl_F.logprobs_from_logits, logprobs_from_logits)}
         exp.FusedLinearForPPO = FusedLinearForPPO
         verl_F.logprobs_from_logits = logprobs_from_logits
         patched = ["verl.utils.experimental.torch_functional.FusedLinearForPPO",
                    "verl.utils.torch_functional.logprobs_from_logits"]
-    return {"policy_loss": list(POLICY_LOSSES), "adv_estimator": list(ADV_ESTIMATORS), "patched": patched}
+        # verl's engines and rollouts bind `from verl.utils.torch_functional import logprobs_from_logits` when
+        # imported: rebind the name in every verl module already imported that holds verl's own function
+        for mod_name, module in list(sys.modules.items()):
+            if module is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+                continue
+            for attr, (original, ours) in originals.items():
+                if original is not ours and getattr(module, attr, None) is original:
+                    setattr(module, attr, ours)
+                    rebound.append(f"{mod_name}.{attr}")
+    return {"policy_loss": list(POLICY_LOSSES), "adv_estimator": list(ADV_ESTIMATORS), "patched": patched,
+            "rebound": rebound}
