@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -500,3 +501,45 @@ def test_agg_loss_refuses_a_mask_of_another_shape_by_name():
         rkv.agg_loss(x[0], torch.ones(3), "seq-mean-token-mean")
     with pytest.raises(ValueError, match="loss_mask"):
         rkv.agg_loss(x, torch.full((2, 3), 0.5), "token-mean")
+
+
+_RAY_WORKER_PROBE = """
+import sys, ray
+hook = sys.argv[1] or None
+ray.init(num_cpus=1, include_dashboard=False, runtime_env={"worker_process_setup_hook": hook} if hook else None)
+
+@ray.remote
+def loss_module():
+    from verl.trainer.ppo import core_algos
+    try:
+        return core_algos.get_policy_loss_fn("rlkernels_vanilla").__module__
+    except ValueError as error:
+        return f"refused: {error}"
+
+print("worker:", ray.get(loss_module.remote()))
+ray.shutdown()
+"""
+
+
+def test_ray_workers_register_through_the_setup_hook_readme_names():
+    """verl runs its actor as Ray worker processes: register() in the driver alone does not reach them (their
+    loss-mode lookup refuses 'rlkernels_vanilla'), and README's runtime_env hook does (verl + Ray in one process
+    each: a subprocess, so this test's process starts no Ray)."""
+    pytest.importorskip("verl")
+    pytest.importorskip("ray")
+    import os
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's rlkernels in the workers too
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               RAY_USAGE_STATS_ENABLED="0")
+
+    def worker_sees(hook: str) -> str:
+        run = subprocess.run([sys.executable, "-c", _RAY_WORKER_PROBE, hook], capture_output=True, text=True,
+                             env=env, timeout=300)
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("worker:")]
+        assert lines, run.stderr[-2000:]
+        return lines[0]
+
+    assert worker_sees("rlkernels.integrations.verl.register") == "worker: rlkernels.integrations.verl"
+    assert "refused: Unsupported loss mode: rlkernels_vanilla" in worker_sees("")
