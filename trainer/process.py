@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from rlkernels import _checks
+
 REWARD_KEYWORDS = ("eos", "completion_tokens")  # what a reward function may ask for, by name
 
 
@@ -218,15 +220,9 @@ def check_config(cfg) -> None:
         cfg._bad("truncation", "must be one of ['terminal', 'bootstrap']")
     if cfg.truncation == "bootstrap" and cfg.algo != "ppo":
         cfg._bad("truncation", "'bootstrap' needs a critic's value: PPO only (GRPO has no critic); use 'terminal'")
-    if cfg.missing_eos_penalty is not None and not math.isfinite(cfg.missing_eos_penalty):
-        cfg._bad("missing_eos_penalty", "must be finite or None")
-    if cfg.missing_eos_penalty is not None:  # added to the float32 scores: beyond float32 it would not convert
-        from rlkernels import _checks
-
-        try:
-            _checks.finite(cfg.missing_eos_penalty, "missing_eos_penalty")
-        except ValueError as error:
-            cfg._bad("missing_eos_penalty", str(error).removeprefix("missing_eos_penalty ").rsplit(", got ", 1)[0])
+    penalty = cfg.missing_eos_penalty  # added to the float32 scores: beyond float32 it would not convert
+    if penalty is not None and not (math.isfinite(penalty) and abs(penalty) <= _checks._FLOAT32_MAX):
+        cfg._bad("missing_eos_penalty", f"must be finite in float32 (|x| <= {_checks._FLOAT32_MAX:.3g}) or None")
     from .recipes import RECIPES
 
     if cfg.recipe and cfg.recipe not in RECIPES:
