@@ -193,6 +193,8 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     from rlkernels import fused_linear as fl
 
     opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
+    bwd_opt = fl.LinearLogprobsBackwardOptions(temperature=1.0, return_entropy=True, ignore_index=-100,
+                                              grad_weight=True)
     t = fl._tiles(dtype, backward=True)
     vc = fl._vocab_chunk(N, V, dtype, t)
     chunks = [(v0, min(V, v0 + vc)) for v0 in range(0, V, vc)]
@@ -207,7 +209,7 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         return hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz
 
     def whole(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
-        return fl._backward_triton(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, logp, opt)
+        return fl._backward_triton(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, logp, bwd_opt)
 
     def dz_kernel(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
         dz_into = fl._dz_launcher(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, opt, t)

@@ -948,7 +948,8 @@ def _launch_dz_tma(h, w, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, 
     )
 
 
-def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp,
+                     opt: LinearLogprobsBackwardOptions):
     """``_dz_kernel`` writes ``dz`` (the input dtype) of a block of tokens x vocabulary entries and its label
     residuals; cuBLAS does the two GEMMs, in the order :func:`_vocab_outer` picks (:func:`_bwd_vocab_outer`,
     :func:`_bwd_tokens_outer`). Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs'
@@ -963,8 +964,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
-    grad_weight = getattr(opt, "grad_weight", True)  # the backward op's options say; False: a frozen head
-    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t, grad_weight)
+    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t, opt.grad_weight)
     return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
 
 
@@ -1417,7 +1417,8 @@ def _dz_tiler(g_logp, g_ent, labels, stats, entropy, logp, b, V: int, rows: int,
     return tile, use_ent
 
 
-def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp, opt: LinearLogprobsOptions):
+def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, logp,
+                    opt: LinearLogprobsBackwardOptions):
     """Tiled like :func:`_partials_torch`, recomputing each logits tile with the forward's GEMM call; per tile ``dz``
     (:func:`_dz_coefficients`, :func:`_dz_tile`), then ``d_hidden += dz @ W``, ``d_weight += dz.T @ hidden``.
 
@@ -1443,8 +1444,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     outer = S if vocab_outer else len(row_starts)  # the items split over the workers
     n_workers = max(1, min(_cpu_workers.workers(), outer))
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
-    grad_weight = getattr(opt, "grad_weight", True)  # the backward op's options say; False: a frozen head
-    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if grad_weight else None  # [V, H]
+    d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None and vocab_outer else None  # [V]
     h_all = hidden.to(cdt) if vocab_outer else None  # [N, H] (token-sized; a view for float32)
     w_all = None if vocab_outer else weight.to(cdt)  # [V, H] (smaller than the tokens; a view for float32)
@@ -1453,7 +1453,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
         zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
         pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
         # [N or V, H] this worker's share of the gradient over the outer loop: d_hidden (vocabulary outer) or d_weight
-        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) if vocab_outer or grad_weight else None
+        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) if vocab_outer or opt.grad_weight else None
         acc_b = torch.zeros(V, dtype=cdt, device=dev) if b is not None and not vocab_outer else None  # [V]
         for o in range(outer * worker // n_workers, outer * (worker + 1) // n_workers):
             if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once

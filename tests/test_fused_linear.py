@@ -681,7 +681,8 @@ def test_backward_adds_no_gradient_by_scatter(backend, dtype):
 
     leaves, labels, g_logp, g_ent = _repeated_label_inputs("cpu", dtype)
     hidden, weight, bias = (x.detach() for x in leaves)
-    opt = fl_module.LinearLogprobsOptions(temperature=0.8, return_entropy=True, ignore_index=-100)
+    opt = fl_module.LinearLogprobsBackwardOptions(temperature=0.8, return_entropy=True, ignore_index=-100,
+                                                  grad_weight=True)
     # the backward's implementation called directly: a dispatch mode sees a custom op's call, not the ops inside it
     with forced_backend(backend):
         logp, ent, stats = fl_module._FWD_IMPLS[backend](hidden, weight, labels, bias, opt)  # [N], [N], [2, N]
