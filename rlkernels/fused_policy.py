@@ -453,7 +453,27 @@ def _two_op(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, 
     out = _fl.linear_logprobs(hidden, weight, labels, bias=bias, temperature=opt.temperature,
                               return_entropy=opt.with_entropy, ignore_index=opt.ignore_index)
     logp, entropy = out if opt.with_entropy else (out, None)  # [B, T] each
-    return _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
+    loss, metrics = _policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
+    return _ComposedLoss.apply(loss), metrics
+
+
+class _ComposedLoss(torch.autograd.Function):
+    """The loss of a ``linear_policy_loss`` composed of other ops (:func:`_two_op`, the vocabulary-parallel
+    route), passed through: its backward runs first, so a double backward is refused in the name of the op the
+    user called, not of the ``policy_loss`` it is made of."""
+
+    @staticmethod
+    def forward(loss):  # [] float32
+        return loss.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):  # [] float32
+        refuse_double_backward("linear_policy_loss")
+        return grad
 
 
 def _linear_torch(hidden, weight, labels, old_logp, advantages, mask, ref_logp, bias, opt: FusedPolicyOptions):

@@ -222,7 +222,8 @@ def linear_policy_loss(hidden, weight, labels, old_logp, advantages, mask, ref_l
     # as the single-process op: NaN/inf in the rows of masked-out or ignored tokens reaches no gradient
     hidden = fused_policy._finite_unused_rows(hidden, labels, mask, opt)  # [B, T, H]
     logp, entropy = linear_logprobs(hidden, weight, labels, bias, lp_opt, process_group, vocab_start)  # [B, T] each
-    return fused_policy._policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
+    loss, metrics = fused_policy._policy_on_logprobs(logp, entropy, old_logp, advantages, mask, ref_logp, opt)
+    return fused_policy._ComposedLoss.apply(loss), metrics
 
 
 @torch.compiler.disable

@@ -260,16 +260,20 @@ def test_frozen_weight_and_no_grad_skip_work():
     torch.testing.assert_close(loss2, loss.detach())
 
 
-def test_retain_graph_gives_same_gradients_and_double_backward_raises():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_retain_graph_gives_same_gradients_and_double_backward_raises(dtype):
+    """N = 8, H = 8: float32 runs one chunk of three GEMMs; bf16 (N > H/2) the two-op layout, whose error must
+    name the op the user called, not the ops it is made of."""
     x = _inputs(2, 4, 8, 64, seed=6)
-    h = x["hidden"].clone().requires_grad_()
-    w = x["weight"].clone().requires_grad_()
+    assert _layout_of(2, 4, 8, 64, dtype) == ("one-chunk" if dtype == torch.float32 else "two-op")
+    h = x["hidden"].to(dtype).requires_grad_()
+    w = x["weight"].to(dtype).requires_grad_()
     loss, _ = rlkernels.linear_policy_loss(h, w, x["labels"], x["old_logp"], x["advantages"], x["mask"])
     first = torch.autograd.grad(loss, (h, w), retain_graph=True)
     second = torch.autograd.grad(loss, (h, w), retain_graph=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="double backward"):
+    with pytest.raises(RuntimeError, match=r"rlkernels\.linear_policy_loss does not support double backward"):
         torch.autograd.grad(loss, (h, w), create_graph=True)
 
 

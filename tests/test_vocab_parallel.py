@@ -204,6 +204,11 @@ def _check_policy_loss(rank, P):
     _close(loss.detach(), loss1.detach(), "loss, NaN at masked-out rows")
     _close(w.grad, w1.grad[sl], "d_weight, NaN at masked-out rows")
     _close(h.grad[mask], h1.grad[mask], "d_hidden, NaN at masked-out rows")
+    # a double backward is refused in the name of the op called, not of the policy_loss it is made of
+    h, w = _leaf(hidden), _leaf(weight[sl])
+    loss, _ = rlkernels.linear_policy_loss(h, w, labels, old, adv, mask, process_group=group, vocab_start=start)
+    with pytest.raises(RuntimeError, match=r"rlkernels\.linear_policy_loss does not support double backward"):
+        torch.autograd.grad(loss, (h, w), create_graph=True)
 
 
 def _check_verl(rank, P):
