@@ -164,6 +164,24 @@ def test_prompts_file_records_blank_lines_bom_and_numeric_answers(tmp_path):
     assert [(r.prompt, r.answer) for r in records] == [("1 2 3 =", "1"), ("é =", ""), ("x", "7")]
 
 
+def test_numeric_answers_are_the_numbers_the_integer_rules_compare(tmp_path):
+    """JSON numbers as answers: 3.0 is the answer "3" (as str it was "3.0", which no integer rule can match: a
+    completion "3" scored 0), -2.0 is "-2", 2.5 stays "2.5"; NaN and Infinity (JSON extensions Python reads) are
+    refused naming the line."""
+    from rlkernels.trainer import rewards
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in
+                               (("a", 3.0), ("b", -2.0), ("c", 2.5), ("d", 12))))
+    records = read_prompts(str(path))
+    assert [r.answer for r in records] == ["3", "-2", "2.5", "12"]
+    assert rewards.exact(["a", "b"], ["so 3", "-2"], [r.answer for r in records[:2]]) == [1.0, 1.0]
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": %s}\n' % bad)
+        with pytest.raises(ValueError, match="^prompts: line 2 of .*: 'answer' must be a finite number"):
+            read_prompts(str(path))
+
+
 def test_a_bad_prompts_file_exits_2_before_training(tmp_path, capsys):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "1 2 3 ="}\n{"prompt": 1 2}\n')

@@ -44,7 +44,7 @@ class TrainConfig:
     task: str = "first_digit"
     """Built-in verifiable prompt generator when 'prompts' is empty: 'first_digit' (answer the first of three digits; the default), 'max_digit', 'sum_mod10', 'prefix_max', 'prefix_sums' (digit tasks for the tiny model; prefix_max / prefix_sums answer the running maxima / running totals mod 10 of three digits, one step per token, for the 'steps' reward) or 'arithmetic' (natural-language sums for chat models)."""
     prompts: str = ""
-    """JSONL file (UTF-8) of {"prompt": "...", "answer": ...} records, one JSON object per line: 'prompt' a string, 'answer' (optional, '' when absent) a string or a number, other keys ignored, blank lines skipped; the whole file is checked at start-up (an error names the line). Empty = use the built-in 'task' generator."""
+    """JSONL file (UTF-8) of {"prompt": "...", "answer": ...} records, one JSON object per line: 'prompt' a string, 'answer' (optional, '' when absent) a string or a finite number (an integral one read as the integer: 3.0 is "3"), other keys ignored, blank lines skipped; the whole file is checked at start-up (an error names the line). Empty = use the built-in 'task' generator."""
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template (for instruction-tuned models); refused at start-up when the tokenizer has none."""
     output_dir: str = "runs/default"

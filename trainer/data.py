@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 
@@ -86,12 +87,23 @@ def read_prompts(path: str) -> list[Example]:
                 answer = rec.get("answer", "")
                 if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                     raise ValueError(f"{where}: 'answer' must be a string or a number (got {type(answer).__name__})")
-                records.append(Example(rec["prompt"], str(answer)))
+                records.append(Example(rec["prompt"], _answer_text(answer, where)))
     except OSError as error:
         raise ValueError(f"prompts: cannot read {path}: {error.strerror or error}") from None
     if not records:
         raise ValueError(f"prompts: {path} holds no records")
     return records
+
+
+def _answer_text(answer: str | int | float, where: str) -> str:
+    """A record's answer as the rules compare it: a string as given; a number as written in digits, an integral
+    float as the integer (JSON's ``3.0`` is the answer ``"3"``, which the integer rules can match; ``str`` gave
+    ``"3.0"``, which none can). NaN and infinities (JSON extensions Python reads) are refused."""
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f"{where}: 'answer' must be a finite number (got {answer})")
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer)
 
 
 class PromptSource:
