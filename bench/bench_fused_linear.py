@@ -194,7 +194,7 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
 
     opt = fl.LinearLogprobsOptions(temperature=1.0, return_entropy=True, ignore_index=-100)
     bwd_opt = fl.LinearLogprobsBackwardOptions(temperature=1.0, return_entropy=True, ignore_index=-100,
-                                              grad_weight=True)
+                                              grad_weight=True, grad_input=True)
     t = fl._tiles(dtype, backward=True)
     vc = fl._vocab_chunk(N, V, dtype, t)
     chunks = [(v0, min(V, v0 + vc)) for v0 in range(0, V, vc)]

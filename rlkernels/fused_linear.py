@@ -437,12 +437,15 @@ class LinearLogprobsOptions:
 @dataclass(frozen=True)
 class LinearLogprobsBackwardOptions:
     """The backward op's options: :class:`LinearLogprobsOptions`' fields, then whether ``weight``'s gradient is
-    wanted (False for a frozen head: no ``d_weight`` GEMM and no ``[V, H]`` buffer; the op returns ``[0]`` for it)."""
+    wanted (False for a frozen head: no ``d_weight`` GEMM and no ``[V, H]`` buffer) and whether ``hidden``'s is
+    (False when only the head trains: no ``d_hidden`` GEMM and no ``[N, H]`` buffer); the op returns ``[0]`` for a
+    gradient not wanted."""
 
     temperature: float
     return_entropy: bool
     ignore_index: int
     grad_weight: bool
+    grad_input: bool
 
 
 def _validate(*, hidden, weight, labels, bias, temperature, return_entropy, ignore_index) -> LinearLogprobsOptions:
@@ -964,7 +967,8 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
     valid = (labels != opt.ignore_index) & (labels >= 0) & (labels < V)  # [N] the label is a column of weight
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [N]
     order = _bwd_vocab_outer if _vocab_outer(N, V) else _bwd_tokens_outer
-    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t, opt.grad_weight)
+    d_hidden, d_weight, d_bias32 = order(dz_into, hidden, weight, bias is not None, valid, safe, t, opt.grad_weight,
+                                         opt.grad_input)
     return d_hidden, d_weight, None if bias is None else d_bias32.to(bias.dtype)
 
 
@@ -975,7 +979,8 @@ def _vocab_chunk(N: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
     return min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))
 
 
-def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True):
+def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True,
+                     grad_input: bool = True):
     """Vocabulary outer (N < V): per chunk ``j`` of the vocabulary, ``dz`` of all the tokens against it
     (``[N, vc]``), then ``dh += dz @ W_j`` into a float32 ``[N, H]`` accumulator and ``d_weight[j] = dz.T @ hidden``
     written by the GEMM itself in the weight's dtype (float32 accumulation inside it, one rounding), 16-bit ones
@@ -983,7 +988,8 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, 
     once by :func:`_label_runs`: no host read inside the loop). No weight-sized float32
     buffer and no float32 slice of one: beyond the outputs, ``[N, H]`` float32 and the ``dz`` chunk, sized to
     ``_DZ_BUDGET_BYTES``. Returns ``(d_hidden, d_weight, d_bias32 float32 or None)``; without ``grad_weight`` (a
-    frozen head) no ``d_weight`` GEMM, and ``d_weight`` is None."""
+    frozen head) no ``d_weight`` GEMM, and ``d_weight`` is None; without ``grad_input`` no ``d_hidden`` GEMM and
+    no ``[N, H]`` buffer, and ``d_hidden`` is None."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
@@ -993,7 +999,7 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, 
     S = cdiv(V, vc)
     dz_buf = torch.empty(N * vc, dtype=hidden.dtype, device=dev)  # one [N, vc] chunk, reused
     resid = torch.zeros(N, dtype=torch.float32, device=dev)  # [N] written by the chunk holding the token's label
-    dh = torch.zeros(N, H, dtype=torch.float32, device=dev)  # [N, H] (float32 inputs: d_hidden itself)
+    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if grad_input else None  # [N, H] (float32: d_hidden)
     d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if grad_weight else None  # [V, H]
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
     # the valid tokens grouped by the chunk holding their label, with its column there (the values are unused);
@@ -1016,27 +1022,28 @@ def _bwd_vocab_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, 
         elif d_weight is not None:
             with _float32_reductions(dz.device):
                 torch.mm(dz.T, hidden, out=d_weight[v0:v1])
-        if low:
+        if dh is not None and low:
             _addmm_f32(dh, dz, w_j)
-        else:
+        elif dh is not None:
             dh.addmm_(dz, w_j)
         if d_bias32 is not None:
             d_bias32[v0:v1] += dz.sum(0, dtype=torch.float32)
             if low:  # the label residuals summed per label in token order (no host read)
                 _add_run(d_bias32, runs[j], resid[runs[j][0]])
-    if not low:
+    if not low or dh is None:
         return dh, d_weight, d_bias32
     r = torch.where(valid, resid, torch.zeros_like(resid))  # [N]
     dh += r[:, None] * weight[safe].float()
     return dh.to(hidden.dtype), d_weight, d_bias32
 
 
-def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True):
+def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles, grad_weight: bool = True,
+                      grad_input: bool = True):
     """Tokens outer (N >= V): per chunk of tokens (``[chunk, V]`` of ``dz``, sized to ``_DZ_BUDGET_BYTES``),
     ``d_hidden[chunk] = dz @ W`` (the whole vocabulary in one GEMM) and ``d_weight += dz.T @ hidden[chunk]`` into a
     float32 ``[V, H]`` accumulator, here no larger than the tokens' ``[N, H]``, cast once at the end. Returns
     ``(d_hidden, d_weight, d_bias32 float32 or None)``; without ``grad_weight`` (a frozen head) no ``d_weight``
-    GEMM, and ``d_weight`` is None."""
+    GEMM, and ``d_weight`` is None; without ``grad_input`` no ``d_hidden`` GEMM, and ``d_hidden`` is None."""
     # hidden [N, H], weight [V, H] (unit stride in H); valid, safe [N]
     N, H = hidden.shape
     V = weight.shape[0]
@@ -1044,7 +1051,7 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles,
     low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
     chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev) if grad_input else None  # [N, H]
     d_weight32 = None  # [V, H] float32 accumulator, cast once at the end
     d_bias32 = torch.zeros(V, dtype=torch.float32, device=dev) if has_bias else None  # [V]
     dz = torch.empty(chunk, V, dtype=hidden.dtype, device=dev)  # [chunk, V] workspace
@@ -1063,17 +1070,19 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles,
         dz_into(dz_c, r_c, c0, c1, 0, V)
         y_c = safe[c0:c1]  # [n]
         if not low:
-            torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
+            if d_hidden is not None:
+                torch.mm(dz_c, weight, out=d_hidden[c0:c1])  # the whole V reduction in one float32 GEMM
             if grad_weight and d_weight32 is None:
                 d_weight32 = dz_c.T @ h_c  # [V, H]; float32 inputs: this is the accumulator
             elif grad_weight:
                 d_weight32.addmm_(dz_c.T, h_c)
         else:
             r_c = torch.where(valid[c0:c1], r_c, torch.zeros_like(r_c))  # [n]
-            dh = _mm_f32(dz_c, weight)  # [n, H] float32
-            dh += r_c[:, None] * weight[y_c].float()
-            d_hidden[c0:c1] = dh
-            del dh
+            if d_hidden is not None:
+                dh = _mm_f32(dz_c, weight)  # [n, H] float32
+                dh += r_c[:, None] * weight[y_c].float()
+                d_hidden[c0:c1] = dh
+                del dh
             if grad_weight:
                 if d_weight32 is None:
                     d_weight32 = _mm_f32(dz_c.T, h_c)  # [V, H] float32
@@ -1429,10 +1438,10 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     no float32 copy of a 16-bit weight); otherwise the token chunks, each worker summing ``d_weight`` in a float32
     ``[V, H]`` buffer. The workers' buffers are added in worker order: the same bits at the same thread count.
     Returns ``(d_hidden [N, H], d_weight [V, H], d_bias [V] or None)`` in the inputs' dtypes; ``d_weight`` None
-    without ``opt.grad_weight`` (a frozen head: no ``d_weight`` GEMM, no ``[V, H]`` buffer)."""
+    without ``opt.grad_weight`` (a frozen head: no ``d_weight`` GEMM, no ``[V, H]`` buffer), ``d_hidden`` None
+    without ``opt.grad_input`` (no ``d_hidden`` GEMM, no ``[N, H]`` buffer)."""
     # g_logp, g_ent, labels, entropy, logp: [N]; stats [2, N]; hidden [N, H]; weight [V, H]; bias [V] or None
-    N, H = hidden.shape
-    V = weight.shape[0]
+    (N, H), V = hidden.shape, weight.shape[0]
     dev = hidden.device
     cdt = reference.compute_dtype(hidden)
     b = bias.to(cdt) if bias is not None else None  # [V]
@@ -1443,7 +1452,7 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
     vocab_outer = N < V
     outer = S if vocab_outer else len(row_starts)  # the items split over the workers
     n_workers = max(1, min(_cpu_workers.workers(), outer))
-    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev)  # [N, H]
+    d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev) if opt.grad_input else None  # [N, H]
     d_weight = torch.empty(V, H, dtype=weight.dtype, device=dev) if opt.grad_weight else None  # [V, H]
     d_bias = torch.zeros(V, dtype=cdt, device=dev) if bias is not None and vocab_outer else None  # [V]
     h_all = hidden.to(cdt) if vocab_outer else None  # [N, H] (token-sized; a view for float32)
@@ -1453,7 +1462,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
         zbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev)  # this worker's tile, reused
         pbuf = torch.empty(rows * vchunk, dtype=cdt, device=dev) if use_ent else None
         # [N or V, H] this worker's share of the gradient over the outer loop: d_hidden (vocabulary outer) or d_weight
-        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) if vocab_outer or opt.grad_weight else None
+        wanted = opt.grad_input if vocab_outer else opt.grad_weight
+        acc = torch.zeros(N if vocab_outer else V, H, dtype=cdt, device=dev) if wanted else None
         acc_b = torch.zeros(V, dtype=cdt, device=dev) if b is not None and not vocab_outer else None  # [V]
         for o in range(outer * worker // n_workers, outer * (worker + 1) // n_workers):
             if vocab_outer:  # chunk o of the vocabulary against every token: its d_weight slice, written once
@@ -1465,7 +1475,8 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
                 for r0 in row_starts:
                     h_c = h_all[r0:r0 + rows]  # [n, H]
                     dz = tile(r0, o, h_c, w_j, zbuf, pbuf)  # [n, vc]
-                    acc[r0:r0 + rows].addmm_(dz, w_j)
+                    if acc is not None:
+                        acc[r0:r0 + rows].addmm_(dz, w_j)
                     if dw_j is not None:
                         dw_j.addmm_(dz.T, h_c)
                     if b is not None:
@@ -1475,28 +1486,35 @@ def _backward_torch(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy,
             else:  # rows o against the whole vocabulary: their d_hidden, written once
                 r0 = row_starts[o]
                 h_c = hidden[r0:r0 + rows].to(cdt)  # [n, H]
-                dh_c = torch.zeros(h_c.shape[0], H, dtype=cdt, device=dev)  # [n, H]
+                dh_c = torch.zeros(h_c.shape[0], H, dtype=cdt, device=dev) if opt.grad_input else None  # [n, H]
                 for j in range(S):
                     v0, v1 = j * vchunk, min(V, (j + 1) * vchunk)
                     dz = tile(r0, j, h_c, w_all[v0:v1], zbuf, pbuf)  # [n, vc]
-                    dh_c.addmm_(dz, w_all[v0:v1])
+                    if dh_c is not None:
+                        dh_c.addmm_(dz, w_all[v0:v1])
                     if acc is not None:
                         acc[v0:v1].addmm_(dz.T, h_c)
                     if acc_b is not None:
                         acc_b[v0:v1] += dz.sum(0)
-                d_hidden[r0:r0 + rows] = dh_c
+                if dh_c is not None:
+                    d_hidden[r0:r0 + rows] = dh_c
         return acc, acc_b
 
-    parts = _cpu_workers.run(work, n_workers)
-    acc, acc_b = parts[0]
-    for more, more_b in parts[1:]:  # in worker order
-        acc = None if acc is None else acc.add_(more)
-        acc_b = None if acc_b is None else acc_b.add_(more_b)
+    acc, acc_b = _sum_in_worker_order(_cpu_workers.run(work, n_workers))
     if acc is not None:
         (d_hidden if vocab_outer else d_weight).copy_(acc)
-    if acc_b is not None:
-        d_bias = acc_b
+    d_bias = d_bias if acc_b is None else acc_b
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
+
+
+def _sum_in_worker_order(parts: list) -> tuple:
+    """The workers' ``(acc, acc_b)`` of :func:`_backward_torch` added in worker order, so the same bits at the same
+    thread count (None stays None)."""
+    acc, acc_b = parts[0]
+    for more, more_b in parts[1:]:
+        acc = None if acc is None else acc.add_(more)
+        acc_b = None if acc_b is None else acc_b.add_(more_b)
+    return acc, acc_b
 
 
 # ---------------------------------------------------------------- torch.library ops and their autograd.Functions
@@ -1566,7 +1584,8 @@ def _(hidden, weight, labels, bias, *options):
 def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *options):
     """Upstream ``g_logp``, ``g_entropy`` [N]; the forward's inputs; its ``stats`` [2, N], ``entropy`` [N] and
     ``logp`` [N] (log p of the label, exact, for its dz entry); then ``*option_values(LinearLogprobsBackwardOptions)``.
-    Returns ``(d_hidden [N, H], d_weight [V, H] or [0] without grad_weight, d_bias [V] or [0])``."""
+    Returns ``(d_hidden [N, H] or [0] without grad_input, d_weight [V, H] or [0] without grad_weight, d_bias [V]
+    or [0])``."""
     opt = options_from(LinearLogprobsBackwardOptions, options)
     if not opt.return_entropy:
         g_entropy = torch.zeros_like(g_logp)  # [N] the entropy output was zeros, not a function of the inputs
@@ -1576,14 +1595,16 @@ def _linear_logprobs_backward_op(g_logp, g_entropy, hidden, weight, labels, bias
         if keep is None:
             dh, dw, db = impl(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, opt)
         else:
-            dh = hidden.new_zeros(hidden.shape)  # [N, H] exact zeros at the ignored rows
+            dh = hidden.new_zeros(hidden.shape) if opt.grad_input else None  # [N, H] exact zeros at ignored rows
             dw = weight.new_zeros(weight.shape) if opt.grad_weight else None  # [V, H]
             db = None if bias is None else bias.new_zeros(bias.shape)  # [V]
             if keep.numel():
-                dh[keep], dw, db = impl(g_logp[keep], g_entropy[keep], hidden[keep], weight, labels[keep], bias,
-                                        stats[:, keep], entropy[keep], logp[keep], opt)
+                dh_kept, dw, db = impl(g_logp[keep], g_entropy[keep], hidden[keep], weight, labels[keep], bias,
+                                       stats[:, keep], entropy[keep], logp[keep], opt)
+                if dh is not None:
+                    dh[keep] = dh_kept
     # [0] for a gradient not computed (one tensor each: a custom op's outputs may not alias each other)
-    return dh, hidden.new_empty(0) if dw is None else dw, hidden.new_empty(0) if db is None else db
+    return tuple(hidden.new_empty(0) if g is None else g for g in (dh, dw, db))
 
 
 @_linear_logprobs_backward_op.register_fake
@@ -1592,18 +1613,21 @@ def _(g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy, logp, *op
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)  # [V] or [0]
     dense = torch.contiguous_format
     dw = torch.empty_like(weight, memory_format=dense) if opt.grad_weight else hidden.new_empty(0)  # [V, H] or [0]
-    return torch.empty_like(hidden, memory_format=dense), dw, db
+    dh = torch.empty_like(hidden, memory_format=dense) if opt.grad_input else hidden.new_empty(0)  # [N, H] or [0]
+    return dh, dw, db
 
 
-# where LinearLogprobsBackwardOptions' one extra field, grad_weight (a bool, its last field), sits in its lists
+# where LinearLogprobsBackwardOptions' two extra fields, grad_weight and grad_input (bools, its last fields), sit
+# in its lists
 _BOOL_LIST = [type(values[0]) for values in option_values(LinearLogprobsOptions(1.0, True, 0))].index(bool)
 
 
-def _backward_option_lists(options: tuple, grad_weight: bool) -> tuple:
+def _backward_option_lists(options: tuple, grad_weight: bool, grad_input: bool) -> tuple:
     """The backward op's option lists (:class:`LinearLogprobsBackwardOptions`) from the forward op's ``options``
-    (:class:`LinearLogprobsOptions`' lists): ``grad_weight`` appended to the bool list. Plain list work, which
-    torch.compile traces in the backward (a dataclass rebuilt there, with ``options_from``, it cannot)."""
-    return tuple([*values, grad_weight] if k == _BOOL_LIST else values for k, values in enumerate(options))
+    (:class:`LinearLogprobsOptions`' lists): ``grad_weight`` and ``grad_input`` appended to the bool list. Plain
+    list work, which torch.compile traces in the backward (a dataclass rebuilt there, with ``options_from``, it
+    cannot)."""
+    return tuple([*values, grad_weight, grad_input] if k == _BOOL_LIST else values for k, values in enumerate(options))
 
 
 def _setup_context(ctx, inputs, output):
@@ -1620,10 +1644,10 @@ def _backward(ctx, g_logp, g_entropy, _g_stats):
     hidden, weight, labels, bias, stats, entropy, logp = ctx.saved_tensors
     g_logp = torch.zeros_like(logp) if g_logp is None else g_logp  # [N]
     g_entropy = torch.zeros_like(logp) if g_entropy is None else g_entropy  # [N]
-    grad_weight = ctx.needs_input_grad[1]  # a frozen head: no d_weight GEMM, no [V, H] buffer
+    grad_input, grad_weight = ctx.needs_input_grad[:2]  # each gradient not wanted: no GEMM and no buffer for it
     dh, dw, db = call(_linear_logprobs_backward_op, g_logp, g_entropy, hidden, weight, labels, bias, stats, entropy,
-                      logp, *_backward_option_lists(ctx.options, grad_weight))
-    return dh, dw if grad_weight else None, None, db if ctx.has_bias else None
+                      logp, *_backward_option_lists(ctx.options, grad_weight, grad_input))
+    return dh if grad_input else None, dw if grad_weight else None, None, db if ctx.has_bias else None
 
 
 _LinearLogprobs = autograd_function("_LinearLogprobs", _linear_logprobs_op, _setup_context, _backward)

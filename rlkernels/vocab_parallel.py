@@ -189,8 +189,9 @@ class _LinearLogprobs(torch.autograd.Function):
             g_logp, g_ent = g_logp[keep], g_ent[keep]  # [n]
         dh, dw, db = call(fused_linear._linear_logprobs_backward_op, g_logp.contiguous(), g_ent.contiguous(), h,
                           weight, y_local, bias, stats, entropy, logp,
-                          *fused_linear._backward_option_lists(option_values(ctx.opt), ctx.needs_input_grad[1]))
-        # dh [n, H], dw [V_r, H] or [0] (a frozen head), db [V_r] or [0]
+                          *fused_linear._backward_option_lists(option_values(ctx.opt), ctx.needs_input_grad[1],
+                                                              ctx.needs_input_grad[0]))
+        # dh [n, H] or [0] (only the head trains), dw [V_r, H] or [0] (a frozen head), db [V_r] or [0]
         if ctx.needs_input_grad[0]:
             dist.all_reduce(dh, group=ctx.group)  # d_hidden = Σ_r dz_r W_r
             if keep is not None:

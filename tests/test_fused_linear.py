@@ -682,7 +682,7 @@ def test_backward_adds_no_gradient_by_scatter(backend, dtype):
     leaves, labels, g_logp, g_ent = _repeated_label_inputs("cpu", dtype)
     hidden, weight, bias = (x.detach() for x in leaves)
     opt = fl_module.LinearLogprobsBackwardOptions(temperature=0.8, return_entropy=True, ignore_index=-100,
-                                                  grad_weight=True)
+                                                  grad_weight=True, grad_input=True)
     # the backward's implementation called directly: a dispatch mode sees a custom op's call, not the ops inside it
     with forced_backend(backend):
         logp, ent, stats = fl_module._FWD_IMPLS[backend](hidden, weight, labels, bias, opt)  # [N], [N], [2, N]
@@ -1533,3 +1533,34 @@ def test_frozen_head_backward_allocates_no_weight_sized_gradient(backend, dtype)
                 trainable = measure_cpu(lambda: grads(w)).peak_bytes
                 peak = measure_cpu(lambda: grads(frozen)).peak_bytes
                 assert peak <= trainable - V * H * frozen.element_size(), (backend, dtype, peak, trainable)
+
+
+@pytest.mark.parametrize("backend", [b for b in backends("cpu") if b != "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_hidden_backward_allocates_no_hidden_sized_gradient(backend, dtype):
+    """Only the head trains (hidden.requires_grad=False: features computed without grad): the backward neither
+    runs the d_hidden GEMM nor allocates an [N, H] buffer nobody receives: the backward's peak is below the one
+    with a trainable hidden by at least d_hidden (and its float32 accumulator for 16-bit), and d_weight and d_bias are those of the same
+    call with a trainable hidden (bit for bit). Both orders (N >= V tokens outer, N < V vocabulary outer), with
+    ignored tokens (the compacted rows)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    for N, H, V in ((400, 96, 40), (8, 64, 2000)):
+        hidden, weight, b, labels, g_logp, g_ent = _inputs(N, H, V, bias=True, seed=6)
+        frozen = hidden.to(dtype)  # [N, H] no gradient wanted
+        w, bb = _leaf(weight, dtype), _leaf(b, dtype)  # [V, H], [V]
+
+        def backward(h):  # the backward alone: d_weight, d_bias of Σ g_logp·logp + g_ent·H
+            logp, ent = linear_logprobs(h, w, labels, bias=bb, temperature=0.9, return_entropy=True)  # [N] each
+            loss = (logp * g_logp.float()).sum() + (ent * g_ent.float()).sum()
+            return lambda: torch.autograd.grad(loss, (w, bb), retain_graph=True)
+
+        with forced_backend(backend):
+            trainable, only_head = backward(_leaf(hidden, dtype)), backward(frozen)
+            want, got = trainable(), only_head()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (backend, dtype, N, V)
+            with_dh = measure_cpu(trainable).peak_bytes
+            peak = measure_cpu(only_head).peak_bytes
+            # d_hidden, and for 16-bit its float32 accumulator (all N tokens in one chunk at these sizes)
+            saved = N * H * (frozen.element_size() + (4 if dtype != torch.float32 else 0))
+            assert peak <= with_dh - saved, (backend, dtype, N, V, peak, with_dh)
