@@ -1513,33 +1513,6 @@ def linear_policy_loss(
     process_group=None,
     vocab_start: int | None = None,
 ):
-    """The PPO/GRPO policy loss from final hidden states through the LM head, in three GEMMs.
-
-    Equal (to float32 rounding, forward and backward) to::
-
-        logp, ent = rlkernels.linear_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
-                                              return_entropy=True)
-        rlkernels.policy_loss(logp, old_logp, advantages, mask, ..., entropy=ent if entropy_coef else None)
-
-    but the head's gradient is formed during the forward (the loss is known then), which saves the backward's
-    logits recomputation: three GEMMs instead of four, and never an ``[N, V]`` tensor (chunks of tokens;
-    whole sequences with ``ratio="sequence"``). On the CPU, where three GEMMs would need a float32 ``[V, H]``
-    buffer beside a 16-bit weight's gradient (more than ``H/2`` tokens) or chunks of fewer than 128 tokens
-    (float32), it runs exactly that two-op composition itself -- four GEMMs, the two-op path's memory, the same
-    outputs and metrics (the module docstring says why).
-
-    Args:
-        hidden: ``[B, T, H]`` final hidden states at the positions that predict ``labels`` (float32/bf16/fp16).
-        weight: ``[V, H]`` output embedding (``lm_head.weight``), same dtype and device.
-        labels: ``[B, T]`` integer token ids in ``[0, V)`` (or ``ignore_index``).
-        bias: optional ``[V]`` output bias.""" + _POLICY_DOC_ARGS + """
-        process_group, vocab_start: the vocabulary split over a process group, as in
-            :func:`rlkernels.linear_logprobs` (``weight``/``bias`` the rank's slice, ``hidden``, ``labels`` and the
-            per-token tensors the same on every rank): the log-probs and entropy are merged across ranks first
-            (one collective), then the policy loss runs on them, replicated on every rank
-            (:mod:`rlkernels.vocab_parallel`; four GEMMs there, not three). ``d_hidden`` is all-reduced over
-            the group in the backward.
-""" + _RETURNS_DOC
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
     grad_on = torch.is_grad_enabled()
@@ -1568,6 +1541,39 @@ def linear_policy_loss(
     return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
 
 
+# The docstrings are assembled from the shared pieces above; a concatenation in a function's body is an
+# expression, not a docstring, so they are assigned here.
+linear_policy_loss.__doc__ = (
+    """The PPO/GRPO policy loss from final hidden states through the LM head, in three GEMMs.
+
+    Equal (to float32 rounding, forward and backward) to::
+
+        logp, ent = rlkernels.linear_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+                                              return_entropy=True)
+        rlkernels.policy_loss(logp, old_logp, advantages, mask, ..., entropy=ent if entropy_coef else None)
+
+    but the head's gradient is formed during the forward (the loss is known then), which saves the backward's
+    logits recomputation: three GEMMs instead of four, and never an ``[N, V]`` tensor (chunks of tokens;
+    whole sequences with ``ratio="sequence"``). On the CPU, where three GEMMs would need a float32 ``[V, H]``
+    buffer beside a 16-bit weight's gradient (more than ``H/2`` tokens) or chunks of fewer than 128 tokens
+    (float32), it runs exactly that two-op composition itself -- four GEMMs, the two-op path's memory, the same
+    outputs and metrics (the module docstring says why).
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states at the positions that predict ``labels`` (float32/bf16/fp16).
+        weight: ``[V, H]`` output embedding (``lm_head.weight``), same dtype and device.
+        labels: ``[B, T]`` integer token ids in ``[0, V)`` (or ``ignore_index``).
+        bias: optional ``[V]`` output bias.""" + _POLICY_DOC_ARGS + """
+        process_group, vocab_start: the vocabulary split over a process group, as in
+            :func:`rlkernels.linear_logprobs` (``weight``/``bias`` the rank's slice, ``hidden``, ``labels`` and the
+            per-token tensors the same on every rank): the log-probs and entropy are merged across ranks first
+            (one collective), then the policy loss runs on them, replicated on every rank
+            (:mod:`rlkernels.vocab_parallel`; four GEMMs there, not three). ``d_hidden`` is all-reduced over
+            the group in the backward.
+""" + _RETURNS_DOC
+)
+
+
 def logits_policy_loss(
     logits: torch.Tensor,  # [B, T, V]
     labels: torch.Tensor,  # [B, T] int
@@ -1589,6 +1595,22 @@ def logits_policy_loss(
     ignore_index: int = -100,
     return_entropy: bool = False,
 ):
+    policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
+                         kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
+    grads = (torch.is_grad_enabled() and _checks.tensor(logits, "logits").requires_grad, False, False)
+    opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
+                    advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
+                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
+    constants = tuple(None if t is None else t.detach()
+                      for t in (old_logp, advantages, _checks.mask_as_bool(mask), ref_logp))
+    with _backend.float32_compute(logits.device):
+        if _backend.serves_reference(_LOGITS_IMPLS, logits):
+            return _reference_logits(logits, labels, *constants, opt)
+        loss, metrics, logp, ent, _ = _LogitsPolicyLoss.apply(logits, labels.long(), *constants, *option_values(opt))
+    return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
+
+
+logits_policy_loss.__doc__ = (
     """The PPO/GRPO policy loss from logits a caller already holds, with ``d_logits`` written in the forward.
 
     Equal (to float32 rounding, forward and backward) to
@@ -1605,16 +1627,4 @@ def logits_policy_loss(
     Args:
         logits: ``[B, T, V]`` float32/bf16/fp16 logits (not divided by the temperature).
         labels: ``[B, T]`` integer token ids in ``[0, V)`` (or ``ignore_index``).""" + _POLICY_DOC_ARGS + _RETURNS_DOC
-    policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
-                         kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
-    grads = (torch.is_grad_enabled() and _checks.tensor(logits, "logits").requires_grad, False, False)
-    opt = _validate(head_input=logits, head_name="logits", weight=None, labels=labels, bias=None, old_logp=old_logp,
-                    advantages=advantages, mask=mask, ref_logp=ref_logp, temperature=temperature,
-                    ignore_index=ignore_index, return_entropy=return_entropy, policy_kwargs=policy_kwargs, grads=grads)
-    constants = tuple(None if t is None else t.detach()
-                      for t in (old_logp, advantages, _checks.mask_as_bool(mask), ref_logp))
-    with _backend.float32_compute(logits.device):
-        if _backend.serves_reference(_LOGITS_IMPLS, logits):
-            return _reference_logits(logits, labels, *constants, opt)
-        loss, metrics, logp, ent, _ = _LogitsPolicyLoss.apply(logits, labels.long(), *constants, *option_values(opt))
-    return loss, _metrics_dict(metrics, logp, ent, opt, ref_logp is not None)
+)

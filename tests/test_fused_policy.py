@@ -1758,3 +1758,17 @@ def test_meta_tensors_run_forward_and_backward_on_every_layout(dtype):
         (d_z,) = torch.autograd.grad(loss * 2, (z,))
     for g, x in ((d_h, h), (d_w, w), (d_z, z)):
         assert g.device.type == "meta" and g.shape == x.shape and g.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["linear_policy_loss", "logits_policy_loss"])
+def test_public_docstring_states_every_argument(name):
+    """README: each public function's docstring states its arguments. These two build theirs from shared pieces
+    (``_POLICY_DOC_ARGS``, ``_RETURNS_DOC``); a concatenation in the function body is an expression, not a
+    docstring, so ``help()`` showed nothing. The text must reach ``__doc__`` and name every parameter."""
+    import inspect
+
+    fn = getattr(rlkernels, name)
+    doc = inspect.getdoc(fn) or ""
+    assert "Returns:" in doc and "token_logp" in doc, f"{name}.__doc__ is {fn.__doc__!r:.80}"
+    missing = [p for p in inspect.signature(fn).parameters if p not in doc]
+    assert not missing, f"{name}'s docstring does not state {missing}"
