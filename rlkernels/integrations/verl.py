@@ -3,12 +3,18 @@
 ::
 
     import rlkernels.integrations.verl as rkv
-    rkv.register()            # before verl builds its actor/trainer (e.g. at the top of your main_ppo entry)
+    rkv.register()            # in every process that builds verl's actor/trainer (see below)
 
 then in the verl config::
 
     actor_rollout_ref.actor.policy_loss.loss_mode=rlkernels_vanilla   # or rlkernels_gspo
     algorithm.adv_estimator=rlkernels_grpo                              # or rlkernels_rloo
+
+``register()`` changes only the process it runs in. verl's actor, rollout and reference workers are Ray processes,
+so a call in the driver (your ``main_ppo`` entry) alone does not reach them: give Ray the hook where your launcher
+calls ``ray.init``, ``runtime_env={"worker_process_setup_hook": "rlkernels.integrations.verl.register"}``, or call
+it at the top of a module every worker imports (README, "verl"; a Ray worker is tested in
+``tests/test_integrations_verl.py``).
 
 Everything here follows verl's semantics (checked against ``verl.trainer.ppo.core_algos`` in
 ``tests/test_integrations_verl.py``): its ``agg_loss`` modes including ``global_batch_info``
