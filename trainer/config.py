@@ -2,9 +2,10 @@
 
 Every field carries a docstring (the string right under it); the CLI's ``--help``
 is generated from those docstrings, so they are the documentation. Precedence:
-field defaults < preset < config file (JSON or TOML) < command-line flags.
-Every check runs in :meth:`TrainConfig.validate` before any model is loaded, and
-each failure names the field.
+field defaults < preset < recipe (``--recipe``, trainer/recipes.py) < config file (JSON or TOML) < command-line flags.
+Every check of the fields' values runs in :meth:`TrainConfig.validate` before any model is loaded, and each
+failure names the field; what needs a loaded tokenizer or model, or the reward function's first batch (whether
+``ratio`` 'sequence' changes anything with a ``module:function`` reward), is checked once those exist.
 """
 from __future__ import annotations
 
