@@ -245,6 +245,16 @@ def logprobs_from_logits(
     :func:`linear_logprobs` (the partials here are eager PyTorch on the ``[N, V_r]`` slice, which is already held;
     the gradient is autograd's through them and the merge, whose collective's backward keeps each rank's own part).
 
+    Args:
+        logits: ``[..., V_r]`` this rank's columns of the logits, any float dtype.
+        labels: ``[...]`` integer token ids in the FULL vocabulary ``[0, V)`` (each rank reads the ones in its
+            slice), or None for the entropy alone.
+        process_group: the group the vocabulary is split over (every rank holds one contiguous slice).
+        vocab_start: this rank's first column in the full vocabulary (an int >= 0).
+        temperature: divides the logits (> 0), as in :func:`rlkernels.logprobs`.
+        return_entropy: also return the entropy of the full softmax.
+        ignore_index: tokens with this label give 0 in both outputs and no gradient.
+
     Returns ``logp`` ``[...]`` float32 (float64 logits compute in float64), and with ``return_entropy`` also
     ``entropy``; with ``labels=None`` only the entropy. Differentiable in ``logits``; every rank must call it
     (the same ``labels``, the same upstream gradients).
