@@ -122,11 +122,21 @@ def index(value, name: str) -> int:
     return int(value)
 
 
+def _host_item(value: torch.Tensor, name: str, kind: str):
+    """A one-element tensor option's value, read on the host. While torch.compile traces, the value is unknown (an
+    unbacked symbol that the range checks cannot compare, and no op option can hold): refused naming the option, so
+    fullgraph=True fails with that message; without fullgraph Dynamo then runs the frame eagerly, which reads it."""
+    if torch.compiler.is_compiling():
+        raise TypeError(f"{name} must be a Python {kind} inside torch.compile, got a tensor (its value is not known "
+                        f"while tracing): pass {name}.item() from outside the compiled function")
+    return value.item()
+
+
 def flag(value, name: str) -> bool:
     """A boolean option (``return_entropy``, ``shift_mean``): ``True``/``False`` (NumPy's too) or 0/1; anything
     else, e.g. the string ``"no"``, is refused rather than read as true."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype == torch.bool:
-        value = bool(value.item())
+        value = bool(_host_item(value, name, "bool"))
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value in (0, 1):
         value = bool(value)
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):  # not a numbers.Integral
@@ -152,7 +162,7 @@ def finite(value, name: str) -> float:
     """A real, finite Python number (coefficients: ``kl_coef``, ``entropy_coef``...)."""
     # any real number: Python and NumPy scalars, and one-element tensors (read once on the host)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
-        value = value.item()
+        value = _host_item(value, name, "number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:

@@ -139,3 +139,29 @@ def test_unchecked_mask_values_count_as_one_on_every_backend(backend):
         torch.testing.assert_close(loss, want, msg=op.__name__)
         for key in want_metrics:
             torch.testing.assert_close(metrics[key], want_metrics[key], msg=f"{op.__name__} {key}")
+
+
+_TENSOR_OPTIONS = [
+    ("logprobs temperature", lambda t: rlkernels.logprobs(_LOGITS, _LABELS, temperature=t), torch.tensor(0.7)),
+    ("logprobs return_entropy", lambda f: rlkernels.logprobs(_LOGITS, _LABELS, return_entropy=f)[0],
+     torch.tensor(True)),
+    ("policy_loss clip_low", lambda c: rlkernels.policy_loss(_LOGP, _OLD, _ADV, _MASK, clip_low=c), torch.tensor(0.3)),
+    ("policy_loss kl_coef", lambda k: rlkernels.policy_loss(_LOGP, _OLD, _ADV, _MASK, ref_logp=_OLD, kl_coef=k),
+     torch.tensor(0.1)),
+    ("value_loss clip", lambda c: rlkernels.value_loss(_LOGP, _OLD, _ADV, _MASK, clip=c), torch.tensor(0.2)),
+    ("linear_policy_loss temperature", lambda t: rlkernels.linear_policy_loss(_HIDDEN, _WEIGHT, _LABELS, _OLD, _ADV,
+                                                                              _MASK, temperature=t), torch.tensor(0.7)),
+]
+
+
+@pytest.mark.parametrize("name,fn,value", _TENSOR_OPTIONS, ids=[c[0] for c in _TENSOR_OPTIONS])
+def test_a_tensor_option_under_fullgraph_is_refused_naming_it(name, fn, value):
+    """A one-element tensor option (accepted eagerly, read on the host) has no value while torch.compile traces:
+    with fullgraph=True the call fails with an error naming the option (not Dynamo's 'sympy expression is NaN'
+    from comparing an unknown float), and without fullgraph the frame falls back to eager and matches it."""
+    option = name.split()[-1]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"{option} must be a Python (number|bool) inside torch.compile"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(value)
+    torch._dynamo.reset()
+    torch.testing.assert_close(_first(torch.compile(fn, backend="aot_eager")(value)), _first(fn(value)))
