@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import torch
 
@@ -122,6 +123,13 @@ def index(value, name: str) -> int:
     return int(value)
 
 
+def _traced_numpy(value) -> bool:
+    """Whether ``value`` is a NumPy scalar as torch.compile traces it: Dynamo turns NumPy values into 0-d arrays,
+    which are no ``numbers.Real`` there, though ``float`` of them traces."""
+    np = sys.modules.get("numpy")  # not imported: no NumPy value can reach here
+    return np is not None and torch.compiler.is_compiling() and isinstance(value, np.ndarray) and value.ndim == 0
+
+
 def _host_item(value: torch.Tensor, name: str, kind: str):
     """A one-element tensor option's value, read on the host. While torch.compile traces, the value is unknown (an
     unbacked symbol that the range checks cannot compare, and no op option can hold): refused naming the option, so
@@ -163,6 +171,8 @@ def finite(value, name: str) -> float:
     # any real number: Python and NumPy scalars, and one-element tensors (read once on the host)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex and value.dtype != torch.bool:
         value = _host_item(value, name, "number")
+    if _traced_numpy(value):  # e.g. an np.float64 coefficient, which float() of traces as a constant
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:

@@ -51,6 +51,7 @@ def test_whole_step_compiles_with_inductor_in_a_fresh_process():
     assert "compiled step matches eager" in result.stdout
 
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -165,3 +166,21 @@ def test_a_tensor_option_under_fullgraph_is_refused_naming_it(name, fn, value):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(value)
     torch._dynamo.reset()
     torch.testing.assert_close(_first(torch.compile(fn, backend="aot_eager")(value)), _first(fn(value)))
+
+
+_NUMPY_FLOAT64_OPTIONS = [
+    ("policy_loss kl_coef", lambda k: rlkernels.policy_loss(_LOGP, _OLD, _ADV, _MASK, ref_logp=_OLD, kl_coef=k)),
+    ("policy_loss clip_low", lambda c: rlkernels.policy_loss(_LOGP, _OLD, _ADV, _MASK, clip_low=c)),
+    ("logprobs temperature", lambda t: rlkernels.logprobs(_LOGITS, _LABELS, temperature=t)),
+    ("value_loss clip", lambda c: rlkernels.value_loss(_LOGP, _OLD, _ADV, _MASK, clip=c)),
+]
+
+
+@pytest.mark.parametrize("name,fn", _NUMPY_FLOAT64_OPTIONS, ids=[c[0] for c in _NUMPY_FLOAT64_OPTIONS])
+def test_numpy_float64_options_compile_with_fullgraph(name, fn):
+    """An np.float64 option (an adaptive KL controller's coefficient), accepted eagerly, also works under
+    torch.compile(fullgraph=True), where Dynamo hands it over as a 0-d array: each call matches eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for value in (np.float64(0.3), np.float64(0.7)):
+        torch.testing.assert_close(_first(compiled(value)), _first(fn(value)), msg=f"{name}={value!r}")
