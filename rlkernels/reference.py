@@ -232,7 +232,9 @@ def policy_loss(
         pg_clipped = -adv * torch.clamp(r, 1.0 - clip_low, 1.0 + high)  # [B, T]
         pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
         if dual_clip is not None:
-            pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+            # the cap only where strictly smaller: on a tie pg keeps its gradient (torch.minimum would halve it)
+            cap = -adv * dual_clip  # [B, T]
+            pg = torch.where((adv < 0) & ~(pg <= cap), torch.minimum(pg, cap), pg)
         return r, pg_unclipped, pg_clipped, pg
 
     r, pg_unclipped, pg_clipped, pg = surrogate(lr)
@@ -292,7 +294,8 @@ def value_loss(
         # which made clipfrac count unclipped tokens
         v_clipped = torch.clamp(v, old - clip, old + clip)  # [B, T]
         clipped = (v_clipped - ret).square()  # [B, T]
-        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        # unclipped on a tie, as the kernels (torch.maximum would halve its gradient); NaN propagates
+        per_token = 0.5 * torch.where(unclipped >= clipped, unclipped, torch.maximum(unclipped, clipped))
         metrics["clipfrac"] = masked_mean((clipped > unclipped).to(v.dtype), m)
     loss = aggregate(per_token, m, agg)
     metrics["values_mean"] = masked_mean(v, m)

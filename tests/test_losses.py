@@ -1002,3 +1002,24 @@ def test_k3_in_the_policy_loss_near_the_reference(device, backend, ratio):
     assert metrics["kl"].item() == pytest.approx(truth.item(), rel=2e-5)
     assert loss.item() == pytest.approx(0.5 * truth.item(), rel=2e-5)
     torch.testing.assert_close(leaf.grad.cpu().double(), truth_grad, rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_ties_take_the_unclipped_branch_on_every_backend(backend):
+    """Where the unclipped term ties with the clipped one (value loss: (v-R)² = (clamp(v, old ± clip)-R)²; dual
+    clip: pg = -A·c), every backend takes the unclipped branch's gradient, as the kernels and policy_loss's
+    docstring do for the max; the reference split it in half there (torch.maximum/minimum), so
+    RLKERNELS_BACKEND=reference gave half the gradient of the torch and triton rows."""
+    mask = torch.ones(2, 3, dtype=torch.bool)  # [B, T]
+    # (v - R)² = 0.0625 = (clamp(v, -0.25, 0.25) - R)² exactly: gradient (v - R)/N = 0.25/6
+    values = torch.full((2, 3), 0.75, requires_grad=True)  # [B, T]
+    with forced_backend(backend):
+        loss, _ = rlkernels.value_loss(values, torch.zeros(2, 3), torch.full((2, 3), 0.5), mask, clip=0.25)
+    (grad,) = torch.autograd.grad(loss, values)
+    torch.testing.assert_close(grad, torch.full((2, 3), 0.25 / 6))
+    # r = exp(log 2) = 2 exactly = dual_clip with A = -1: pg = r = 2 = -A·c; gradient -A·r/N = 2/6
+    logp = torch.full((2, 3), 2.0).log().requires_grad_()  # [B, T]
+    with forced_backend(backend):
+        loss, _ = rlkernels.policy_loss(logp, torch.zeros(2, 3), -torch.ones(2, 3), mask, dual_clip=2.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.full((2, 3), 2.0 / 6))
