@@ -126,6 +126,10 @@ def _gae_kernel(
     ret_row = ret_ptr + rows64 * T
     ch = tl.arange(0, NCH)  # [NCH] chunks in scan order
     rel = (((NCH - 1 - ch) * VEC)[:, None] + tl.arange(0, VEC)[None, :])[None, :, :]  # [1, NCH, VEC] ascending
+    # float32 scalars (a no-op compiled, where they are float32 arguments): the interpreter passes Python floats,
+    # and a product below float32's normal range (1e-30 * 1e-30) would become a float64 constant there
+    gamma = tl.full([], gamma, tl.float32)
+    lam = tl.full([], lam, tl.float32)
     gl = gamma * lam
     last_tok = (tl.arange(0, VEC) == VEC - 1)[None, None, :]  # [1, 1, VEC]: a chunk's last token in scan order
     one = tl.full([BLOCK_B, NCH], 1.0, tl.float32)

@@ -662,6 +662,17 @@ def test_gae_accepts_unit_interval_ends(device, backend, csrc_ops):
 
 
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+def test_gae_accepts_tiny_gamma_lam(device, backend, csrc_ops):
+    """gamma/lam of any size in [0, 1], and products γλ below float32's normal range (1e-30 · 1e-30), are legal.
+    The Triton kernel reads them as float32 arguments; under the interpreter they arrived as Python floats, so
+    γλ = 1e-60 became a float64 constant and the launch crashed (numpy data 64 bits for a float32 tensor)."""
+    gen = torch.Generator().manual_seed(14)
+    r, v, m = gae_inputs(3, 9, "gaps", "per-token", torch.float32, gen)  # [B, T] x3
+    for gamma, lam in ((1e-30, 1e-30), (1e-40, 1.0), (1.0, 1e-46), (0.5, 1e-40)):
+        check_gae(backend, r, v, m, gamma, lam, REL_TOL[torch.float32], device=device)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("bad", [-1e-3, -1.0, float("nan"), float("inf"), -float("inf"), 10**400])
 def test_eps_must_be_finite_and_non_negative(device, backend, bad, csrc_ops):
     s = torch.randn(8)  # [N]
