@@ -234,6 +234,14 @@ def _group_scales(amax):
 
 
 @jit
+def _mean_error(dev_sum, n):
+    """The rounding error of a group's float32 mean, ``Σ(s - mean)/n`` from the sum of its deviations; 0 where that
+    is not finite (a group with ±inf, whose outputs stay those of ``s - mean``; a NaN group is NaN anyway)."""
+    err = dev_sum / n
+    return tl.where(tl.abs(err) < float("inf"), err, 0.0)
+
+
+@jit
 def _group_kernel(
     s_ptr, out_ptr,  # [N] float32
     perm_ptr, starts_ptr,  # [N], [G + 1] int64 (read only with HAS_INDEX)
@@ -277,19 +285,27 @@ def _group_kernel(
         mean = block_sum(acc, 0) / n
     constant = (block_sum(differ, 0) == 0) | (n < 2.0)
     ssq = tl.full([BLOCK], 0.0, tl.float32)
-    for i in range(0, count, BLOCK):  # pass 2: Σ(s·down - mean)², exact where Σs² - n·mean² is not
+    dev = tl.full([BLOCK], 0.0, tl.float32)
+    for i in range(0, count, BLOCK):  # pass 2: Σ(s·down - mean)² (exact where Σs² - n·mean² is not), Σ(s·down - mean)
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
-        d = x * down - mean
-        ssq += tl.where(ok, d * d, 0.0)
+        d = tl.where(ok, x * down - mean, 0.0)
+        ssq += d * d
+        dev += d
+    # corrected two-pass: a float32 mean of scores far from 0 is off by up to half their ulp, all of the spread of
+    # 1e4 + 1e-3 noise; Σ(s·down - mean)/n is that error (the tile kernel, with its group in registers, pivots)
+    dev_sum = block_sum(dev, 0)
+    err = _mean_error(dev_sum, n)
+    ssq = block_sum(ssq, 0) - err * dev_sum  # Σ(s·down - mean - err)²
+    ssq = tl.where(ssq < 0.0, 0.0, ssq)  # rounding below 0 clamped; NaN (a group with inf or NaN) kept
     if MODE == GRPO:  # (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
-        scale = 1.0 / (tl.sqrt(block_sum(ssq, 0) / tl.maximum(n - 1.0, 1.0)) + eps * down)
+        scale = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps * down)
     elif MODE == DR_GRPO:
         scale = up
     else:  # RLOO
         scale = n / tl.maximum(n - 1.0, 1.0) * up  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
     for i in range(0, count, BLOCK):  # pass 3: write
         src, ok, x = _group_block(s_run, run_ptr, i, count, HAS_INDEX, BLOCK)
-        y = tl.where(constant, 0.0, (x * down - mean) * scale)
+        y = tl.where(constant, 0.0, (x * down - mean - err) * scale)
         tl.store(out_run + src, y, mask=ok)
 
 
@@ -317,15 +333,21 @@ def _group_tile_kernel(
     # every member equal: max == min over the group, and no NaN (which makes the mean NaN and is never constant)
     top = block_max(tl.where(ok, x, float("-inf")), 1)  # [GROUPS]
     bottom = -block_max(tl.where(ok, -x, float("-inf")), 1)  # [GROUPS]
-    down, up = _group_scales(tl.maximum(top, -bottom))  # [GROUPS] each: 1 unless |s| is beyond 2**±32
-    x = x * down[:, None]  # [GROUPS, GS]: the statistics of s·down, scaled back below
+    down, _ = _group_scales(tl.maximum(top, -bottom))  # [GROUPS]: 1 unless |s| is beyond 2**±32
+    same = top == bottom  # [GROUPS]
+    # relative to a pivot, the group's largest score (0 where that is ±inf: a group with inf keeps s - mean's
+    # infinities): a float32 mean of scores far from 0 is off by up to half their ulp, which is all of the spread of
+    # 1e4 + 1e-3 noise; the mean of s - pivot is exact to float32 rounding of the spread, and so is each deviation
+    pivot = tl.where(tl.abs(top) < float("inf"), top, 0.0) * down  # [GROUPS]
+    x = tl.where(ok, x * down[:, None] - pivot[:, None], 0.0)  # [GROUPS, GS]: the statistics of s·down - pivot
     mean = block_sum(x, 1) / n  # [GROUPS]
     one_member = (n < 2.0).to(tl.int32)  # (a scalar; or-ed through int32: the interpreter cannot or a scalar bool)
-    constant = (((top == bottom) & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
+    constant = ((same & (mean == mean)).to(tl.int32) + one_member) > 0  # [GROUPS]
     d = tl.where(ok, x - mean[:, None], 0.0)  # [GROUPS, GS]
     ssq = block_sum(d * d, 1)  # [GROUPS]: Σ(s - mean)², exact where Σs² - n·mean² is not
     # (s - mean)/(std + eps) = (s·down - mean·down)/(std·down + eps·down)
     grpo = 1.0 / (tl.sqrt(ssq / tl.maximum(n - 1.0, 1.0)) + eps * down)  # [GROUPS]
+    up = 1.0 / down  # [GROUPS]: exact (a power of two), formed here rather than held across the tile (registers)
     rloo = n / tl.maximum(n - 1.0, 1.0) * up  # s - (Σs - s)/(n-1) = n/(n-1)·(s - mean)
     scale = tl.where(MODE == GRPO, grpo, tl.where(MODE == DR_GRPO, up, rloo))  # [GROUPS]
     y = tl.where(constant[:, None], 0.0, d * scale[:, None])  # [GROUPS, GS]

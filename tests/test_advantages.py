@@ -988,6 +988,50 @@ def test_group_advantages_scaling_keeps_ordinary_scores_bitwise(device):
 
 
 
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("groups", ["contiguous", "index", "index-unequal", "large"])
+def test_group_advantages_of_shifted_scores(device, backend, mode, groups, csrc_ops):
+    """Scores far from 0 with a spread of a few float32 ulps (1e4 + 1e-3 noise) are exact float32 inputs, so the
+    float64 truth of them is what every backend must give to float32 rounding. The Triton kernels rounded the
+    group's float32 mean (half an ulp of 1e4 is half the spread) and subtracted it: up to 100 % error, zeros where
+    the truth is not; the torch and csrc backends, in float64, were exact. A corrected two-pass mean fixes it."""
+    gen = torch.Generator().manual_seed(21)
+    n = {"contiguous": 64, "index": 64, "index-unequal": 65, "large": 2 * 4500}[groups]
+    s = (torch.randn(n, generator=gen, dtype=torch.float64) * 1e-3 + 1e4).float()  # [n]
+    if groups in ("contiguous", "large"):
+        kwargs = {"group_size": {"contiguous": 2, "large": 4500}[groups]}
+    elif groups == "index":  # pairs, interleaved: the tile kernel's gather
+        kwargs = {"index": torch.randperm(n, generator=gen) % (n // 2)}
+    else:  # groups of 2 and 3: the three-pass kernel
+        kwargs = {"index": torch.arange(n) * 2 // 5}
+    truth = reference.group_advantages(s.double(), mode=mode, **kwargs)  # [n]
+    out = run_on(device, backend, rlkernels.group_advantages, s, mode=mode, **kwargs)
+    assert rel_error(out, truth) <= REL_TOL[torch.float32], (backend, rel_error(out, truth))
+    assert torch.equal(out == 0, truth == 0)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("groups", ["contiguous", "index-unequal", "large"])
+def test_group_advantages_of_groups_with_inf(device, backend, mode, groups, csrc_ops):
+    """A group holding ±inf gives what s - mean gives in float64 (NaN at the inf, ±inf elsewhere; grpo: NaN, its
+    std being NaN), on every kernel, whatever the correction of the mean's rounding does to finite groups."""
+    inf = float("inf")
+    if groups == "large":  # the three-pass kernel, contiguous
+        s, kwargs = torch.tensor([inf, 1.0, 2.0]).repeat_interleave(1500), {"group_size": 4500}  # [4500]
+    else:
+        s = torch.tensor([inf, 1.0, 2.0, -inf, 3.0, 4.0, 4.0, 4.0, 1.0, 5.0, 5.0, 5.0])  # [12]
+        kwargs = {"group_size": 3} if groups == "contiguous" else {
+            "index": torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3, 4, 4, 4])}
+    truth = reference.group_advantages(s.double(), mode=mode, **kwargs)  # [N]
+    out = run_on(device, backend, rlkernels.group_advantages, s, mode=mode, **kwargs)
+    assert torch.equal(out.isnan(), truth.isnan()) and torch.equal(out.isinf(), truth.isinf())
+    fin = torch.isfinite(truth)
+    assert torch.equal(out[~fin & ~truth.isnan()], truth[~fin & ~truth.isnan()].float())
+    assert rel_error(out[fin], truth[fin]) <= REL_TOL[torch.float32]
+
+
 # groups of tiny scores (1e-25, float32 denormals down to 1e-45) and one of ordinary ones
 _TINY_SCORES = [1e-25, 3e-25, -2e-25, 5e-26, 1e-40, 2e-40, 3e-40, 1e-45, 1.0, 2.0, 3.0, 4.0, -3e-30, 0.0, 1e-31, 2e-30]
 
