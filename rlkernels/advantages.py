@@ -1334,17 +1334,15 @@ def _process_kernel(
         lo = g * group_size
         hi = lo + group_size
     cnt = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
-    acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     nan = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     big = tl.full([BLOCK_R, BLOCK_S], float("inf"), tl.float32)
     top = -big  # running max of the valid rewards
     neg = -big  # running max of their negations (-min)
-    for off in range(lo, hi, BLOCK_R):  # pass 1: count, sum, max, min, NaNs
+    for off in range(lo, hi, BLOCK_R):  # pass 1: count, max, min, NaNs
         row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
         for s0 in range(0, S, BLOCK_S):
             s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
             cnt += w.to(tl.float32)
-            acc += x
             nan += tl.where(w & (x != x), 1.0, 0.0)
             top = tl.maximum(top, tl.where(w, x, -big))
             neg = tl.maximum(neg, tl.where(w, -x, -big))
@@ -1353,16 +1351,18 @@ def _process_kernel(
     min_g = -block_max(block_max(neg, 1), 0)
     # the statistics of r·down (see _group_scales: 1 unless |r| passes 2**32 or is below 2**-32), scaled back by up
     down, up = _group_scales(tl.maximum(top_g, -min_g))
-    mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)  # the mean of r·down: a scaled group sums again
-    if down != 1.0:  # rewards past 2**32 (the sum above may have overflowed): pass 1b, the sum of r·down
-        acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
-        for off in range(lo, hi, BLOCK_R):
-            row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
-            for s0 in range(0, S, BLOCK_S):
-                s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms,
-                                         BLOCK_S)
-                acc += x * down
-        mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)
+    # relative to a pivot, the group's largest valid reward (0 where that is ±inf, or where there is none): a float32
+    # mean of rewards far from 0 is off by up to half their ulp, all of the spread of 1e4 + 1e-3 noise; the mean of
+    # r·down - pivot is exact to float32 rounding of the spread (and never overflows: |r·down| < 4 past 2**32)
+    pivot = tl.where(tl.abs(top_g) < float("inf"), top_g, 0.0) * down
+    acc = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
+    for off in range(lo, hi, BLOCK_R):  # pass 1b: Σ(r·down - pivot)
+        row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
+        for s0 in range(0, S, BLOCK_S):
+            s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms,
+                                     BLOCK_S)
+            acc += tl.where(w, x * down - pivot, 0.0)
+    mean = block_sum(block_sum(acc, 1), 0) / tl.maximum(n, 1.0)  # the mean of r·down - pivot
     constant = ((top_g == min_g) & (block_sum(block_sum(nan, 1), 0) == 0.0)) | (n < 2.0)
     ssq = tl.full([BLOCK_R, BLOCK_S], 0.0, tl.float32)
     if STD:
@@ -1370,7 +1370,7 @@ def _process_kernel(
             row, row_ok = _process_rows(perm_ptr, off, hi, HAS_INDEX, BLOCK_R)
             for s0 in range(0, S, BLOCK_S):
                 s, w, x = _process_steps(r_ptr, m_ptr, row, row_ok, s0, S, stride_rb, stride_rs, stride_mb, stride_ms, BLOCK_S)
-                d = tl.where(w, x * down - mean, 0.0)
+                d = tl.where(w, x * down - pivot - mean, 0.0)
                 ssq += d * d
         # (r - mean)/(std + eps) = (r·down - mean·down)/(std·down + eps·down)
         scale = 1.0 / (tl.sqrt(block_sum(block_sum(ssq, 1), 0) / tl.maximum(n - 1.0, 1.0)) + eps * down)
@@ -1387,7 +1387,7 @@ def _process_kernel(
             end = tl.load(e_ptr + row.to(tl.int64)[:, None] * stride_eb + s.to(tl.int64)[None, :] * stride_es, mask=w, other=-1)
             # [BLOCK_R, BLOCK_S]; a constant group's steps exactly 0 (its inf or lone NaN too, as in the reference:
             # scale 0 alone made (inf - inf)·0 NaN); elsewhere NaN stays NaN
-            z = tl.where(w & (constant == 0), (x * down - mean) * scale, 0.0)
+            z = tl.where(w & (constant == 0), (x * down - pivot - mean) * scale, 0.0)
             covers = end[:, None, :] >= t[None, :, None]  # [BLOCK_R, BLOCK_T, BLOCK_S]
             adv += block_sum(tl.where(covers, z[:, None, :], 0.0), 2)
         offs = row.to(tl.int64)[:, None] * T + t[None, :]

@@ -223,6 +223,25 @@ def test_tiny_step_rewards_without_eps(device, backend, index):
     assert torch.isfinite(out).all(), out
     assert rel_error(out, truth) <= REL_TOL[torch.float32]
 
+
+@pytest.mark.parametrize(("device", "backend"), DEVICE_BACKENDS)
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("index", [False, True])
+def test_shifted_step_rewards(device, backend, mode, index):
+    """Step rewards far from 0 with a spread of a few float32 ulps (1e4 + 1e-3 noise, exact float32 inputs): the
+    Triton kernel subtracted the group's rounded float32 mean, off by up to half an ulp of 1e4, which is half the
+    spread: 94 % relative error. Its statistics are now taken relative to a pivot (the group's largest reward)."""
+    gen = torch.Generator().manual_seed(3)
+    rewards = (torch.randn(8, 3, generator=gen, dtype=torch.float64) * 1e-3 + 1e4).float()  # [8, 3]
+    ends = torch.randint(0, 6, (8, 3), generator=gen)  # [8, 3]
+    mask = torch.rand(8, 3, generator=gen) < 0.8  # [8, 3]
+    groups = {"index": torch.arange(8) % 4} if index else {"group_size": 2}
+    truth = reference.process_advantages(rewards.double(), ends, 6, step_mask=mask, mode=mode, **groups)  # [8, 6]
+    out = run(backend, rewards.to(device), ends.to(device), 6, step_mask=mask.to(device), mode=mode,
+              **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in groups.items()}).cpu()
+    assert rel_error(out, truth) <= REL_TOL[torch.float32], rel_error(out, truth)
+
+
 def test_custom_op_passes_opcheck_and_compiles():
     """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
     gen = torch.Generator().manual_seed(6)
