@@ -1252,11 +1252,13 @@ def _validate_process(*, step_rewards, step_ends, T, step_mask, group_size, inde
             raise ValueError(f"group_size {group_size} does not divide the number of rows of step_rewards {B}")
     if step_ends.numel() and not _checks._tracing():  # traced (torch.compile): a data-dependent branch, skipped
         valid = torch.ones_like(step_ends, dtype=torch.bool) if step_mask is None else step_mask != 0  # [B, S]
-        bad = (valid & ((step_ends < 0) | (step_ends >= T))).nonzero()  # [k, 2]
+        ends = step_ends.long()  # [B, S]: torch compares no uint16/32/64 tensor on the CPU (and a uint64 past 2**63
+        # wraps negative here: refused, as it lies outside [0, T) anyway)
+        bad = (valid & ((ends < 0) | (ends >= T))).nonzero()  # [k, 2]
         if bad.numel():
             b, s = bad[0].tolist()
             raise ValueError(f"step_ends must lie in [0, T) = [0, {T}) at every valid step; row {b} step {s} ends at "
-                             f"{int(step_ends[b, s])} ({bad.shape[0]} such steps)")
+                             f"{int(ends[b, s])} ({bad.shape[0]} such steps)")
     return T, group_size, mode, eps
 
 
@@ -1520,5 +1522,6 @@ def process_advantages(
     T, group_size, mode, eps = _validate_process(step_rewards=step_rewards, step_ends=step_ends, T=T, step_mask=step_mask,
                                                  group_size=group_size, index=index, mode=mode, eps=eps)
     detach = lambda x: None if x is None else x.detach()  # noqa: E731
-    return _host.call(_process_op, step_rewards.detach(), step_ends.detach(), detach(step_mask), T, group_size,
+    # step_ends as int64: any integer dtype is accepted, and the backends index and compare with it
+    return _host.call(_process_op, step_rewards.detach(), step_ends.detach().long(), detach(step_mask), T, group_size,
                       detach(index), mode, eps)

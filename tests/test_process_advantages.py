@@ -242,6 +242,21 @@ def test_shifted_step_rewards(device, backend, mode, index):
     assert rel_error(out, truth) <= REL_TOL[torch.float32], rel_error(out, truth)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64])
+def test_step_ends_of_any_integer_dtype(backend, dtype):
+    """step_ends may be any integer tensor (its docstring): uint16/32/64 ends crashed in the range check with torch's
+    '"lt_cpu" not implemented for UInt16', naming no argument. An end outside [0, T) is still refused by name."""
+    gen = torch.Generator().manual_seed(4)
+    rewards, ends, mask = random_steps(6, 3, 7, gen)  # [B, S] x3: padded steps end at T + 5
+    check(backend, rewards, ends.to(dtype), 7, step_mask=mask, group_size=2)
+    bad = ends.clone()
+    bad[~mask] = 3
+    bad[0, 0] = 7
+    with pytest.raises(ValueError, match="step_ends"):
+        run(backend, rewards, bad.to(dtype), 7, group_size=2)
+
+
 def test_custom_op_passes_opcheck_and_compiles():
     """The torch.library op: schema, fake tensor (shape [B, T]) and AOT dispatch checks, and a fullgraph compile."""
     gen = torch.Generator().manual_seed(6)
