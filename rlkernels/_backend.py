@@ -80,7 +80,9 @@ def float32_compute(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the Triton kernels load; float64 stays on torch
+# what the Triton and csrc kernels load; float64 stays on torch, which computes in float64 (the kernels would round
+# it to float32 first: masked_whiten of 1e6 + 1e-4·noise then loses all of the noise)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def csrc_available(device: torch.device) -> bool:
@@ -98,23 +100,26 @@ def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype
     ``device``, for an op implementing the backends in ``supported``.
 
     ``RLKERNELS_BACKEND`` wins when the op implements it and it can run here (csrc needs the extension for
-    that device; triton needs triton and a 16/32-bit float ``dtype``); otherwise the default: on CUDA the op's
+    that device, triton needs triton; both a 16/32-bit float ``dtype``: float64 stays on torch); otherwise the default: on CUDA the op's
     ``cuda_default`` ("csrc" where a GPU measurement chose the CUDA kernel, when the extension has CUDA kernels),
     else Triton; the csrc extension on the CPU for the ops that have one; chunked PyTorch elsewhere. Ops call
     this at run time, inside their custom op, so ``torch.compile`` never traces the extension's first build.
     """
-    triton_ok = "triton" in supported and has_triton() and (dtype is None or dtype in TRITON_DTYPES)
+    kernel_dtype = dtype is None or dtype in TRITON_DTYPES
+    triton_ok = "triton" in supported and has_triton() and kernel_dtype
+    csrc_ok = "csrc" in supported and kernel_dtype  # and csrc_available(device), asked last: it builds the extension
     forced = forced_backend()
     if forced is not None and forced in supported:
         if forced == "triton" and not has_triton():
             raise RuntimeError(f"{ENV_VAR}=triton but triton cannot be imported")
-        if forced == "triton" and triton_ok or forced == "csrc" and csrc_available(device) or forced in ("torch", "reference"):
+        if forced == "triton" and triton_ok or forced == "csrc" and csrc_ok and csrc_available(device) \
+                or forced in ("torch", "reference"):
             return forced
-    if device.type == "cuda" and cuda_default == "csrc" and "csrc" in supported and csrc_available(device):
+    if device.type == "cuda" and cuda_default == "csrc" and csrc_ok and csrc_available(device):
         return "csrc"
     if device.type == "cuda" and triton_ok:
         return "triton"
-    if "csrc" in supported and device.type == "cpu" and csrc_available(device):
+    if csrc_ok and device.type == "cpu" and csrc_available(device):
         return "csrc"
     return "torch"
 

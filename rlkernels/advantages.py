@@ -641,7 +641,7 @@ def _gae_config(T: int) -> tuple[int, int, int]:
 
 def _kernel_inputs(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The inputs in one dtype the Triton and CUDA kernels load (float32/bf16/fp16): their common dtype,
-    float32 when that is another one (bfloat16 with float16; float64, which only csrc is given)."""
+    float32 when that is another one (bfloat16 with float16, or float64 in a mix: float64 alone stays on torch)."""
     dtype = xs[0].dtype
     for x in xs[1:]:
         dtype = torch.promote_types(dtype, x.dtype)
@@ -856,10 +856,10 @@ def _gae_torch(rewards, values, mask, gamma, lam):
 
 
 def _group_torch(scores, group_size, index, mode, eps):
-    s = scores.float()  # [N]
+    s = scores if scores.dtype == torch.float64 else scores.float()  # [N]: float64 kept (not rounded to float32)
     N = s.shape[0]
     if N == 0:
-        return s.clone()
+        return s.float()
     if index is None:
         ids = torch.arange(N, device=s.device) // group_size  # [N]
         G = N // group_size
@@ -873,8 +873,10 @@ def _group_torch(scores, group_size, index, mode, eps):
     mean = zeros.index_add(0, ids, s64) / n  # [G]
     dev_ = s64 - mean[ids]  # [N]
     ssq = zeros.index_add(0, ids, dev_ * dev_)  # [G]
-    first = torch.full((G,), float("nan"), device=s.device).scatter_reduce(0, ids, s, "amin", include_self=False)
-    last = torch.full((G,), float("nan"), device=s.device).scatter_reduce(0, ids, s, "amax", include_self=False)
+    first = torch.full((G,), float("nan"), dtype=s.dtype, device=s.device).scatter_reduce(0, ids, s, "amin",
+                                                                                         include_self=False)
+    last = torch.full((G,), float("nan"), dtype=s.dtype, device=s.device).scatter_reduce(0, ids, s, "amax",
+                                                                                        include_self=False)
     has_nan = zeros.index_add(0, ids, torch.isnan(s64).double()) > 0
     constant = ((first == last) & ~has_nan) | (n < 2)  # [G]
     if mode == "grpo":
@@ -1161,8 +1163,9 @@ def masked_whiten(
     the variance is taken as 0. Any finite float32 values (up to ±3.4e38) are handled
     on every backend: the statistics never overflow. No gradient.
 
-    Precision: the torch backend (the CPU default) forms the statistics in float64; the
-    Triton and CUDA kernels in float32 (relative to a pivot, so shifted data such as
+    Precision: the torch backend and the csrc CPU kernel (the CPU default) form the
+    statistics in float64 (float64 ``x`` always runs on torch: the kernels would round it
+    to float32 first); the Triton and CUDA kernels in float32 (relative to a pivot, so shifted data such as
     1e6 + noise keeps its variance), where ``μ`` carries an absolute error of order
     1e-7 of the standard deviation. With ``shift_mean=False`` and a mean far smaller
     than the spread (|μ| ≈ 1e-3·σ) that is ~1e-4 of ``μ`` itself, so the re-added

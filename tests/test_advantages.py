@@ -1401,3 +1401,38 @@ def test_csrc_gae_kernel_source_runs_on_the_cpu_under_a_warp_emulator(emulated_g
             assert torch.equal(got.isinf(), want.isinf()), offset
             fin = want.isfinite()
             assert rel_error(got[fin], want[fin]) <= REL_TOL[torch.float32], offset
+
+
+@pytest.mark.parametrize("backend", [None, *all_backends()])
+def test_float64_whiten_keeps_what_float32_would_round_away(backend, csrc_ops):
+    """float64 x = 1e6 + 1e-4·noise: the kernels (csrc, the CPU default, and Triton) would round x to float32
+    first (ulp 0.0625: all of the noise gone, outputs off by their whole scale); float64 stays on torch, which
+    computes in float64, whichever backend is asked for (None: the default), so every backend gives the float64
+    truth to float32 rounding of the output."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 300, generator=gen, dtype=torch.float64) * 1e-4 + 1e6  # [B, T] float64
+    mask = torch.rand(4, 300, generator=gen) > 0.3  # [B, T]
+    assert backend_for(torch.device("cpu"), torch.float64) == "torch"
+    with forced_backend(backend):
+        got = rlkernels.masked_whiten(x, mask)  # [B, T] float32
+    truth = reference.masked_whiten(x, mask)  # [B, T] float64
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [None, *all_backends()])
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
+def test_float64_scores_are_not_rounded_to_float32_first(backend, mode, csrc_ops):
+    """float64 scores 1 and 1 + 1e-12 differ; rounded to float32 first (as every backend did) they are one value,
+    the group constant, and its advantages 0 where the float64 truth is ±5e-7 (grpo). float64 stays on torch,
+    whose statistics are float64, for a group_size and for index ids."""
+    s = torch.tensor([1.0, 1.0 + 1e-12, 1e4 + 1e-9, 1e4, 3.0, 3.0], dtype=torch.float64)  # [N]
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])  # [N]
+    truth = reference.group_advantages(s, 2, mode=mode)  # [N] float64
+    with forced_backend(backend):
+        by_size = rlkernels.group_advantages(s, 2, mode=mode)  # [N] float32
+        by_index = rlkernels.group_advantages(s, index=ids, mode=mode)  # [N] float32
+    for got in (by_size, by_index):
+        assert got.dtype == torch.float32
+        assert torch.count_nonzero(got[:4]) == 4 and torch.count_nonzero(got[4:]) == 0
+        torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=0.0)
