@@ -1540,9 +1540,9 @@ def test_frozen_head_backward_allocates_no_weight_sized_gradient(backend, dtype)
 def test_frozen_hidden_backward_allocates_no_hidden_sized_gradient(backend, dtype):
     """Only the head trains (hidden.requires_grad=False: features computed without grad): the backward neither
     runs the d_hidden GEMM nor allocates an [N, H] buffer nobody receives: the backward's peak is below the one
-    with a trainable hidden by at least d_hidden (and its float32 accumulator for 16-bit), and d_weight and d_bias are those of the same
-    call with a trainable hidden (bit for bit). Both orders (N >= V tokens outer, N < V vocabulary outer), with
-    ignored tokens (the compacted rows)."""
+    with a trainable hidden by at least d_hidden (and its float32 accumulator for 16-bit), and d_weight and d_bias
+    are those of the same call with a trainable hidden (bit for bit). Both orders (N >= V tokens outer, N < V
+    vocabulary outer), with ignored tokens (the compacted rows). The mirror of the frozen-head test above."""
     if backend == "triton":
         pytest.importorskip("triton")
     for N, H, V in ((400, 96, 40), (8, 64, 2000)):
