@@ -102,8 +102,9 @@ def resolve(device: torch.device, supported: tuple[str, ...], dtype: torch.dtype
     ``RLKERNELS_BACKEND`` wins when the op implements it and it can run here (csrc needs the extension for
     that device, triton needs triton; both a 16/32-bit float ``dtype``: float64 stays on torch); otherwise the
     default: on CUDA the op's ``cuda_default`` ("csrc" where a GPU measurement chose the CUDA kernel, when the
-    extension has CUDA kernels), else Triton; the csrc extension on the CPU for the ops that have one; chunked PyTorch elsewhere. Ops call
-    this at run time, inside their custom op, so ``torch.compile`` never traces the extension's first build.
+    extension has CUDA kernels), else Triton; the csrc extension on the CPU for the ops that have one; chunked
+    PyTorch elsewhere. Ops call this at run time, inside their custom op, so ``torch.compile`` never traces the
+    extension's first build.
     """
     kernel_dtype = dtype is None or dtype in TRITON_DTYPES
     triton_ok = "triton" in supported and has_triton() and kernel_dtype
