@@ -220,7 +220,8 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
     ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grad_outputs)``. The backward returns the gradients
     of the op's leading tensor arguments, as far as any is given (or None for no gradient at all); the arguments
     after them (option lists) get None here. Its ``apply`` takes the op's arguments and returns the op's outputs;
-    torch.compile traces it (forward, setup and backward) down to the custom ops it calls."""
+    torch.compile traces it (forward, setup and backward) down to the custom ops it calls. The same setup and
+    backward are registered as the op's own autograd formula (``torch.library.register_autograd``)."""
     overload = _OVERLOADS[op]  # not the CustomOpDef: dynamo cannot wrap one held by a closure
 
     def forward(*args):
@@ -237,6 +238,10 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
     def backward_every_input(ctx, *grad_outputs):
         grads = backward(ctx, *grad_outputs) or ()
         return tuple(grads) + (None,) * (n_inputs - len(grads))
+
+    # the op itself differentiable too, with the same formulas (torch.ops.rlkernels.* called directly, or traced by
+    # torch.library.opcheck's test_aot_dispatch_dynamic); the Function stays the eager path (its apply is cheaper)
+    torch.library.register_autograd(overload._schema.name, backward_every_input, setup_context=setup_context)
 
     def apply(cls, *args):
         # torch.autograd.Function.apply binds the arguments to forward's signature with inspect on every call (for
