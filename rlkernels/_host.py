@@ -158,9 +158,10 @@ def refuse_double_backward(op: str) -> None:
     import torch
 
     if torch.is_grad_enabled():
-        raise RuntimeError(f"rlkernels.{op} does not support double backward (create_graph=True): its backward "
-                           "uses gradients formed as constants; use rlkernels.reference's eager formulas for "
-                           "higher derivatives")
+        raise RuntimeError(f"rlkernels.{op} does not support double backward (create_graph=True; torch.func's grad, "
+                           "vjp and jacrev differentiate so even for a first derivative): its backward uses "
+                           "gradients formed as constants; take first derivatives with torch.autograd.grad or "
+                           ".backward(), higher ones with rlkernels.reference's eager formulas")
 
 
 # ---------------------------------------------------------------- calling an op: eager calls skip the dispatcher

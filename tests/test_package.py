@@ -405,6 +405,21 @@ def test_double_backward_raises_naming_the_op(backend, case):
             torch.autograd.grad(make(x), x, create_graph=True)
 
 
+@pytest.mark.parametrize("case", range(7))
+def test_torch_func_grad_raises_naming_the_op_and_the_way_out(case):
+    """torch.func.grad differentiates with create_graph semantics even for a first derivative, so the ops refuse it
+    as a double backward; the message says so and names what gives first derivatives (it spoke only of
+    create_graph=True, which a torch.func user never passed)."""
+    name, make = _differentiable_calls()[case]
+    x = torch.rand(2, 3, generator=torch.Generator().manual_seed(6)).neg()  # [2, 3]
+    with pytest.raises(RuntimeError, match=rf"rlkernels\.{name} does not support double backward.*torch\.func.*"
+                                           r"torch\.autograd\.grad"):
+        torch.func.grad(make)(x)
+    _, vjp = torch.func.vjp(make, x)  # its backward runs outside the transform, still with create_graph
+    with pytest.raises(RuntimeError, match=rf"rlkernels\.{name} does not support double backward.*torch\.func"):
+        vjp(torch.tensor(1.0))
+
+
 def _advantage_calls():
     """The public ops without a gradient, as ``(name, call)`` on small CPU inputs."""
     import rlkernels
