@@ -179,9 +179,10 @@ def backbone(model):
     return base
 
 
-# Config fields under which the logits are not hidden @ W.T + b: a nonlinear cap, or a scale on the logits
-# (Cohere logit_scale, Falcon-H1 lm_head_multiplier, Granite/MiniCPM3 logits_scaling, output_multiplier).
-_SOFTCAP_FIELD = "final_logit_softcapping"
+# Config fields under which the logits are not hidden @ W.T + b: a nonlinear cap (Gemma 2/3 final_logit_softcapping,
+# RecurrentGemma logits_soft_cap), or a scale on the logits (Cohere logit_scale, Falcon-H1 lm_head_multiplier,
+# Granite/MiniCPM3 logits_scaling, output_multiplier).
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
 _SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
@@ -198,9 +199,10 @@ def lm_head(model):
     config = getattr(lm, "config", None)
     if callable(getattr(config, "get_text_config", None)):
         config = config.get_text_config()  # a vision-language model's language part
-    softcap = getattr(config, _SOFTCAP_FIELD, None)
-    if softcap is not None:
-        raise NotImplementedError(f"{_SOFTCAP_FIELD}={softcap} (logit soft-capping) is not a linear head")
+    for field in _SOFTCAP_FIELDS:
+        softcap = getattr(config, field, None)
+        if softcap is not None:
+            raise NotImplementedError(f"{field}={softcap} (logit soft-capping) is not a linear head")
     for field in _SCALE_FIELDS:
         value = getattr(config, field, None)
         if value is not None and value != 1.0:

@@ -650,3 +650,17 @@ def test_label_logprobs_refuses_a_dtype_that_is_not_floating_by_name(dtype):
     labels = torch.randint(0, V, (2, 7))  # [B, S]
     with pytest.raises(TypeError, match="dtype"):
         hf.label_logprobs(model, torch.randn(2, 7, 48), labels, dtype=dtype)
+
+
+def test_refuses_recurrent_gemmas_soft_capped_head():
+    # RecurrentGemma always soft-caps its logits (tanh(z / cap) * cap) under config.logits_soft_cap, not
+    # final_logit_softcapping: response_logprobs scored the uncapped logits, 0.44 away from the model's with cap 0.5
+    cfg = transformers.RecurrentGemmaConfig(vocab_size=V, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, lru_width=48, attention_window_size=8,
+                                            logits_soft_cap=0.5, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    model = transformers.RecurrentGemmaForCausalLM(cfg).eval()
+    ids, am, rm = _batch()
+    with pytest.raises(NotImplementedError, match="^logits_soft_cap=0.5"):
+        response_logprobs(model, ids, am, rm)
+    with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+        hf.lm_head(model)
