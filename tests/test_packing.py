@@ -513,3 +513,20 @@ def test_packed_logprobs_refuse_a_model_that_does_not_keep_sequences_apart(monke
     with pytest.raises(ValueError, match=r"^attention_mask=None \(a packed batch\): LlamaForCausalLM .* does not keep "
                                          r"packed sequences apart"):
         hf.response_logprobs(other, ids, None, rm, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_logprobs_refuse_bloom_which_ignores_position_ids(dtype):
+    """BLOOM's backbone takes no position_ids (its **kwargs swallow them) and lets packed sequences attend to each
+    other, but at initialisation that moved its states by 1.4% of their scale, under the probe's 2e-2: it passed
+    supports_packing, and packed log-probs were 2.6e-2 from the padded ones, silently."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=97, hidden_size=48, n_layer=2,
+                                                                   n_head=4)).eval().to(dtype)
+    assert not hf.supports_packing(model)
+    ids = torch.tensor([[1, 5, 6, 2, 7, 8]])  # [1, 6]: two sequences of 3
+    rm = torch.tensor([[0, 1, 1, 0, 1, 1]])  # [1, 6]
+    with pytest.raises(ValueError, match=r"^attention_mask=None \(a packed batch\): BloomForCausalLM"):
+        hf.response_logprobs(model, ids, None, rm, cu_seqlens=[0, 3, 6])
