@@ -193,6 +193,7 @@ def lm_head(model):
         NotImplementedError: the model config soft-caps or scales the logits (the message names the field:
             ``final_logit_softcapping``, ``logit_scale``, ...): ``linear_logprobs`` would silently compute
             other log-probabilities than the model's.
+            Also when the output embedding carries an unmerged PEFT adapter (LoRA on ``lm_head``).
         TypeError: the model has no output embedding.
     """
     lm = causal_lm(model)
@@ -211,6 +212,12 @@ def lm_head(model):
     head = get_head() if callable(get_head) else None
     if head is None or getattr(head, "weight", None) is None:
         raise TypeError(f"model ({type(lm).__name__}) has no output embedding (get_output_embeddings())")
+    # a PEFT adapter on the head (peft's tuner layers wrap it as base_layer): .weight is the base layer's alone
+    if getattr(head, "base_layer", None) is not None and not (getattr(head, "merged", False)
+                                                              or getattr(head, "disable_adapters", False)):
+        raise NotImplementedError(f"the output embedding ({type(head).__module__}.{type(head).__name__}) carries an "
+                                  "unmerged adapter, which linear_logprobs would drop: merge it (merge_and_unload()) "
+                                  "or leave the head out of the adapter's target_modules")
     return head.weight, getattr(head, "bias", None)  # [V, H], [V] or None
 
 

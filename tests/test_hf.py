@@ -377,6 +377,41 @@ def test_peft_wrapped_model_uses_the_causal_lm_underneath():
     assert hf.backbone(_PeftLike(model)) is model.model
 
 
+class _LoraLinearLike(torch.nn.Module):
+    """The shape of peft's ``lora.Linear`` (``target_modules`` naming ``lm_head``): ``base_layer`` the wrapped
+    Linear, whose ``weight`` it exposes as its own, and a low-rank update its forward adds."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
+        self.merged = False
+        self.disable_adapters = False
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    def forward(self, x):
+        out = self.base_layer(x)
+        return out if self.disable_adapters or self.merged else out + self.lora_B(self.lora_A(x))
+
+
+def test_refuses_an_unmerged_adapter_on_the_output_embedding():
+    # LoRA on lm_head (peft target_modules=["lm_head"] or "all-linear" naming it): lm_head() took the wrapper's weight,
+    # the base layer's, and dropped the adapter: log-probs 1.9 from the model's own, silently
+    model = _tiny("llama", False)
+    model.lm_head = _LoraLinearLike(model.lm_head)
+    ids, am, rm = _batch()
+    with pytest.raises(NotImplementedError, match="adapter"):
+        response_logprobs(model, ids, am, rm)
+    model.lm_head.merged = True  # the update is in the base weight: the plain head again
+    assert hf.lm_head(model)[0] is model.lm_head.base_layer.weight
+    model.lm_head.merged, model.lm_head.disable_adapters = False, True
+    assert hf.lm_head(model)[0] is model.lm_head.base_layer.weight
+
+
 def test_never_applies_lm_head_to_the_sequence():
     model = _tiny("qwen2", False)
     calls = []
