@@ -223,9 +223,18 @@ def lm_head(model):
 
 def final_hidden(module, *args, **inputs) -> torch.Tensor:
     """``last_hidden_state`` ``[B, T, H]`` of a backbone (:func:`backbone`, or an ``AutoModel``) called on
-    ``(*args, **inputs)`` without a KV cache."""
+    ``(*args, **inputs)`` without a KV cache.
+
+    Raises:
+        TypeError: ``module`` returned logits (a causal LM, whose ``out[0]`` is ``[B, T, V]``), not hidden states.
+    """
     out = module(*args, **{**inputs, "use_cache": False})
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, T, H]
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state  # [B, T, H]
+    if getattr(out, "logits", None) is not None:
+        raise TypeError(f"module ({type(module).__name__}) returned logits, not hidden states: pass the backbone, "
+                        "hf.backbone(model)")
+    return out[0]  # [B, T, H]
 
 
 def label_logprobs(

@@ -699,3 +699,13 @@ def test_refuses_recurrent_gemmas_soft_capped_head():
         response_logprobs(model, ids, am, rm)
     with pytest.raises(NotImplementedError, match="logits_soft_cap"):
         hf.lm_head(model)
+
+
+def test_final_hidden_refuses_a_causal_lm_by_name():
+    # final_hidden(model, ...) on the causal LM (not its backbone) returned out[0], the [B, T, V] logits, as if they
+    # were the [B, T, H] hidden states
+    model = _tiny("llama", False)
+    ids, am, _ = _batch()
+    with pytest.raises(TypeError, match=r"module \(LlamaForCausalLM\).*hf.backbone"):
+        hf.final_hidden(model, input_ids=ids, attention_mask=am)
+    assert hf.final_hidden(hf.backbone(model), input_ids=ids, attention_mask=am).shape == (*ids.shape, 48)
