@@ -433,7 +433,8 @@ def _probe_packing(base, model) -> bool:
     import inspect
 
     try:  # a backbone without a position_ids parameter (BLOOM, MPT: **kwargs) drops them and attends across
-        if "position_ids" not in inspect.signature(base.forward).parameters:
+        forward = getattr(base, "_orig_mod", base).forward  # torch.compile's wrapper takes (*args, **kwargs)
+        if "position_ids" not in inspect.signature(forward).parameters:
             return False
     except (TypeError, ValueError):  # no signature to read: the forward below decides
         pass

@@ -402,6 +402,14 @@ def test_supports_packing_is_a_check(kind, monkeypatch):
     assert not hf.supports_packing(model)
 
 
+
+def test_supports_packing_sees_through_a_compiled_backbone():
+    """torch.compile's wrapper has the signature (*args, **kwargs): the position_ids check reads the module it wraps
+    (reading the wrapper refused every compiled backbone)."""
+    model = _tiny("llama", False)
+    model.model = torch.compile(model.model)
+    assert hf.supports_packing(model)
+
 # ------------------------------------------------------------------ the trainer's --pack
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
