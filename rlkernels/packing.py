@@ -122,13 +122,13 @@ def pack(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def pack_padded(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack the real tokens (``attention_mask != 0``) of a padded batch, row after row.
+    """Pack the real tokens (``attention_mask`` 1; bool or 0/1, refused otherwise) of a padded batch, row after row.
 
     Returns ``(flat_index [total] int64, cu_seqlens [B + 1] int64)``: ``x.reshape(-1)[flat_index]`` packs any
     ``[B, T]`` tensor (``[1, total]`` after ``unsqueeze(0)``), ``out.new_zeros(B * T).index_put((flat_index,),
     packed)`` scatters a result back. A row with no real token is an empty sequence.
     """
-    _checks.rank(_checks.tensor(attention_mask, "attention_mask"), "attention_mask", 2)
+    _checks.rank(_checks.mask(attention_mask, "attention_mask"), "attention_mask", 2)  # 0/1: a NaN is no real token
     real = attention_mask.reshape(-1) != 0  # [B*T]
     flat_index = real.nonzero().squeeze(-1)  # [total]
     lengths = (attention_mask != 0).sum(-1)  # [B]

@@ -178,6 +178,15 @@ def test_pack_padded_names_a_non_tensor_attention_mask():
         packing.pack_padded(torch.ones(3))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), 0.5])
+def test_pack_padded_refuses_a_mask_that_is_not_zero_one(bad):
+    # a NaN (or 0.5) at a padded position counted as a real token (!= 0) and was packed, silently; the padded
+    # response_logprobs refuses that attention_mask by name
+    am = torch.tensor([[1.0, 1.0, bad], [1.0, 0.0, 0.0]])  # [B, T]
+    with pytest.raises(ValueError, match="attention_mask"):
+        packing.pack_padded(am)
+
+
 def test_index_maps_round_trip():
     index, s, tmax = packing.padded_index(CU, TOTAL)  # [total]
     assert (s, tmax) == (S, TMAX)
