@@ -310,7 +310,8 @@ def response_logprobs(
     those restarting ``position_ids`` and no attention mask, from which ``transformers`` builds a
     block-diagonal causal mask (eager and SDPA attention) or flash-attention's varlen ``cu_seqlens``
     (``flash_attention_2``). Whether the model in hand does is checked, once per model (:func:`supports_packing`:
-    one forward of 6 tokens on the first packed call; its verdict is remembered), and a model that does not
+    one forward of 6 tokens on the first packed call; its verdict is remembered; inside ``torch.compile`` it runs
+    outside the graph, so with ``fullgraph=True`` call :func:`supports_packing` first), and a model that does not
     (e.g. OPT, whose attention ignores restarting positions) is refused with ValueError rather than letting its
     sequences attend to each other. No token of one sequence sees another, and the first token of each
     sequence is never scored.
@@ -380,10 +381,16 @@ def response_logprobs(
         get_embed = getattr(causal_lm(model), "get_input_embeddings", None)
         V = getattr(get_embed() if callable(get_embed) else None, "num_embeddings", weight.shape[0])
         _checks.labels(input_ids, V, None, "input_ids")
-    if packed and not _checks._tracing():
+    if packed:
         base = backbone(model)
         verdict = _PACKING_VERDICTS.get(base)
-        if verdict is None:  # first packed call on this model: probe it once (one forward of 6 tokens)
+        if verdict is None and torch.compiler.is_compiling():  # dynamo runs the probe eagerly, outside the graph
+            verdict = _supports_packing_eagerly(model)
+        elif verdict is None and _checks._tracing():  # a dispatch mode: the probe could not read the model's states
+            raise ValueError("attention_mask=None (a packed batch) while tracing: call "
+                             "rlkernels.hf.supports_packing(model) once outside the trace first (it checks that the "
+                             "model keeps packed sequences apart)")
+        elif verdict is None:  # first packed call on this model: probe it once (one forward of 6 tokens)
             verdict = supports_packing(model)
         if not verdict:
             attention = getattr(getattr(model, "config", None), "_attn_implementation", "?")
@@ -422,6 +429,13 @@ def supports_packing(model) -> bool:
     verdict = _probe_packing(base, model)
     _PACKING_VERDICTS[base] = verdict  # what response_logprobs' packed layout consults
     return verdict
+
+
+@torch.compiler.disable
+def _supports_packing_eagerly(model) -> bool:
+    """:func:`supports_packing` run eagerly from inside ``torch.compile`` (a graph break; under ``fullgraph=True``
+    an error rather than a skipped check)."""
+    return supports_packing(model)
 
 
 # backbone -> the last supports_packing verdict on it (weak: a discarded model drops its entry)

@@ -547,3 +547,24 @@ def test_packed_logprobs_refuse_bloom_which_ignores_position_ids(dtype):
     rm = torch.tensor([[0, 1, 1, 0, 1, 1]])  # [1, 6]
     with pytest.raises(ValueError, match=r"^attention_mask=None \(a packed batch\): BloomForCausalLM"):
         hf.response_logprobs(model, ids, None, rm, cu_seqlens=[0, 3, 6])
+
+
+def test_packed_logprobs_under_torch_compile_still_refuse_a_model_that_does_not_keep_sequences_apart():
+    """Under torch.compile the packing check was skipped altogether (it reads the model's states): a compiled call let
+    OPT's packed sequences attend to each other, silently, even after an eager call had found it does not pack."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=97, hidden_size=48, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=48)).eval()
+    ids = torch.tensor([[1, 5, 6, 2, 7, 8]])  # [1, 6]: two sequences of 3
+    rm = torch.tensor([[0, 1, 1, 0, 1, 1]])  # [1, 6]
+    compiled = torch.compile(hf.response_logprobs, backend="aot_eager")
+    for _ in range(2):  # probed from inside the compiled call (outside its graph), then the verdict remembered
+        with pytest.raises(ValueError, match="does not keep packed sequences apart"):
+            compiled(model, ids, None, rm, cu_seqlens=[0, 3, 6])
+    assert hf._PACKING_VERDICTS[model.model] is False
+    llama = _tiny("llama", False)  # a model that packs: compiled equals eager, probed from inside the compiled call
+    torch.testing.assert_close(compiled(llama, ids, None, rm, cu_seqlens=[0, 3, 6]),
+                               hf.response_logprobs(llama, ids, None, rm, cu_seqlens=[0, 3, 6]))
