@@ -417,10 +417,10 @@ def supports_packing(model) -> bool:
     no attention mask (the packed path of :func:`response_logprobs`).
 
     Checked, not assumed from version numbers: a backbone whose ``forward`` has no ``position_ids`` parameter
-    (BLOOM, MPT) does not; otherwise it runs once on two copies of a 3-token sequence
-    packed as ``[1, 6]`` with positions ``0 1 2 0 1 2``; packing works when the second copy's hidden states
-    equal the first's (to 2e-2 of their scale for 16-bit states, above their rounding; 1e-3 for float32 ones;
-    below the change that attending across the boundary makes). Costs one forward of 6 tokens, in eval mode
+    (BLOOM, MPT) does not; otherwise it runs once on two copies of a 3-token sequence packed as ``[1, 6]`` with
+    positions ``0 1 2 0 1 2`` (in its own dtype, outside any autocast); packing works when the second copy's hidden
+    states equal the first's (to 2e-2 of their scale for 16-bit states, above their rounding; 1e-3 for float32
+    ones; below the change that attending across the boundary makes). Costs one forward of 6 tokens, in eval mode
     (no dropout), without gradients.
     Each call probes afresh; the verdict is remembered for :func:`response_logprobs`' packed layout, which
     probes a model itself on its first packed call otherwise.
@@ -458,7 +458,8 @@ def _probe_packing(base, model) -> bool:
     was_training = base.training
     try:
         base.eval()
-        with torch.no_grad():
+        # in the model's own dtype: an autocast's rounding would pass for attention across the boundary or hide it
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
             h = final_hidden(base, input_ids=ids, position_ids=pos)  # [1, 6, H]
     except (TypeError, ValueError, RuntimeError):  # a backbone that takes no position_ids, or no mask-less call
         return False
