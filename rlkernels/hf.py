@@ -226,13 +226,16 @@ def final_hidden(module, *args, **inputs) -> torch.Tensor:
     ``(*args, **inputs)`` without a KV cache.
 
     Raises:
-        TypeError: ``module`` returned logits (a causal LM, whose ``out[0]`` is ``[B, T, V]``), not hidden states.
+        TypeError: ``module`` is a causal LM (it has an output embedding; its ``out[0]`` is the ``[B, T, V]``
+            logits, also with ``return_dict=False``) or returned logits, not hidden states.
     """
-    out = module(*args, **{**inputs, "use_cache": False})
+    get_head = getattr(module, "get_output_embeddings", None)
+    has_head = callable(get_head) and get_head() is not None  # a causal LM: its out[0] is logits even as a tuple
+    out = None if has_head else module(*args, **{**inputs, "use_cache": False})
     if hasattr(out, "last_hidden_state"):
         return out.last_hidden_state  # [B, T, H]
-    if getattr(out, "logits", None) is not None:
-        raise TypeError(f"module ({type(module).__name__}) returned logits, not hidden states: pass the backbone, "
+    if has_head or getattr(out, "logits", None) is not None:
+        raise TypeError(f"module ({type(module).__name__}) returns logits, not hidden states: pass the backbone, "
                         "hf.backbone(model)")
     return out[0]  # [B, T, H]
 

@@ -717,4 +717,6 @@ def test_final_hidden_refuses_a_causal_lm_by_name():
     ids, am, _ = _batch()
     with pytest.raises(TypeError, match=r"module \(LlamaForCausalLM\).*hf.backbone"):
         hf.final_hidden(model, input_ids=ids, attention_mask=am)
+    with pytest.raises(TypeError, match=r"module \(LlamaForCausalLM\).*hf.backbone"):  # a tuple: out[0] is logits
+        hf.final_hidden(model, input_ids=ids, attention_mask=am, return_dict=False)
     assert hf.final_hidden(hf.backbone(model), input_ids=ids, attention_mask=am).shape == (*ids.shape, 48)
