@@ -109,6 +109,7 @@ from dataclasses import dataclass
 import torch
 
 from rlkernels import _backend, _checks, _extension, losses, reference
+from rlkernels import packing as _packing
 from rlkernels import fused_linear as _fl
 from rlkernels import softmax as _sm
 from rlkernels._device import block_sum, expm1
@@ -1465,6 +1466,12 @@ _POLICY_DOC_ARGS = """
         return_entropy: compute the entropy also when ``entropy_coef`` is 0, for logging only (the ``entropy``
             metric and ``token_entropy``, as ``policy_loss(..., entropy=ent)`` reports it; no gradient term): one
             more reduction over the logits tile, no extra GEMM.
+        cu_seqlens: ``[S + 1]`` boundaries of *packed* inputs, as in :func:`rlkernels.policy_loss`: the head input
+            is ``[1, total, X]`` and the per-token tensors ``[1, total]`` (``advantages`` may be ``[S]``); the
+            result is the op's on the padded ``[S, Tmax]`` view (every ``agg`` mode and ``ratio="sequence"`` act
+            per packed sequence, padding gets ``ignore_index`` labels and mask 0), with ``token_logp`` /
+            ``token_entropy`` packed back to ``[1, total]``. A Python list keeps ``torch.compile`` free of
+            data-dependent shapes.
 """
 
 _RETURNS_DOC = """
@@ -1486,6 +1493,37 @@ _RETURNS_DOC = """
     them while the graph is retained). On a GPU a second backward with another upstream rescales the stored
     gradient (for 16-bit gradients one more rounding), and after an upstream of 0 it raises.
 """
+
+
+def _padded_from_packed(cu_seqlens, head_name: str, head: torch.Tensor, labels, old_logp, advantages, mask,
+                        ref_logp, ignore_index: int):
+    """Packed ``[1, total, X]`` ``head`` (hidden or logits) and ``[1, total]`` per-token tensors -> their padded
+    ``[S, Tmax, X]`` / ``[S, Tmax]`` views (``advantages`` may be ``[S]``), as :func:`rlkernels.policy_loss` does
+    with ``cu_seqlens``; padded positions get ``ignore_index`` labels (no GEMM work for them) and mask 0. Returns
+    ``(views, index [total])``, ``views`` the keyword arguments of the padded call."""
+    _checks.tensor(head, head_name)
+    if head.dim() != 3 or head.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, {head_name} must be packed [1, total, {head_name[0].upper()}], got shape "
+                         f"{tuple(head.shape)}")
+    views = _packing.padded_views(cu_seqlens, "labels", ("advantages",), labels=labels, old_logp=old_logp,
+                                  advantages=advantages, mask=mask, ref_logp=ref_logp)
+    index, S, Tmax = _packing.padded_index(cu_seqlens, labels.shape[-1], device=head.device)  # [total]
+    if head.shape[1] != index.numel():
+        raise ValueError(f"packed {head_name} must have {index.numel()} tokens (labels'), got {head.shape[1]}")
+    if head.device != index.device:
+        raise ValueError(f"{head_name} is on {head.device} but cu_seqlens is on {index.device}")
+    X = head.shape[2]
+    padded = head.new_zeros(S * Tmax, X).index_put((index,), head[0]).view(S, Tmax, X)  # [S, Tmax, X]
+    real = torch.zeros(S * Tmax, dtype=torch.bool, device=index.device)  # [S*Tmax]
+    real[index] = True
+    views["labels"] = torch.where(real.view(S, Tmax), views["labels"], ignore_index)  # [S, Tmax]
+    views[head_name] = padded
+    return views, index
+
+
+def _packed_metrics(metrics: dict, index: torch.Tensor) -> dict:
+    """The per-token metrics (``token_logp``, ``token_entropy``) of a padded call, packed back to ``[1, total]``."""
+    return {k: _packing.pack(v, index) if k.startswith("token_") else v for k, v in metrics.items()}
 
 
 def linear_policy_loss(
@@ -1512,7 +1550,18 @@ def linear_policy_loss(
     return_entropy: bool = False,
     process_group=None,
     vocab_start: int | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,  # [S + 1]
 ):
+    if cu_seqlens is not None:  # packed [1, total] -> the padded [S, Tmax] view, then the one padded op
+        views, index = _padded_from_packed(cu_seqlens, "hidden", hidden, labels, old_logp, advantages, mask,
+                                           ref_logp, ignore_index)
+        loss, metrics = linear_policy_loss(
+            views["hidden"], weight, views["labels"], views["old_logp"], views["advantages"], views["mask"],
+            bias=bias, temperature=temperature, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+            ratio=ratio, ref_logp=views["ref_logp"], kl_coef=kl_coef, kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef, agg=agg, norm_length=norm_length, ignore_index=ignore_index,
+            return_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start)
+        return loss, _packed_metrics(metrics, index)
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
     grad_on = torch.is_grad_enabled()
@@ -1594,7 +1643,17 @@ def logits_policy_loss(
     norm_length: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    cu_seqlens: torch.Tensor | list[int] | None = None,  # [S + 1]
 ):
+    if cu_seqlens is not None:  # packed [1, total] -> the padded [S, Tmax] view, then the one padded op
+        views, index = _padded_from_packed(cu_seqlens, "logits", logits, labels, old_logp, advantages, mask,
+                                           ref_logp, ignore_index)
+        loss, metrics = logits_policy_loss(
+            views["logits"], views["labels"], views["old_logp"], views["advantages"], views["mask"],
+            temperature=temperature, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio,
+            ref_logp=views["ref_logp"], kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+            agg=agg, norm_length=norm_length, ignore_index=ignore_index, return_entropy=return_entropy)
+        return loss, _packed_metrics(metrics, index)
     policy_kwargs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, ratio=ratio, kl_coef=kl_coef,
                          kl_estimator=kl_estimator, entropy_coef=entropy_coef, agg=agg, norm_length=norm_length)
     grads = (torch.is_grad_enabled() and _checks.tensor(logits, "logits").requires_grad, False, False)

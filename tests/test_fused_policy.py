@@ -1772,3 +1772,53 @@ def test_public_docstring_states_every_argument(name):
     assert "Returns:" in doc and "token_logp" in doc, f"{name}.__doc__ is {fn.__doc__!r:.80}"
     missing = [p for p in inspect.signature(fn).parameters if p not in doc]
     assert not missing, f"{name}'s docstring does not state {missing}"
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_packed_sequences_through_cu_seqlens_equal_the_float64_truth(agg, ratio):
+    """``cu_seqlens`` as in ``policy_loss``: packed ``[1, total]`` inputs (an empty sequence among them, per-sequence
+    advantages) give the padded op's result, every agg mode acting per packed sequence; the per-token metrics come
+    back packed. Truth: the float64 two-op composition on the same packed inputs (``policy_loss`` has cu_seqlens);
+    without cu_seqlens both fused ops took the whole row for one sequence."""
+    g = torch.Generator().manual_seed(11)
+    V, H, lens = 37, 8, [3, 0, 5, 2]
+    cu = [0, 3, 3, 8, 10]  # [S + 1]
+    total, S = sum(lens), len(lens)
+    hidden64 = torch.randn(1, total, H, generator=g, dtype=torch.float64)  # [1, total, H]
+    weight64 = torch.randn(V, H, generator=g, dtype=torch.float64)  # [V, H]
+    labels = torch.randint(0, V, (1, total), generator=g)  # [1, total]
+    old = torch.randn(1, total, generator=g) - 2  # [1, total]
+    adv = torch.randn(S, generator=g)  # [S]
+    mask = torch.rand(1, total, generator=g) > 0.2  # [1, total]
+    ref_logp = torch.randn(1, total, generator=g) - 2  # [1, total]
+    kw = dict(ref_logp=ref_logp, kl_coef=0.1, entropy_coef=0.01, agg=agg, ratio=ratio)
+
+    h, w = hidden64.clone().requires_grad_(), weight64.clone().requires_grad_()
+    logp, ent = rlkernels.linear_logprobs(h[0], w, labels[0], return_entropy=True)  # [total] each
+    truth, _ = rlkernels.policy_loss(logp[None].double(), old, adv, mask, entropy=ent[None].double(), cu_seqlens=cu,
+                                     **kw)
+    truth_grads = torch.autograd.grad(truth, (h, w))
+    for make in (lambda x: x.float(), lambda x: x.bfloat16()):
+        h, w = make(hidden64).requires_grad_(), make(weight64).requires_grad_()
+        loss, metrics = rlkernels.linear_policy_loss(h, w, labels, old, adv, mask, cu_seqlens=cu, **kw)
+        assert_close_to_truth(loss, truth, h.dtype, name="loss")
+        for got, want, name in zip(torch.autograd.grad(loss, (h, w)), truth_grads, ("d_hidden", "d_weight")):
+            assert_close_to_truth(got, want, h.dtype, name=name)
+        assert metrics["token_logp"].shape == metrics["token_entropy"].shape == (1, total)
+        assert_close_to_truth(metrics["token_logp"], logp[None], h.dtype, name="token_logp")
+        logits = (make(hidden64)[0].double() @ make(weight64).double().T).to(h.dtype)[None].requires_grad_()
+        loss, metrics = rlkernels.logits_policy_loss(logits, labels, old, adv, mask, cu_seqlens=torch.tensor(cu), **kw)
+        assert_close_to_truth(loss, truth, h.dtype, name="logits loss")
+        (d_logits,) = torch.autograd.grad(loss, logits)
+        assert d_logits.shape == logits.shape and d_logits.dtype == logits.dtype
+        assert metrics["token_entropy"].shape == (1, total)
+
+
+def test_packed_inputs_with_cu_seqlens_refuse_a_head_that_is_not_packed():
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(5, 4)  # [B, T, H], [V, H]: padded, not [1, total, H]
+    labels, t = torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 6)  # [1, total]
+    with pytest.raises(ValueError, match=r"with cu_seqlens, hidden must be packed \[1, total, H\]"):
+        rlkernels.linear_policy_loss(hidden, weight, labels, t, t, t, cu_seqlens=[0, 6])
+    with pytest.raises(ValueError, match=r"packed hidden must have 6 tokens"):
+        rlkernels.linear_policy_loss(hidden[:1], weight, labels, t, t, t, cu_seqlens=[0, 6])
