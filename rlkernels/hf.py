@@ -191,8 +191,9 @@ def lm_head(model):
 
     Raises:
         NotImplementedError: the model config soft-caps or scales the logits (the message names the field:
-            ``final_logit_softcapping``, ``logit_scale``, ...): ``linear_logprobs`` would silently compute
-            other log-probabilities than the model's.
+            ``final_logit_softcapping``, ``logit_scale``, ...), or the model masks logits after its head
+            (Chameleon's image tokens): ``linear_logprobs`` would silently compute other log-probabilities than
+            the model's.
             Also when the output embedding carries an unmerged PEFT adapter (LoRA on ``lm_head``).
         TypeError: the model has no output embedding.
     """
@@ -208,6 +209,12 @@ def lm_head(model):
         value = getattr(config, field, None)
         if value is not None and value != 1.0:
             raise NotImplementedError(f"{field}={value} (scaled logits) is not the plain linear head")
+    # Chameleon sets its image tokens' logits to the dtype's minimum after the head (in its forward, under no field)
+    image_tokens = getattr(getattr(getattr(lm, "model", None), "vocabulary_mapping", None), "image_tokens", None)
+    if image_tokens is not None:
+        raise NotImplementedError(f"{type(lm).__name__} masks the logits of its {len(image_tokens)} image tokens "
+                                  "after the head (model.vocabulary_mapping.image_tokens), which the plain linear "
+                                  "head does not")
     get_head = getattr(lm, "get_output_embeddings", None)  # a transformers PreTrainedModel method
     head = get_head() if callable(get_head) else None
     if head is None or getattr(head, "weight", None) is None:
@@ -386,7 +393,7 @@ def response_logprobs(
         _checks.labels(input_ids, V, None, "input_ids")
     if packed:
         base = backbone(model)
-        verdict = _PACKING_VERDICTS.get(base)
+        verdict = _remembered_packing(base)
         if verdict is None and torch.compiler.is_compiling():  # dynamo runs the probe eagerly, outside the graph
             verdict = _supports_packing_eagerly(model)
         elif verdict is None and _checks._tracing():  # a dispatch mode: the probe could not read the model's states
@@ -426,11 +433,13 @@ def supports_packing(model) -> bool:
     ones; below the change that attending across the boundary makes). Costs one forward of 6 tokens, in eval mode
     (no dropout), without gradients.
     Each call probes afresh; the verdict is remembered for :func:`response_logprobs`' packed layout, which
-    probes a model itself on its first packed call otherwise.
+    probes a model itself on its first packed call otherwise, and again whenever the model's attention
+    implementation (``config._attn_implementation``, e.g. after ``model.set_attn_implementation(...)``) is not
+    the one the remembered verdict was taken with.
     """
     base = backbone(model)
     verdict = _probe_packing(base, model)
-    _PACKING_VERDICTS[base] = verdict  # what response_logprobs' packed layout consults
+    _PACKING_VERDICTS[base] = (_attention_of(base), verdict)  # what response_logprobs' packed layout consults
     return verdict
 
 
@@ -441,8 +450,23 @@ def _supports_packing_eagerly(model) -> bool:
     return supports_packing(model)
 
 
-# backbone -> the last supports_packing verdict on it (weak: a discarded model drops its entry)
+# backbone -> (its attention implementation, the last supports_packing verdict on it) (weak: a discarded model
+# drops its entry)
 _PACKING_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _attention_of(base) -> str:
+    """The attention implementation ``base`` runs (``repr`` of its config's ``_attn_implementation``: a name,
+    or a dict of them for a composite model), which decides whether packed sequences stay apart."""
+    return repr(getattr(getattr(base, "config", None), "_attn_implementation", None))
+
+
+def _remembered_packing(base) -> bool | None:
+    """The remembered :func:`supports_packing` verdict on ``base``; None when there is none, or when it was taken
+    under another attention implementation than the one ``base`` runs now (a kernel that ignores the packed
+    sequences' mask would otherwise inherit the verdict of one that keeps them apart)."""
+    attention, verdict = _PACKING_VERDICTS.get(base, (None, None))
+    return verdict if attention == _attention_of(base) else None
 
 
 def _probe_packing(base, model) -> bool:

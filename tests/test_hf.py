@@ -710,6 +710,25 @@ def test_refuses_recurrent_gemmas_soft_capped_head():
         hf.lm_head(model)
 
 
+def test_refuses_chameleons_masked_image_tokens():
+    # Chameleon's forward sets the logits of its image tokens to the dtype's minimum after the head, under no config
+    # field: response_logprobs scored the unmasked head (-5.752 against the model's -5.726 on this case), silently
+    torch.manual_seed(0)
+    vq = dict(embed_dim=8, num_embeddings=16, base_channels=32, channel_multiplier=[1], num_res_blocks=1,
+              attn_resolutions=[], latent_channels=8, resolution=16)
+    cfg = transformers.ChameleonConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=4, vq_config=vq,
+                                       vocabulary_map={"<image>": 3,
+                                                       **{f"IMGIMG{chr(65 + i)}Z": 10 + i for i in range(8)}})
+    model = transformers.ChameleonForConditionalGeneration(cfg).eval()
+    ids, am, rm = _batch()
+    with pytest.raises(NotImplementedError, match=r"^ChameleonForConditionalGeneration masks the logits of its 8 "
+                                                  r"image tokens"):
+        response_logprobs(model, ids, am, rm)
+    with pytest.raises(NotImplementedError, match="image tokens"):
+        hf.lm_head(model)
+
+
 def test_final_hidden_refuses_a_causal_lm_by_name():
     # final_hidden(model, ...) on the causal LM (not its backbone) returned out[0], the [B, T, V] logits, as if they
     # were the [B, T, H] hidden states

@@ -412,6 +412,34 @@ def test_supports_packing_is_a_check(kind, monkeypatch):
 
 
 
+def test_packed_logprobs_probe_again_after_the_attention_implementation_changes():
+    """The packing verdict was remembered per backbone whatever attention it ran: probed under sdpa (which keeps
+    packed sequences apart), then switched with set_attn_implementation to a kernel that ignores the packed mask,
+    the model's packed log-probs came back with the second sequence attending to the first, silently (-5.53
+    against -7.35 on this case)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_only(module, query, key, value, attention_mask, **kwargs):  # one causal mask over the packed row
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    AttentionInterface.register("rlkernels_test_causal_only", causal_only)
+    model = _tiny("llama", False).eval()
+    ids = torch.tensor([[1, 5, 6, 2, 7, 8]])  # [1, 6]: two sequences of 3
+    rm = torch.tensor([[0, 1, 1, 0, 1, 1]])  # [1, 6]
+    assert hf.supports_packing(model)
+    packed = hf.response_logprobs(model, ids, None, rm, cu_seqlens=[0, 3, 6])  # [1, 6]
+    padded = hf.response_logprobs(model, ids.view(2, 3), torch.ones(2, 3), rm.view(2, 3))  # [2, 3]
+    torch.testing.assert_close(packed.view(2, 3), padded)
+    model.set_attn_implementation("rlkernels_test_causal_only")
+    with pytest.raises(ValueError, match=r"^attention_mask=None \(a packed batch\): LlamaForCausalLM "
+                                         r"\(rlkernels_test_causal_only attention\) does not keep"):
+        hf.response_logprobs(model, ids, None, rm, cu_seqlens=[0, 3, 6])
+    model.set_attn_implementation("eager")  # keeps them apart again: probed again, and packed equals padded
+    torch.testing.assert_close(hf.response_logprobs(model, ids, None, rm, cu_seqlens=[0, 3, 6]), packed)
+
+
 def test_supports_packing_sees_through_a_compiled_backbone():
     """torch.compile's wrapper has the signature (*args, **kwargs): the position_ids check reads the module it wraps
     (reading the wrapper refused every compiled backbone)."""
@@ -564,7 +592,7 @@ def test_packed_logprobs_under_torch_compile_still_refuse_a_model_that_does_not_
     for _ in range(2):  # probed from inside the compiled call (outside its graph), then the verdict remembered
         with pytest.raises(ValueError, match="does not keep packed sequences apart"):
             compiled(model, ids, None, rm, cu_seqlens=[0, 3, 6])
-    assert hf._PACKING_VERDICTS[model.model] is False
+    assert hf._remembered_packing(model.model) is False
     llama = _tiny("llama", False)  # a model that packs: compiled equals eager, probed from inside the compiled call
     torch.testing.assert_close(compiled(llama, ids, None, rm, cu_seqlens=[0, 3, 6]),
                                hf.response_logprobs(llama, ids, None, rm, cu_seqlens=[0, 3, 6]))
