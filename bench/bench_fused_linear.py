@@ -180,6 +180,23 @@ def _against_one_gemm(op, N, H, V, dtype, note, make_inputs, providers) -> Case:
     )
 
 
+def gemm_then_label_residuals(d_weight: torch.Tensor, v0: int, v1: int, dz: torch.Tensor, hidden: torch.Tensor,
+                              run: tuple, resid: torch.Tensor) -> None:
+    """The alternative to ``fl._gemm_with_label_residuals`` that these benches time (not used by the package):
+    ``d_weight[v0:v1] = dz.T @ hidden`` by a plain 16-bit-output GEMM (beta = 0, no memset), then the label
+    residuals' per-label sums added to their rows, which rounds those rows twice instead of once. On the CPU
+    (bf16, linear_logprobs at N=64-200, V=300-4097, three seeds) that put d_weight at 0.17-0.47x eager's error
+    against 0.15-0.39x with the residuals inside the GEMM and 0.20-0.61x with none; the rows the residuals
+    touch are no longer correctly rounded, which tests/test_fused_linear.py asks of the package. The H200 run
+    of 2026-11-27 measured the residuals inside at 1.7 ms over the plain GEMM (14.7 against 13.0 ms): this row
+    says how much of that the alternative would save."""
+    from rlkernels import fused_linear as fl
+
+    dw = d_weight[v0:v1]  # [vc, H]
+    torch.mm(dz.T, hidden, out=dw)
+    fl._add_run(d_weight, run, resid[:, None] * hidden[run[0]].float())  # [k, H] summed per label, rows += sums
+
+
 def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> Case:
     """The Triton backward (vocabulary outer: N < V) whole and phase by phase, each against one cuBLAS GEMM of the
     same size (so each row's "of bound" and ratio read as "GEMMs' worth of time"): the dz kernel over every
@@ -250,12 +267,21 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
             fl._gemm_with_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
 
+    def dw_residuals_after(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        # the same with the residuals added after each slice's GEMM (gemm_then_label_residuals: two roundings)
+        dw = torch.empty(V, H, device=device, dtype=dtype)  # [V, H] d_weight
+        tok = torch.arange(N, device=device)  # [N] every token has a label
+        runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
+        for j, (v0, v1) in enumerate(chunks):
+            gemm_then_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
+
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {
         "backward (all phases)": whole, "dz kernel": dz_kernel,
         **({"dz kernel tma": dz_kernel_tma} if hopper and dtype != torch.float32 and H * 2 % 16 == 0 else {}),
         "dh GEMMs float32 out": dh_f32,
-        "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_residuals, "dh GEMMs 16-bit out": dh_16,
+        "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_residuals,
+        "dW GEMMs, label residuals after": dw_residuals_after, "dh GEMMs 16-bit out": dh_16,
         "dW GEMMs float32 out": dw_f32,
     }
     return _against_one_gemm("linear_logprobs bwd phases", N, H, V, dtype, f" ({len(chunks)} chunks of {vc})",
