@@ -258,30 +258,25 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         for v0, v1 in chunks:
             dz[:, : v1 - v0].T @ hidden  # [vc, H]
 
-    def dw_residuals(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+    def dw_with(d_weight_gemm):
         # as the backward does it: the label runs planned once for every chunk, then chunk by chunk each slice of
-        # d_weight from the GEMM with the label residuals added inside it (against "dW GEMMs 16-bit out": their cost)
-        dw = torch.empty(V, H, device=device, dtype=dtype)  # [V, H] d_weight
-        tok = torch.arange(N, device=device)  # [N] every token has a label
-        runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
-        for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
-            fl._gemm_with_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
-
-    def dw_residuals_after(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
-        # the same with the residuals added after each slice's GEMM (gemm_then_label_residuals: two roundings)
-        dw = torch.empty(V, H, device=device, dtype=dtype)  # [V, H] d_weight
-        tok = torch.arange(N, device=device)  # [N] every token has a label
-        runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
-        for j, (v0, v1) in enumerate(chunks):
-            gemm_then_label_residuals(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
+        # d_weight from d_weight_gemm -- fl._gemm_with_label_residuals (the residuals inside the GEMM: against "dW
+        # GEMMs 16-bit out", their cost) or gemm_then_label_residuals (added after it: two roundings)
+        def dw_residuals(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+            dw = torch.empty(V, H, device=device, dtype=dtype)  # [V, H] d_weight
+            tok = torch.arange(N, device=device)  # [N] every token has a label
+            runs = fl._label_runs(torch.div(labels, vc, rounding_mode="floor"), labels, tok, len(chunks), V)
+            for j, (v0, v1) in enumerate(chunks):  # g_logp [N]: stand-in label residuals
+                d_weight_gemm(dw, v0, v1, dz[:, : v1 - v0], hidden, runs[j], g_logp[runs[j][0]])
+        return dw_residuals
 
     hopper = device.type == "cpu" or torch.cuda.get_device_capability(device)[0] == 9  # TMA: sm_90 (or interpreted)
     providers = {
         "backward (all phases)": whole, "dz kernel": dz_kernel,
         **({"dz kernel tma": dz_kernel_tma} if hopper and dtype != torch.float32 and H * 2 % 16 == 0 else {}),
         "dh GEMMs float32 out": dh_f32,
-        "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_residuals,
-        "dW GEMMs, label residuals after": dw_residuals_after, "dh GEMMs 16-bit out": dh_16,
+        "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_with(fl._gemm_with_label_residuals),
+        "dW GEMMs, label residuals after": dw_with(gemm_then_label_residuals), "dh GEMMs 16-bit out": dh_16,
         "dW GEMMs float32 out": dw_f32,
     }
     return _against_one_gemm("linear_logprobs bwd phases", N, H, V, dtype, f" ({len(chunks)} chunks of {vc})",

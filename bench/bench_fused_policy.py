@@ -185,27 +185,25 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     def gemm_2(hidden, weight, labels, tile, stats, coef, dz_all, resid):
         fl._mm_f32(dz_all, weight)  # [N, H] float32
 
-    def gemm_3(hidden, weight, labels, tile, stats, coef, dz_all, resid):
-        # as the op: the label runs of every token (one group), d_weight written once with the residuals inside
-        tok = torch.arange(N, device=device)  # [N] every token has a label
-        run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
-        d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
-        fl._gemm_with_label_residuals(d_weight, 0, V, dz_all, hidden, run, resid[run[0]])
-
-    def gemm_3_after(hidden, weight, labels, tile, stats, coef, dz_all, resid):
-        # the alternative bench_fused_linear.gemm_then_label_residuals times: plain GEMM, then the residual rows
-        tok = torch.arange(N, device=device)  # [N] every token has a label
-        run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
-        d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
-        gemm_then_label_residuals(d_weight, 0, V, dz_all, hidden, run, resid[run[0]])
+    def gemm_3_with(d_weight_gemm):
+        # as the op: the label runs of every token (one group), d_weight written once by d_weight_gemm --
+        # fl._gemm_with_label_residuals (the residuals inside the GEMM) or bench_fused_linear's
+        # gemm_then_label_residuals (plain GEMM, then the residual rows)
+        def gemm_3(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+            tok = torch.arange(N, device=device)  # [N] every token has a label
+            run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
+            d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
+            d_weight_gemm(d_weight, 0, V, dz_all, hidden, run, resid[run[0]])
+        return gemm_3
 
     def gemm_3_plain(hidden, weight, labels, tile, stats, coef, dz_all, resid):
         dz_all.T @ hidden  # [V, H] no residuals: the GEMM's own time
 
     providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
                  "GEMM 2 (d_hidden, one GEMM, float32 out)": gemm_2,
-                 "GEMM 3 (d_weight, one GEMM, label residuals inside)": gemm_3,
-                 "GEMM 3, label residuals after": gemm_3_after, "GEMM 3 plain (no residuals)": gemm_3_plain}
+                 "GEMM 3 (d_weight, one GEMM, label residuals inside)": gemm_3_with(fl._gemm_with_label_residuals),
+                 "GEMM 3, label residuals after": gemm_3_with(gemm_then_label_residuals),
+                 "GEMM 3 plain (no residuals)": gemm_3_plain}
     return _against_one_gemm("linear_policy_loss phases", N, H, V, dtype,
                              f" (held dz, {len(chunks)} chunks of {n_max})", make_inputs, providers)
 
