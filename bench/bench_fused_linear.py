@@ -112,7 +112,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device) -> C
         # "tma" on sm_90, else "split"); the backward takes the dz kernel that pairs with it (fused_linear._bwd_tiles)
         from rlkernels.fused_linear import FWD_KERNEL_ENV
 
-        for name in ("split", "tma"):
+        for name in ("split", "tma", "cublas"):  # cublas: cuBLAS for every GEMM, the logits' backward included
             providers[f"rlkernels fwd {name}"] = harness.with_env(FWD_KERNEL_ENV, name, _step(_rlkernels))
     providers.update(_peers(device))
     return Case(
@@ -202,7 +202,9 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     same size (so each row's "of bound" and ratio read as "GEMMs' worth of time"): the dz kernel over every
     vocabulary chunk (it recomputes the logits: one GEMM and the softmax epilogue), and on sm_90 the Hopper dz
     kernel (``_dz_kernel_tma``, which follows the ``tma`` forward; here with K blocks of 64 after a split forward's
-    statistics: the time is the same), dh += dz @ W_j with a float32
+    statistics: the time is the same), for 16-bit inputs the "cublas" backward whole and its dz (each chunk's logits
+    by cuBLAS into a float32 tile, then ``_dz_from_tile_kernel``; narrower chunks: the tile shares the dz budget),
+    dh += dz @ W_j with a float32
     result and d_weight's slices dz.T @ hidden with 16-bit results (the two GEMMs as the backward calls them, chunk
     by chunk), the same two with the other output dtype (what the output dtype costs), and the dW GEMMs as the
     16-bit backward runs them, with the label residuals added inside (fl._label_runs once, then
@@ -240,6 +242,17 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
         for v0, v1 in chunks:
             dz_into(dz[:, : v1 - v0], resid, 0, N, v0, v1)
 
+    cublas_vc = fl._vocab_chunk(N, V, dtype, fl._CUBLAS_DZ_TILES)  # <= vc: its float32 tile shares the budget
+    cublas_chunks = [(v0, min(V, v0 + cublas_vc)) for v0 in range(0, V, cublas_vc)]
+
+    def dz_cublas(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
+        # the "cublas" backward's dz: each chunk's logits by cuBLAS into a float32 tile, then _dz_from_tile_kernel
+        dz_into = fl._dz_launcher(g_logp, g_ent, hidden, weight, labels, None, stats, entropy, opt,
+                                  fl._CUBLAS_DZ_TILES)
+        resid = torch.zeros(N, device=device)  # [N]
+        for v0, v1 in cublas_chunks:
+            dz_into(dz[:, : v1 - v0], resid, 0, N, v0, v1)
+
     def dh_f32(hidden, weight, labels, logp, entropy, stats, g_logp, g_ent, dz):
         dh = torch.zeros(N, H, device=device)  # [N, H] float32
         for v0, v1 in chunks:
@@ -274,6 +287,8 @@ def _backward_phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: tor
     providers = {
         "backward (all phases)": whole, "dz kernel": dz_kernel,
         **({"dz kernel tma": dz_kernel_tma} if hopper and dtype != torch.float32 and H * 2 % 16 == 0 else {}),
+        **({"backward (all phases), cublas": harness.with_env(fl.FWD_KERNEL_ENV, "cublas", whole),
+            "dz kernel cublas": dz_cublas} if dtype != torch.float32 else {}),
         "dh GEMMs float32 out": dh_f32,
         "dW GEMMs 16-bit out": dw_16, "dW GEMMs with label residuals": dw_with(fl._gemm_with_label_residuals),
         "dW GEMMs, label residuals after": dw_with(gemm_then_label_residuals), "dh GEMMs 16-bit out": dh_16,

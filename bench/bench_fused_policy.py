@@ -25,7 +25,7 @@ import torch
 import rlkernels
 from bench import harness
 from bench.bench_fused_linear import gemm_then_label_residuals
-from bench.harness import Case
+from bench.harness import Case, env_set
 from rlkernels import reference
 
 T_SEQ = 256  # tokens per sequence: N = B · T_SEQ
@@ -117,7 +117,7 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
     }
     if device.type == "cuda":  # the three-GEMM op with its kernel 1 named (the default on sm_90: "tma", storing
         # the tile by TMA; else "split", _fwd_kernel): RLKERNELS_LINEAR_FWD held through the step
-        for name in ("split", "tma"):
+        for name in ("split", "tma", "cublas"):  # cublas: a cuBLAS GEMM into the tile, then the statistics kernel
             providers[f"rlkernels kernel 1 {name}"] = harness.with_env("RLKERNELS_LINEAR_FWD", name,
                                                                           providers["rlkernels"])
     providers.update(_peers(device))
@@ -141,6 +141,8 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     and the tiny dry-run sizes), each phase against one cuBLAS GEMM of the head's size (each row's "of bound" and
     ratio read as "GEMMs' worth of time"): kernel 1 over every chunk (GEMM 1, the row statistics, the float32
     ``[chunk, V]`` logits tile stored), kernel 2 over every chunk (``dz`` from the tile into the held ``[N, V]``),
+    both again as ``RLKERNELS_LINEAR_FWD=cublas`` runs them (a cuBLAS GEMM writing the raw logits into the tile, then
+    rlkernels.softmax's forward kernel for the statistics; kernel 2 dividing the raw tile by T),
     GEMM 2 once (``d_hidden``, float32 result), GEMM 3 once (``d_weight`` in its dtype, the label residuals inside
     it). Where the whole op's time goes beyond its three GEMMs."""
     from bench.bench_fused_linear import _against_one_gemm
@@ -170,7 +172,9 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
         for c0 in range(t1 - t0, N, t1 - t0):  # every chunk's rows of the held dz: the first chunk's, repeated
             dz_all[c0:c0 + t1 - t0] = dz[: N - c0]
         resid = torch.randn(N, device=device)  # [N] stand-in label residuals
-        return hidden, weight, labels, tile, stats, coef, dz_all, resid
+        with env_set(fl.FWD_KERNEL_ENV, "cublas"):  # kernel 1 as "cublas" (and kernel 2 reading its raw tile)
+            tile_c = fp._TritonTile(n_max, hidden, weight, None, opt, dz_all=dz_all)
+        return hidden, weight, labels, tile, stats, coef, dz_all, resid, tile_c
 
     def kernel_1(hidden, weight, labels, tile, *rest):
         for t0, t1 in chunks:
@@ -182,24 +186,32 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
             tile.t0 = min(t0, N - n)
             next(tile.dz_blocks(coef, coef, labels[:n], *stats, opt))
 
-    def gemm_2(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+    def kernel_1_cublas(hidden, weight, labels, tile, stats, coef, dz_all, resid, tile_c):
+        kernel_1(hidden, weight, labels, tile_c)
+
+    def kernel_2_raw(hidden, weight, labels, tile, stats, coef, dz_all, resid, tile_c):
+        kernel_2(hidden, weight, labels, tile_c, stats, coef)
+
+    def gemm_2(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
         fl._mm_f32(dz_all, weight)  # [N, H] float32
 
     def gemm_3_with(d_weight_gemm):
         # as the op: the label runs of every token (one group), d_weight written once by d_weight_gemm --
         # fl._gemm_with_label_residuals (the residuals inside the GEMM) or bench_fused_linear's
         # gemm_then_label_residuals (plain GEMM, then the residual rows)
-        def gemm_3(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+        def gemm_3(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
             tok = torch.arange(N, device=device)  # [N] every token has a label
             run = fl._label_runs(torch.zeros_like(tok), labels, tok, 1, V)[0]
             d_weight = torch.empty(V, H, device=device, dtype=dtype)  # [V, H]
             d_weight_gemm(d_weight, 0, V, dz_all, hidden, run, resid[run[0]])
         return gemm_3
 
-    def gemm_3_plain(hidden, weight, labels, tile, stats, coef, dz_all, resid):
+    def gemm_3_plain(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
         dz_all.T @ hidden  # [V, H] no residuals: the GEMM's own time
 
     providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
+                 "kernel 1 cublas (cuBLAS GEMM 1 into the tile, statistics)": kernel_1_cublas,
+                 "kernel 2 after cublas (dz from the raw tile)": kernel_2_raw,
                  "GEMM 2 (d_hidden, one GEMM, float32 out)": gemm_2,
                  "GEMM 3 (d_weight, one GEMM, label residuals inside)": gemm_3_with(fl._gemm_with_label_residuals),
                  "GEMM 3, label residuals after": gemm_3_with(gemm_then_label_residuals),
@@ -230,7 +242,6 @@ def _logits_fused(logits, labels, old, adv, mask, ref_logp):
 def _logits_one_kernel(logits, labels, old, adv, mask, ref_logp):
     """logits_policy_loss with RLKERNELS_LOGITS_POLICY=one-kernel for the call (its forward; the backward only
     scales the d_logits the forward wrote)."""
-    from bench.harness import env_set
     from rlkernels import fused_policy
 
     with env_set(fused_policy.LOGITS_ROW_ENV, "one-kernel"):
@@ -240,7 +251,6 @@ def _logits_one_kernel(logits, labels, old, adv, mask, ref_logp):
 def _logits_cluster(logits, labels, old, adv, mask, ref_logp):
     """logits_policy_loss with RLKERNELS_LOGITS_POLICY=cluster for the call: the csrc cluster kernel (the logits read
     from DRAM once), or the pair where it cannot take the call."""
-    from bench.harness import env_set
     from rlkernels import fused_policy
 
     with env_set(fused_policy.LOGITS_ROW_ENV, "cluster"):

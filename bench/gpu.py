@@ -483,12 +483,15 @@ def _model_lines(record: dict) -> list[str]:
         pairs += [(f"forward {k}", v, ("linear_logprobs fwd", f"rlkernels fwd {k}")) for k, v in p["forward_ms"].items()]
         dz = p.get("backward_by_dz_ms") or {"dz": p["backward_ms"]}  # records before 2026-11-26 had one dz kernel
         pairs += [(f"backward {k}", v["dz"], ("linear_logprobs bwd phases", k.replace("dz", "dz kernel")))
-                  for k, v in dz.items()]  # "dz" -> row "dz kernel", "dz tma" -> "dz kernel tma"
+                  for k, v in dz.items()]  # "dz" -> row "dz kernel", "dz tma" -> "dz kernel tma", "dz kernel cublas"
         # the whole step per forward kernel; records before 2026-11-28 have no "rlkernels fwd split" row, their
         # "rlkernels" row (the default then) is it
         pairs.append(("fwd+bwd (forward: split)", p["fwd_bwd_ms"]["split"],
                       ("linear_logprobs fwd+bwd", "rlkernels fwd split", "rlkernels")))
         pairs.append(("fwd+bwd (forward: tma)", p["fwd_bwd_ms"]["tma"], ("linear_logprobs fwd+bwd", "rlkernels fwd tma")))
+        if "cublas" in p["fwd_bwd_ms"]:
+            pairs.append(("fwd+bwd (forward: cublas)", p["fwd_bwd_ms"]["cublas"],
+                          ("linear_logprobs fwd+bwd", "rlkernels fwd cublas")))
         for phase, predicted, (op, *providers) in pairs:
             got = next((measured[k] for k in ((op, shape, pr) for pr in providers) if k in measured), None)
             lines.append(f"| {shape} | {phase} | {predicted:.2f} | {_num(got, '.2f')} |")

@@ -135,10 +135,13 @@ KERNELS = {
 
 
 FORWARDS = ("split", "tma", "tma flat", "tma 2cta", "cublas")
-DZ_KERNELS = ("dz", "dz tma")
+DZ_KERNELS = ("dz", "dz tma", "dz cublas")
 # the dz kernel each forward is followed by (rlkernels.fused_linear._bwd_tiles: the Hopper dz kernel after the Hopper
-# forward, whose K blocks of 64 it repeats; the pointer dz kernel after the others)
-DZ_AFTER = {"split": "dz", "tma": "dz tma", "tma flat": "dz tma", "tma 2cta": "dz tma", "cublas": "dz"}
+# forward, whose K blocks of 64 it repeats; after the cuBLAS forward, cuBLAS again into a float32 tile and the tile
+# dz kernel; the pointer dz kernel after the others)
+DZ_AFTER = {"split": "dz", "tma": "dz tma", "tma flat": "dz tma", "tma 2cta": "dz tma", "cublas": "dz cublas"}
+# the tile dz kernel's columns (rlkernels.fused_linear._TILE_DZ_BLOCK_V): the cuBLAS dz's chunks end on them
+CUBLAS_DZ_BLOCK_V = 128
 
 
 def wgmma_efficiency(n: int, device: Device) -> float:
@@ -227,20 +230,27 @@ def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") ->
     bf16 by its GEMM, which reads the slice too (beta = 1: the label residuals added inside it), after a memset of
     the slice and the residuals' per-label sums (a ``[N, H]`` float32 product written, read, summed; neither
     overlaps a GEMM: added). Tokens outer: per token chunk the whole weight, and ``dW`` accumulated in a float32
-    ``[V, H]`` buffer read and written per chunk, then cast. ``dz_kernel``: one of ``DZ_KERNELS``."""
-    k = KERNELS[dz_kernel]
+    ``[V, H]`` buffer read and written per chunk, then cast. ``dz_kernel``: one of ``DZ_KERNELS``; ``dz cublas``
+    (after the cuBLAS forward, vocabulary outer only): per chunk a cuBLAS GEMM writing the float32 logits tile (at
+    cuBLAS's rate, or its bytes' time if slower), then the tile dz kernel reading it and writing dz (memory-bound,
+    added: two kernels one after the other); its float32 tile shares the dz budget, so its chunks are narrower."""
+    cublas = dz_kernel == "dz cublas"
+    k = KERNELS["dz" if cublas else dz_kernel]
     hidden, weight = N * H * BYTES_BF16, V * H * BYTES_BF16
     dz_bytes = N * V * BYTES_BF16
     gemm = one_gemm_s(N, H, V, device)
     groups = math.ceil(N / (k.group_n * k.block_n))
     if N < V:
-        vc = min(V, max(k.block_v, DZ_BUDGET_BYTES // (N * BYTES_BF16) // k.block_v * k.block_v))
+        per_col = N * (BYTES_BF16 + (BYTES_F32 if cublas else 0))  # dz's bytes (and the float32 tile's) per column
+        block_v = CUBLAS_DZ_BLOCK_V if cublas else k.block_v
+        vc = min(V, max(block_v, DZ_BUDGET_BYTES // per_col // block_v * block_v))
         chunks = math.ceil(V / vc)
         dz_hbm = chunks * hidden + groups * weight + dz_bytes
         dh_hbm = dz_bytes + weight + chunks * 2 * N * H * BYTES_F32
         dw_hbm = dz_bytes + chunks * hidden + 2 * weight
         dw_extra = (weight + 3 * N * H * BYTES_F32) / device.hbm_bps  # the slices' memsets, the residual sums
     else:
+        assert not cublas, "the cuBLAS dz is modelled vocabulary outer (N < V) only"
         chunk = max(k.block_n, DZ_BUDGET_BYTES // (V * BYTES_BF16) // k.block_n * k.block_n)
         chunks = math.ceil(N / chunk)
         acc = V * H * BYTES_F32
@@ -250,8 +260,14 @@ def backward_s(N: int, H: int, V: int, device: Device, dz_kernel: str = "dz") ->
         # and writes dW in bf16: acc * (1 + 2 (chunks - 1) + 1) = 2 chunks acc
         dw_hbm = dz_bytes + hidden + 2 * chunks * acc + weight
         dw_extra = 0.0
-    dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)), dz_hbm / device.hbm_bps)
-    dz = _fused_s(k, dz, N, H, V, device)
+    if cublas:  # the GEMMs write the float32 tiles; the tile kernel reads them and writes dz
+        tile_bytes = N * V * BYTES_F32
+        dz = max(gemm, (chunks * hidden + weight + tile_bytes) / device.hbm_bps)
+        dz += (tile_bytes + dz_bytes) / device.hbm_bps
+    else:
+        dz = max(gemm_flops(N, H, V) / device.tensor_flops(wgmma_efficiency(k.wgmma_n, device)),
+                 dz_hbm / device.hbm_bps)
+        dz = _fused_s(k, dz, N, H, V, device)
     return {"dz": dz, "dh": max(gemm, dh_hbm / device.hbm_bps), "dW": max(gemm, dw_hbm / device.hbm_bps) + dw_extra}
 
 
@@ -289,10 +305,11 @@ def device_from_ceilings(name: str, matmul_tflops: float, copy_gbps: float, like
 
 
 def format_prediction(p: dict) -> str:
-    dz_tma = p["backward_by_dz_ms"]["dz tma"]["dz"]
+    dz_tma, dz_cublas = (p["backward_by_dz_ms"][k]["dz"] for k in ("dz tma", "dz cublas"))
     lines = [f"{p['device']}  N={p['N']} H={p['H']} V={p['V']} bf16: one GEMM {p['one_gemm_ms']:.2f} ms, "
              f"four {p['four_gemms_ms']:.2f} ms; backward dz {p['backward_ms']['dz']:.2f} (after the Hopper forward "
-             f"{dz_tma:.2f}) + dh {p['backward_ms']['dh']:.2f} + dW {p['backward_ms']['dW']:.2f} ms"]
+             f"{dz_tma:.2f}, after cublas {dz_cublas:.2f}) + dh {p['backward_ms']['dh']:.2f} "
+             f"+ dW {p['backward_ms']['dW']:.2f} ms"]
     for kind, t in p["forward_ms"].items():
         lines.append(f"  forward {kind:<11} {t:6.2f} ms ({p['fwd_vs_one_gemm'][kind]:.2f}x one GEMM, "
                      f"{p['forward_gb'][kind]:5.1f} GB HBM)   fwd+bwd {p['fwd_bwd_ms'][kind]:6.2f} ms "

@@ -419,6 +419,37 @@ def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr,
     tl.store(resid_ptr + rows, lost, mask=has_y)
 
 
+@jit(do_not_specialize=UNSPECIALIZED_ROWS)  # the chunk's token count: see there
+def _dz_from_tile_kernel(
+    z_ptr,  # [n, V] float32: a stored tile of logits (RAW) or logits / T
+    labels_ptr, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] each (float32 but the labels), as _dz_kernel's
+    dz_ptr,  # [n, V] inputs' dtype (float32: may be the same memory as z_ptr, written in place)
+    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
+    N, V, temperature, ignore_index,
+    col0,  # the vocabulary id of the tile's first column: a label y is column y - col0 of it
+    RAW: tl.constexpr,  # the tile holds the logits themselves (cuBLAS's), divided by T here as _dz_kernel does
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """``_dz_kernel``'s work on logits already in memory (no GEMM): a ``[BLOCK_N, BLOCK_V]`` block of the stored
+    tile read once, ``_dz_store`` writing its dz. :mod:`rlkernels.fused_policy`'s kernel 2 reads back the tile its
+    kernel 1 stored (logits / T, the forward's bits); the "cublas" backward (:func:`_dz_launcher`) a tile of logits
+    that cuBLAS has just recomputed (``RAW``)."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] columns of the tile
+    row_ok = rows < N
+    col_ok = cols < V
+    offs = rows[:, None].to(tl.int64) * V + cols[None, :]  # [BLOCK_N, BLOCK_V]
+    io_ok = row_ok[:, None] & col_ok[None, :]
+    z = tl.load(z_ptr + offs, mask=io_ok, other=0.0)  # [BLOCK_N, BLOCK_V]
+    if RAW:
+        z = z / temperature
+    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
+    _dz_store(z, rows, cols, row_ok, col_ok, label - col0, label != ignore_index, m_ptr, logs_ptr, ent_ptr, glogp_ptr,
+              gent_ptr, dz_ptr, resid_ptr, V, temperature, pid_v * BLOCK_V, BLOCK_V)
+
+
 # ---------------------------------------------------------------- launchers
 
 
@@ -546,6 +577,20 @@ _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_ti
 # registers, 1 CTA per SM). Not measured: bench_fused_linear's "dz kernel tma" row measures it against _dz_kernel.
 _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.block_k, split_tiles=1, num_warps=4,
                                  num_stages=4, group_n=16, flatten=False, ctas_per_sm=2)
+# _dz_from_tile_kernel (elementwise over a stored float32 tile, no GEMM): 32 x 128 on 8 warps (32 x 256 spilled
+# 40-112 B unaligned).
+_TILE_DZ_BLOCK_N, _TILE_DZ_BLOCK_V, _TILE_DZ_WARPS = 32, 128, 8
+
+
+@dataclass(frozen=True)
+class _CublasTiles(_Tiles):
+    """The "cublas" backward (after the cuBLAS forward, 16-bit inputs): cuBLAS recomputes each block of logits into
+    a float32 tile and ``_dz_from_tile_kernel`` turns it into ``dz`` (:func:`_dz_launcher`). ``block_n`` x
+    ``block_v`` are that kernel's tiles; the chunks end on them and hold the float32 tile beside ``dz``."""
+
+
+_CUBLAS_DZ_TILES = _CublasTiles(block_n=_TILE_DZ_BLOCK_N, block_v=_TILE_DZ_BLOCK_V, block_k=0, split_tiles=1,
+                                num_warps=_TILE_DZ_WARPS, num_stages=1)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 # The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
 # float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
@@ -576,9 +621,18 @@ def _bwd_tiles(hidden: torch.Tensor, weight: torch.Tensor) -> _Tiles:
     logits sum K in the forward's chunks and are its bits -- the Hopper forward (``_TMA_TILES``) steps K by 64
     where ``_fwd_kernel`` steps by 32. A low temperature magnifies any difference between the forward's logits and
     the backward's (see the note above ``FWD_KERNEL_ENV``)."""
-    if _fwd_kernel_choice(hidden, weight) == "tma":  # 16-bit inputs, aligned rows, sm_90 (or the interpreter)
+    choice = _fwd_kernel_choice(hidden, weight)
+    if choice == "tma":  # 16-bit inputs, aligned rows, sm_90 (or the interpreter)
         return replace(_TMA_DZ_TILES, block_k=_TMA_TILES.block_k)
+    if choice == "cublas":  # 16-bit inputs: the logits recomputed by cuBLAS too, in float32
+        return _CUBLAS_DZ_TILES
     return _tiles(hidden.dtype, backward=True)
+
+
+def _dz_bytes_per_element(dtype: torch.dtype, t: _Tiles) -> int:
+    """Workspace bytes per ``dz`` element of a backward chunk: ``dz`` in the inputs' dtype, and with the "cublas"
+    backward (``_CublasTiles``) the float32 logits tile beside it."""
+    return torch.empty((), dtype=dtype).element_size() + (4 if isinstance(t, _CublasTiles) else 0)
 
 
 def _hopper(t: torch.Tensor) -> bool:
@@ -611,6 +665,28 @@ def _dz_signature(ty: str) -> dict:
     inputs = {"h_ptr": f"*{ty}", "w_ptr": f"*{ty}", "b_ptr": f"*{ty}", "labels_ptr": "*i64"}
     rows = {"m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32", "gent_ptr": "*fp32"}
     return {**inputs, **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", **_SIZES, "ignore_index": "i64", "col0": "i64"}
+
+
+def _dz_from_tile_signature(ty: str) -> dict:
+    rows = {"labels_ptr": "*i64", "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32",
+            "gent_ptr": "*fp32"}
+    return {"z_ptr": "*fp32", **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", "N": "i32", "V": "i32",
+            "temperature": "fp32", "ignore_index": "i64", "col0": "i64"}
+
+
+def dz_from_tile_configs(ty: str) -> list[KernelConfig]:
+    """``_dz_from_tile_kernel``'s configurations for ``ty`` ("fp32"/"bf16"/"fp16") outputs: reading a stored tile
+    of logits / T (rlkernels.fused_policy's kernel 2) and of raw logits (the "cublas" kernels: the backward's
+    dz here for 16-bit inputs, and fused_policy's kernel 2 after its cuBLAS kernel 1)."""
+    from rlkernels.testing.aot import KernelConfig
+
+    configs = []
+    for raw in (False, True) if ty != "fp32" else (False,):  # "cublas" takes 16-bit inputs only
+        consts = {"RAW": raw, "BLOCK_N": _TILE_DZ_BLOCK_N, "BLOCK_V": _TILE_DZ_BLOCK_V}
+        configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz_from_tile_signature(ty),
+                                                           **dict.fromkeys(consts, "constexpr")},
+                                    consts, _TILE_DZ_WARPS, 1))
+    return configs
 
 
 def aot_configs() -> list[KernelConfig]:
@@ -688,8 +764,11 @@ def _tma_aot_configs() -> list[KernelConfig]:
 #   backward then takes the Hopper dz kernel, _dz_kernel_tma (_bwd_tiles). The default on sm_90 CUDA tensors;
 #   under the interpreter (CPU tensors) only when asked for by name, so the tests run both;
 # - "cublas": the plain baseline, a cuBLAS GEMM into a bounded float32 [rows, V] chunk, then the memory-bound
-#   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas); the vocabulary-parallel path, which needs the
-#   per-split partials, runs "split" then, and so do float32 inputs: with large logits or a low temperature the
+#   log-sum-exp/entropy kernel of rlkernels.softmax (_forward_cublas; the vocabulary-parallel path's per-slice
+#   partials from the same two: _partials_cublas); the backward then recomputes each chunk's logits with cuBLAS too,
+#   into a float32 tile that _dz_from_tile_kernel turns into dz (_CublasTiles: the tile shares the dz budget, so
+#   its chunks are a third as wide), and rlkernels.fused_policy's kernel 1 is a cuBLAS GEMM into its tile followed
+#   by the same softmax kernel. Float32 inputs run "split": with large logits or a low temperature the
 #   backward's recomputed logits (_logits_tile) must be the forward's bits, and cuBLAS sums K in another order
 #   (under the interpreter the cuBLAS path's float32 gradients were 10-10^4 x eager's error in
 #   test_large_logits_no_worse_than_eager / test_low_temperature_no_worse_than_eager; 16-bit inputs passed them).
@@ -712,6 +791,17 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # GEMMs' epilogue at ~4 TB/s, the [k, H] float32 sums ~0.15 ms): fwd+bwd ~58.6 ms, 1.14x four GEMMs.
 # Measured on an H100 80GB HBM3 the day before (bench/results/NVIDIA_H100_80GB_HBM3-2026-11-26*.json): split 32.5 /
 # 37.2 ms (an ungrouped grid then), tma 15.5 / 18.4.
+# The "cublas" backward (cuBLAS logits into a float32 tile, then _dz_from_tile_kernel) is not measured yet: a
+# prediction composed from that H200 run's rows at V=128256 (NVIDIA_H200-2026-11-27.md): the forward "cublas" 14.24
+# ms is a float32-output GEMM plus one read of its 4.2 GB of logits (~1.05 ms at the 3.99 TB/s of the softmax rows),
+# so ~13.2 ms of GEMM; the tile pass reads 4.2 GB and writes 2.1 GB (~2.1 ms at the 3.0 TB/s that
+# linear_policy_loss's kernel 2, the same tile kernel, reached there: 7.5 GB in 2.5 ms): dz ~15.3 ms against
+# _dz_kernel_tma's 17.4; its 12 chunks (of 10880 columns, against 4 of 32768) read and write dh's float32 [N, H]
+# accumulator 8 more times (+2.1 GB, ~0.5 ms): fwd+bwd ~14.2 + 15.3 + 13.3 + 14.7 = 57.5 ms, 1.13x four GEMMs (50.9)
+# against tma's 60.5 (1.19x). The extra
+# memory stays in the contract's bound: the forward's 1 GiB chunk, the backward's dz plus its tile within
+# _DZ_BUDGET_BYTES. bench_fused_linear's "rlkernels fwd cublas", "backward (all phases), cublas" and "dz kernel
+# cublas" rows measure it; the default moves only on those numbers.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _CUBLAS_CHUNK_BYTES = 1 << 30  # the baseline's float32 [rows, V] logits chunk stays under this
@@ -805,14 +895,18 @@ def _tma_store_ok(z: torch.Tensor) -> bool:
 def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
     """``_fwd_kernel`` (or ``_fwd_kernel_tma``: :func:`_fwd_kernel_choice`) over (token blocks, vocabulary splits),
     the splits' partials merged on the host (:func:`lse_merge`): ``[4, N]`` float32 rows ``(m, s, u, z_y)`` over this
-    ``weight``'s columns, as :func:`_partials_torch` returns them (``z_y`` is 0 for a label outside ``[0, V)``: no
-    column matches)."""
+    ``weight``'s columns, as :func:`_partials_torch` returns them (``z_y`` is 0 for a negative label: no column
+    matches; the callers pass no label past ``V`` -- the kernels would match it to a masked column of the last
+    tile, -inf)."""
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None; the K loop reads unit-stride rows
     hidden, weight, labels = unit_stride(hidden), unit_stride(weight), labels.contiguous()
     bias = None if bias is None else bias.contiguous()  # [V] read at unit stride
     N, H = hidden.shape
     V = weight.shape[0]
-    tma = _fwd_kernel_choice(hidden, weight) == "tma"
+    choice = _fwd_kernel_choice(hidden, weight)
+    if choice == "cublas":  # the backward recomputes these logits with cuBLAS (_bwd_tiles): so does the forward
+        return _partials_cublas(hidden, weight, labels, bias, opt)
+    tma = choice == "tma"
     t = _TMA_TILES if tma else _tiles(hidden.dtype, hopper=_hopper(hidden))
     split_cols = t.split_tiles * t.block_v
     S = cdiv(V, split_cols)
@@ -833,6 +927,56 @@ def _partials_triton(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -
     return torch.stack((m_all, s_all, u_all, zy.sum(0)))  # [4, N]
 
 
+def _cublas_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``hidden @ weight.T + bias`` (``hidden`` [n, H], ``weight`` [vc, H] 16-bit, ``bias`` [vc] or None) by cuBLAS
+    into float32 [n, vc] (``out``, contiguous, when given): the logits of the "cublas" kernels, not yet divided by
+    T."""
+    if out is None:
+        z = _mm_f32(hidden, weight.T)  # [n, vc] float32
+    elif out.device.type == "cuda" and _HAS_MM_OUT_DTYPE:
+        z = torch.mm(hidden, weight.T, out_dtype=torch.float32, out=out)
+    else:
+        z = out.zero_()
+        _addmm_f32(z, hidden, weight.T)
+    if bias is not None:
+        z += bias.float()
+    return z
+
+
+def _cublas_rows(N: int, V: int) -> int:
+    """Rows of the "cublas" forward's float32 ``[rows, V]`` logits chunk: within ``_CUBLAS_CHUNK_BYTES``."""
+    return max(1, min(N, _CUBLAS_CHUNK_BYTES // (4 * max(V, 1))))
+
+
+def _partials_cublas(hidden, weight, labels, bias, opt: LinearLogprobsOptions) -> torch.Tensor:
+    """:func:`_partials_triton`'s ``[4, N]`` rows ``(m, s, u, z_y)`` (of logits / T over this ``weight``'s columns)
+    from the "cublas" kernels: per chunk of rows, :func:`_cublas_logits`, then rlkernels.softmax's forward kernel
+    (max, Σ exp, entropy; ``u`` = s·(log s - entropy)) and ``z_y`` gathered from the tile (0 where the label is not
+    a column). The vocabulary-parallel forward runs it under ``RLKERNELS_LINEAR_FWD=cublas``, so that its backward,
+    which recomputes the logits with cuBLAS (:func:`_bwd_tiles`), sees the same ones."""
+    from rlkernels import softmax
+
+    N, V = hidden.shape[0], weight.shape[0]
+    part = torch.zeros(4, N, dtype=torch.float32, device=hidden.device)  # [4, N]
+    in_range = (labels >= 0) & (labels < V)  # [N] the label is a column here
+    sm_opt = softmax.LogprobsOptions(temperature=opt.temperature, return_entropy=True, ignore_index=-1)
+    rows = _cublas_rows(N, V)
+    for r0 in range(0, N if V else 0, rows):
+        r1 = min(N, r0 + rows)
+        z = _cublas_logits(hidden[r0:r1], weight, bias)  # [n, V] float32
+        col = torch.where(in_range[r0:r1], labels[r0:r1], torch.zeros_like(labels[r0:r1]))  # [n] a valid column
+        _, ent, st = softmax._triton_forward(z, col, sm_opt)  # [n], [n], [n, 2] = (max z, Σ exp((z - max) / T))
+        s = st[:, 1]  # [n]
+        part[0, r0:r1] = st[:, 0] / opt.temperature  # the max of z / T (division by T > 0 keeps the max)
+        part[1, r0:r1] = s
+        part[2, r0:r1] = s * (torch.log(s) - ent)  # Σ exp(z/T - m)(z/T - m), from H = log s - u / s
+        zy = z.gather(1, col[:, None]).squeeze(1) / opt.temperature  # [n]
+        part[3, r0:r1] = torch.where(in_range[r0:r1], zy, torch.zeros_like(zy))
+        del z
+    return part
+
+
 def _forward_cublas(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
     """The plain baseline: per chunk of rows, ``hidden @ weight.T`` (+ bias) by cuBLAS into a float32 ``[rows, V]``
     chunk (at most ``_CUBLAS_CHUNK_BYTES``), then rlkernels.softmax's memory-bound forward kernel (one read of the
@@ -842,16 +986,14 @@ def _forward_cublas(hidden, weight, labels, bias, opt: LinearLogprobsOptions):
 
     # hidden [N, H], weight [V, H], labels [N] int64, bias [V] or None
     N, V = hidden.shape[0], weight.shape[0]
-    rows = max(1, min(N, _CUBLAS_CHUNK_BYTES // (4 * V)))
+    rows = _cublas_rows(N, V)
     sm_opt = softmax.LogprobsOptions(temperature=opt.temperature, return_entropy=True, ignore_index=opt.ignore_index)
     logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # [N]
     entropy = torch.empty_like(logp)  # [N]
     stats = torch.empty(2, N, dtype=torch.float32, device=hidden.device)  # [2, N]
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
-        z = _mm_f32(hidden[r0:r1], weight.T)  # [n, V] float32, unscaled
-        if bias is not None:
-            z += bias.float()
+        z = _cublas_logits(hidden[r0:r1], weight, bias)  # [n, V] float32, unscaled
         lp, ent, st = softmax._triton_forward(z, labels[r0:r1], sm_opt)  # [n], [n], [n, 2] = (max z, Σ exp((z-max)/T))
         logp[r0:r1], entropy[r0:r1] = lp, ent
         stats[0, r0:r1] = st[:, 0] / opt.temperature  # max of z / T (division by T > 0 keeps the max)
@@ -920,6 +1062,11 @@ def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, op
         # resid [r1 - r0] float32 <- the label residual, at the rows whose label is one of these columns
         if r1 == r0:
             return
+        if isinstance(t, _CublasTiles):  # after the cuBLAS forward: the logits by cuBLAS again, then dz from them
+            z = _cublas_logits(hidden[r0:r1], weight[v0:v1], None if bias is None else bias[v0:v1])  # [n, vc]
+            launch_dz_from_tile(z, labels[r0:r1], row_max[r0:r1], log_s[r0:r1], entropy[r0:r1], g_logp[r0:r1],
+                                g_ent[r0:r1], dz, resid, opt.temperature, opt.ignore_index, col0=v0, raw=True)
+            return
         items = cdiv(r1 - r0, t.block_n) * cdiv(v1 - v0, t.block_v)  # (token block, vocabulary tile) items
         if isinstance(t, _PersistentTiles):  # after the Hopper forward (_bwd_tiles)
             _launch_dz_tma(hidden[r0:r1], weight[v0:v1], b[v0:v1], labels[r0:r1], row_max[r0:r1], log_s[r0:r1],
@@ -934,6 +1081,23 @@ def _dz_launcher(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy, op
         )
 
     return dz_into
+
+
+def launch_dz_from_tile(z, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, temperature: float,
+                        ignore_index: int, col0: int, raw: bool) -> None:
+    """``_dz_from_tile_kernel`` over a stored ``[n, vc]`` float32 tile ``z`` (contiguous; ``raw``: the logits
+    themselves, else logits / T), the columns ``col0..col0 + vc`` of the vocabulary: writes ``dz`` ([n, vc] rows at
+    unit stride, rows ``vc`` apart) and, where a row's label is one of these columns, its residual in ``resid``
+    [n]. ``labels``, ``row_max`` and ``log_s`` (the forward's, of logits / T), ``entropy``, ``g_logp`` and ``g_ent``
+    (the upstream gradients) are [n]."""
+    n, vc = z.shape
+    if n == 0:
+        return
+    f32 = lambda t: t.float().contiguous()  # noqa: E731  [n]
+    _dz_from_tile_kernel.launch(
+        (cdiv(n, _TILE_DZ_BLOCK_N), cdiv(vc, _TILE_DZ_BLOCK_V)), z, labels, f32(row_max), f32(log_s), f32(entropy),
+        f32(g_logp), f32(g_ent), dz, resid, n, vc, temperature, ignore_index, col0, RAW=raw,
+        BLOCK_N=_TILE_DZ_BLOCK_N, BLOCK_V=_TILE_DZ_BLOCK_V, num_warps=_TILE_DZ_WARPS, num_stages=1)
 
 
 def _launch_dz_tma(h, w, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, col0: int, items: int,
@@ -975,7 +1139,7 @@ def _backward_triton(g_logp, g_ent, hidden, weight, labels, bias, stats, entropy
 def _vocab_chunk(N: int, V: int, dtype: torch.dtype, t: _Tiles) -> int:
     """The vocabulary-outer backward's chunk width: its ``[N, vc]`` dz within ``_DZ_BUDGET_BYTES``, ending on the dz
     kernel's tiles."""
-    col_bytes = max(1, N * torch.empty((), dtype=dtype).element_size())
+    col_bytes = max(1, N * _dz_bytes_per_element(dtype, t))
     return min(V, max(t.block_v, _DZ_BUDGET_BYTES // col_bytes // t.block_v * t.block_v))
 
 
@@ -1049,7 +1213,7 @@ def _bwd_tokens_outer(dz_into, hidden, weight, has_bias, valid, safe, t: _Tiles,
     V = weight.shape[0]
     dev = hidden.device
     low = hidden.dtype != torch.float32  # 16-bit dz workspace: carry the label residual in float32
-    chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * hidden.element_size())) // t.block_n * t.block_n)
+    chunk = max(t.block_n, (_DZ_BUDGET_BYTES // (V * _dz_bytes_per_element(hidden.dtype, t))) // t.block_n * t.block_n)
     chunk = min(chunk, max(N, 1))
     d_hidden = torch.empty(N, H, dtype=hidden.dtype, device=dev) if grad_input else None  # [N, H]
     d_weight32 = None  # [V, H] float32 accumulator, cast once at the end

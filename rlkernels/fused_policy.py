@@ -625,39 +625,22 @@ _logits_torch = _logits_with(_sm._torch_forward, _sm._torch_backward_into)
 # and writes dz in the inputs' dtype through fused_linear's _dz_store, the backward's one dz formula (the label
 # entry's 16-bit rounding error kept in float32). GEMMs 2 and 3 are cuBLAS
 # (torch.mm on the dz chunk, float32 output for 16-bit inputs), as in linear_logprobs' Triton backward.
-
-
-@jit(do_not_specialize=_fl.UNSPECIALIZED_ROWS)  # the chunk's token count: see there
-def _dz_from_tile_kernel(
-    z_ptr,  # [n, V] float32: the stored logits / T
-    labels_ptr, m_ptr, logs_ptr, ent_ptr, glogp_ptr, gent_ptr,  # [n] each (float32 but the labels)
-    dz_ptr,  # [n, V] inputs' dtype (float32: the same memory as z_ptr, written in place)
-    resid_ptr,  # [n] float32: dz at the label minus its rounded stored value
-    N, V, temperature, ignore_index,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    row_ok = rows < N
-    col_ok = cols < V
-    offs = rows[:, None].to(tl.int64) * V + cols[None, :]  # [BLOCK_N, BLOCK_V]
-    io_ok = row_ok[:, None] & col_ok[None, :]
-    z = tl.load(z_ptr + offs, mask=io_ok, other=0.0)  # [BLOCK_N, BLOCK_V] the forward's logits, bit for bit
-    label = tl.load(labels_ptr + rows, mask=row_ok, other=ignore_index)  # [BLOCK_N]
-    _fl._dz_store(z, rows, cols, row_ok, col_ok, label, label != ignore_index, m_ptr, logs_ptr, ent_ptr, glogp_ptr,
-                  gent_ptr, dz_ptr, resid_ptr, V, temperature, pid_v * BLOCK_V, BLOCK_V)  # fused_linear's dz
+# Kernel 1 follows linear_logprobs' forward choice (RLKERNELS_LINEAR_FWD, fused_linear._fwd_kernel_choice): the Hopper
+# forward storing the tile by TMA ("tma", sm_90's default), _fwd_kernel ("split"), or for 16-bit inputs "cublas": a
+# cuBLAS GEMM writing the raw logits into the tile, then rlkernels.softmax's forward kernel reading it (kernel 2
+# divides that tile by T itself). Prediction for "cublas", not a measurement: kernel 1 ~17.3 ms at N=8192 H=4096
+# V=151936 bf16 on an H200 (linear_logprobs' "cublas" forward, the same GEMM and pass: 17.31 ms in
+# bench/results/NVIDIA_H200-2026-11-27.md) against the Hopper kernel 1's 19.5, fwd+bwd ~53.6 ms (1.19x three GEMMs)
+# against 55.8 (1.24x); bench_fused_policy's "rlkernels kernel 1 cublas" and phase rows measure it.
 
 
 # Tiles, the largest found to compile with no register spills (0 B local memory) on sm_80 and sm_90, aligned and
 # unaligned (tests/test_fused_policy.py::test_aot_compiles_every_config_without_spills, tests/test_aot_aligned.py).
-# Kernel 2 is elementwise over the stored tile (no GEMM): 32 x 128 on 8 warps (32 x 256 spilled 40-112 B
-# unaligned). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
+# Kernel 2 is elementwise over the stored tile (no GEMM): fused_linear's _dz_from_tile_kernel and its tiles
+# (_TILE_DZ_BLOCK_N...). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
 # (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
 # 64 x 128 x 32 on 8 warps fits for 16-bit, float32 below (its BLOCK_K need not match anything: the tile is
 # stored, never recomputed).
-_DZ2_BLOCK_N, _DZ2_BLOCK_V, _DZ2_WARPS = 32, 128, 8
 _STATS_TILES_16 = _fl._Tiles(block_n=64, block_v=128, block_k=32, split_tiles=64, num_warps=8, num_stages=3)
 # float32: K = 16 (Triton 3.6, on the GPU machines, refuses a dot with K < 16) on 32-token blocks: 64-token blocks
 # with K = 16 spill on sm_90 (Triton 3.9: 8-32 B, aligned or not); 32 x 64 x 16 on 8 warps. 3 stages: with 2 it held
@@ -683,13 +666,6 @@ def _stats_tiles(dtype: torch.dtype, hopper: bool = True) -> _fl._Tiles:
 _TRITON_CHUNK_BYTES = 1 << 30
 
 
-def _dz2_signature(ty: str) -> dict:
-    rows = {"labels_ptr": "*i64", "m_ptr": "*fp32", "logs_ptr": "*fp32", "ent_ptr": "*fp32", "glogp_ptr": "*fp32",
-            "gent_ptr": "*fp32"}
-    return {"z_ptr": "*fp32", **rows, "dz_ptr": f"*{ty}", "resid_ptr": "*fp32", "N": "i32", "V": "i32",
-            "temperature": "fp32", "ignore_index": "i64"}
-
-
 def aot_configs() -> list:
     """Every (kernel, constexprs, warps, stages) the Triton row can launch on a GPU, for the AOT compile tests.
     Kernel 1 takes linear_logprobs' forward tiles (the same GEMM and online statistics, plus the tile's store)."""
@@ -707,9 +683,7 @@ def aot_configs() -> list:
                                             consts, t.num_warps, t.num_stages, archs=(arch,)))
             if dtype != torch.float32:  # sm_90's kernel 1 (_TritonTile): the Hopper forward storing the tile
                 configs.append(_fl.fwd_tma_config(ty, has_bias, store_z=True))
-        consts = {"BLOCK_N": _DZ2_BLOCK_N, "BLOCK_V": _DZ2_BLOCK_V}
-        configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz2_signature(ty), **dict.fromkeys(consts, "constexpr")},
-                                    consts, _DZ2_WARPS, 1))
+        configs.extend(_fl.dz_from_tile_configs(ty))  # kernel 2 (the raw tile: after the cuBLAS kernel 1)
         scale = {"BLOCK": _SCALE_BLOCK, "INTERPRETED": False}  # the backward's upstream gradient (_scale_in_place)
         configs.append(KernelConfig(_scale_unless_one_kernel, {"x_ptr": f"*{ty}", "scale_ptr": "*fp32", "numel": "i64",
                                                                "iters": "i32", **dict.fromkeys(scale, "constexpr")},
@@ -751,11 +725,14 @@ class _TritonTile:
         self.t0 = 0  # the first token of the chunk whose statistics were formed last (stats)
         V = weight.shape[0]
         self.V = V
-        # kernel 1: on sm_90 with 16-bit inputs (fused_linear's "tma" forward: _fl._fwd_kernel_choice) the Hopper
-        # forward with STORE_Z (TMA loads, wgmma m64n128, the tile stored by TMA: its rows of V float32 must be
-        # 16-byte aligned, V % 4 == 0); else _fwd_kernel with STORE_Z
-        self.tma = _fl._fwd_kernel_choice(hidden, weight) == "tma" and V % 4 == 0
-        self.t = _fl._TMA_TILES if self.tma else _stats_tiles(hidden.dtype, hopper=_fl._hopper(hidden))
+        # kernel 1 (fused_linear's forward choice, _fl._fwd_kernel_choice): on sm_90 with 16-bit inputs ("tma") the
+        # Hopper forward with STORE_Z (TMA loads, wgmma m64n128, the tile stored by TMA: its rows of V float32 must
+        # be 16-byte aligned, V % 4 == 0); "cublas" (16-bit): cuBLAS writes the raw logits into the tile and
+        # rlkernels.softmax's forward kernel reads it for the statistics (kernel 2 then divides by T itself); else
+        # _fwd_kernel with STORE_Z
+        choice = _fl._fwd_kernel_choice(hidden, weight)
+        self.kernel_1 = "split" if choice == "tma" and V % 4 else choice
+        self.t = _fl._TMA_TILES if self.kernel_1 == "tma" else _stats_tiles(hidden.dtype, hopper=_fl._hopper(hidden))
         self.S = cdiv(V, self.t.split_tiles * self.t.block_v)
         dev = hidden.device
         self.low = hidden.dtype != torch.float32
@@ -764,16 +741,18 @@ class _TritonTile:
         self.dz = torch.empty(n_max * V, dtype=hidden.dtype, device=dev) if own_dz else self.z  # [n, V]
         self.resid = torch.zeros(n_max, dtype=torch.float32, device=dev)  # [n]
         self.part = _fl._partials_buffer(self.S, n_max, dev)  # m, s, u, zy per split (_fl._partials_views)
-        self.flags = None if self.tma else _fl._kernel_flags(hidden.dtype, bias is not None, _fl._dot_f32(hidden),
-                                                             self.t)  # _fwd_kernel's
+        self.flags = None if self.kernel_1 != "split" else _fl._kernel_flags(
+            hidden.dtype, bias is not None, _fl._dot_f32(hidden), self.t)  # _fwd_kernel's
         self.opt = opt
 
     def stats(self, t0, t1, _block_fn, labels, with_entropy: bool, opt: FusedPolicyOptions):
         n, V, t = t1 - t0, self.V, self.t
         self.t0 = t0
-        part = _fl._partials_views(self.part, self.S, n)  # [S, n] each, contiguous for this chunk's n
         h_c = self.h[t0:t1]  # [n, H]
-        if self.tma:
+        if self.kernel_1 == "cublas":
+            return self._cublas_stats(h_c, labels, with_entropy, opt)
+        part = _fl._partials_views(self.part, self.S, n)  # [S, n] each, contiguous for this chunk's n
+        if self.kernel_1 == "tma":
             _fl._launch_fwd_tma(h_c, self.w, labels, self.b, part, opt.temperature, z=self.z[:n * V].view(n, V))
         else:
             _fl._fwd_kernel.launch(
@@ -789,6 +768,21 @@ class _TritonTile:
         logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
         return m_all, log_s, logp, entropy
 
+    def _cublas_stats(self, h_c, labels, with_entropy: bool, opt: FusedPolicyOptions):
+        """Kernel 1 as "cublas": the chunk's raw logits into the tile (float32, cuBLAS), then rlkernels.softmax's
+        forward kernel over it (one read); returns :meth:`stats`' four [n] rows."""
+        from rlkernels import softmax
+
+        n, V = h_c.shape[0], self.V
+        z = self.z[:n * V].view(n, V)  # [n, V] float32
+        _fl._cublas_logits(h_c, self.w, self.b, out=z)
+        sm_opt = softmax.LogprobsOptions(temperature=opt.temperature, return_entropy=with_entropy,
+                                         ignore_index=opt.ignore_index)
+        logp, entropy, st = softmax._triton_forward(z, labels, sm_opt)  # [n], [n], [n, 2] = (max z, Σ exp)
+        row_max = st[:, 0] / opt.temperature  # [n] the max of z / T
+        logp, entropy, _ = _fl._finish(logp, entropy, None, labels, V, opt)
+        return row_max, torch.log(st[:, 1]), logp, entropy
+
     def dz_blocks(self, coef_logp, coef_ent, labels, row_max, log_s, logp, entropy, opt: FusedPolicyOptions):
         n, V = labels.shape[0], self.V
         g_ent = coef_ent if coef_ent is not None else torch.zeros_like(coef_logp)  # [n]
@@ -796,11 +790,8 @@ class _TritonTile:
         # [n, V]: the chunk's rows of the held dz (its pointer 16-byte aligned where t0·V is a multiple of 8, as at
         # every vocabulary that is; another V may build a second variant of kernel 2 for some chunks), or our own
         dz = self.dz[:n * V].view(n, V) if self.dz_all is None else self.dz_all[self.t0:self.t0 + n]
-        _dz_from_tile_kernel.launch(
-            (cdiv(n, _DZ2_BLOCK_N), cdiv(V, _DZ2_BLOCK_V)), self.z, labels, row_max.contiguous(), log_s.contiguous(),
-            entropy.float().contiguous(), coef_logp.float().contiguous(), g_ent.float().contiguous(), dz, resid,
-            n, V, opt.temperature, opt.ignore_index, BLOCK_N=_DZ2_BLOCK_N, BLOCK_V=_DZ2_BLOCK_V, num_warps=_DZ2_WARPS,
-            num_stages=1)
+        _fl.launch_dz_from_tile(self.z[:n * V].view(n, V), labels, row_max, log_s, entropy, coef_logp, g_ent, dz,
+                                resid, opt.temperature, opt.ignore_index, col0=0, raw=self.kernel_1 == "cublas")
         yield 0, V, dz, (resid if self.low else None)
 
 

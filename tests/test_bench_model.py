@@ -27,7 +27,10 @@ def test_predictions_are_self_consistent(p):
     assert one == pytest.approx(2 * p["N"] * p["H"] * p["V"] / (device.peak_tflops * 1e12 * device.gemm_efficiency) * 1e3)
     assert p["backward_ms"] == p["backward_by_dz_ms"]["dz"]  # the default forward (split) is followed by it
     for kind, fwd in p["forward_ms"].items():
-        bwd = p["backward_by_dz_ms"]["dz tma" if kind.startswith("tma") else "dz"]  # rlkernels.fused_linear._bwd_tiles
+        bwd = p["backward_by_dz_ms"][model.DZ_AFTER[kind]]
+        # rlkernels.fused_linear._bwd_tiles: the Hopper dz kernel after the Hopper forwards, cuBLAS after cuBLAS
+        assert model.DZ_AFTER[kind] == ("dz tma" if kind.startswith("tma") else "dz cublas" if kind == "cublas"
+                                        else "dz")
         assert p["fwd_bwd_ms"][kind] == pytest.approx(fwd + sum(bwd.values()))
         assert p["fwd_bwd_vs_four_gemms"][kind] == pytest.approx(p["fwd_bwd_ms"][kind] / p["four_gemms_ms"])
         assert fwd >= one  # nothing beats one GEMM at cuBLAS's rate
@@ -82,6 +85,20 @@ def test_kernel_facts_are_the_launchers():
     assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
     assert model.KERNELS["dz tma"].ctas_per_sm == fl._TMA_DZ_TILES.ctas_per_sm
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
+    assert model.CUBLAS_DZ_BLOCK_V == fl._CUBLAS_DZ_TILES.block_v == fl._TILE_DZ_BLOCK_V
+
+
+def test_cublas_dz_chunks_hold_the_float32_tile():
+    """The "cublas" backward's dz phase: its chunks narrower than the Triton dz kernels' (the float32 tile shares the
+    budget: 6 bytes a column entry against 2), its time the GEMM's plus a pass over the tile and dz (two kernels,
+    added), so never under one GEMM and never under that memory pass."""
+    d = model.DEVICES["H200"]
+    N, H, V = model.N_TOKENS, model.HIDDEN, model.VOCABS[0]
+    dz = model.backward_s(N, H, V, d, "dz cublas")["dz"]
+    tile_pass = N * V * (model.BYTES_F32 + model.BYTES_BF16) / d.hbm_bps
+    assert dz >= model.one_gemm_s(N, H, V, d) + tile_pass * 0.999
+    # more chunks: dh's float32 accumulator read and written per chunk, hidden re-read per chunk by dW
+    assert model.backward_s(N, H, V, d, "dz cublas")["dh"] >= model.backward_s(N, H, V, d, "dz")["dh"]
 
 
 def test_gpu_record_puts_the_prediction_next_to_the_measurement():

@@ -242,6 +242,105 @@ def test_triton_backward_orders_match_float64_truth(order, dtype, monkeypatch):
         assert torch.equal(a, b_)
 
 
+def _record_backward_kernels(monkeypatch) -> dict:
+    """Spy on the three ways the Triton backward forms dz: ``_dz_kernel`` and ``_dz_kernel_tma`` launches counted,
+    the "cublas" backward's tile launches recorded as ``(rows, columns, col0, raw)``."""
+    seen = {"split": 0, "tma": 0, "tile": []}
+    launch, launch_tma = fl_module._dz_kernel.launch, fl_module._launch_dz_tma
+    launch_tile = fl_module.launch_dz_from_tile
+
+    def split(*args, **kwargs):
+        seen["split"] += 1
+        return launch(*args, **kwargs)
+
+    def tma(*args, **kwargs):
+        seen["tma"] += 1
+        return launch_tma(*args, **kwargs)
+
+    def tile(z, *args, col0, raw):
+        seen["tile"].append((*z.shape, col0, raw))
+        return launch_tile(z, *args, col0=col0, raw=raw)
+
+    monkeypatch.setattr(fl_module._dz_kernel, "launch", split)
+    monkeypatch.setattr(fl_module, "_launch_dz_tma", tma)
+    monkeypatch.setattr(fl_module, "launch_dz_from_tile", tile)
+    return seen
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeypatch):
+    """RLKERNELS_LINEAR_FWD=cublas, 16-bit inputs: the backward recomputes each chunk's logits with the forward's
+    cuBLAS GEMM into a float32 tile (here the CPU's float32 GEMM stands in) and _dz_from_tile_kernel turns the raw
+    tile into dz (dividing by T itself) -- no _dz_kernel, no Hopper dz kernel. In both loop orders, over several
+    chunks, each sized with the float32 tile counted (6 bytes per dz entry): forward and backward against the
+    float64 truth and no worse than eager."""
+    if "triton" not in backends("cpu"):
+        pytest.skip("triton is not installed")
+    N, V, _ = ORDERS[order]
+    budget = 64 * 128 * 6
+    monkeypatch.setattr(fl_module, "_DZ_BUDGET_BYTES", budget)
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
+    seen = _record_backward_kernels(monkeypatch)
+    hidden, weight, b, labels, g_logp, g_ent = _inputs(N, 40, V, bias=True, seed=5)
+    truth = _run(reference.linear_logprobs, *(x.clone().requires_grad_() for x in (hidden, weight, b)), labels,
+                 g_logp, g_ent, 0.9)
+    eager = _run(reference.linear_logprobs, *(_leaf(x, dtype) for x in (hidden, weight, b)), labels, g_logp, g_ent, 0.9)
+    with forced_backend("triton"):
+        out = _run(linear_logprobs, *(_leaf(x, dtype) for x in (hidden, weight, b)), labels, g_logp, g_ent, 0.9)
+    assert seen["split"] == 0 and seen["tma"] == 0
+    kept = int((labels != -100).sum())  # the op hands the backend the kept rows only
+    if order == "vocabulary":
+        vc = max(128, budget // (kept * 6) // 128 * 128)
+        want = [(kept, min(vc, V - v0), v0, True) for v0 in range(0, V, vc)]
+    else:
+        rows = max(32, budget // (V * 6) // 32 * 32)
+        want = [(min(rows, kept - r0), V, 0, True) for r0 in range(0, kept, rows)]
+    assert len(want) >= 2 and seen["tile"] == want
+    assert all(r * c * 6 <= max(budget, 6 * r * 128, 6 * 32 * c) for r, c, _, _ in want)
+    names = ["logp", "entropy", "d_hidden", "d_weight", "d_bias"]
+    for name, got, want_, e in zip(names, (out[0], out[1], *out[2]), (truth[0], truth[1], *truth[2]),
+                                   (eager[0], eager[1], *eager[2])):
+        assert_close_to_truth(got, want_, dtype, eager=e, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cublas_kernels_low_temperature_no_worse_than_eager(dtype, monkeypatch):
+    """RLKERNELS_LINEAR_FWD=cublas at T = 1e-3: the backward's logits come from the same GEMM as the forward's
+    (cuBLAS; the CPU's float32 GEMM under the interpreter) and the tile kernel divides them by T as the other dz
+    kernels do, so the gradients are no worse than eager's (test_low_temperature_no_worse_than_eager)."""
+    if "triton" not in backends("cpu"):
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
+    seen = _record_backward_kernels(monkeypatch)
+    hidden, weight, b, labels, g_logp, g_ent, zmax = _large_logits_case(24, 64, 300, seed=61, scale=1.0)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 1e-3, dtype)
+    with forced_backend("triton"):
+        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent,
+                   1e-3)
+    assert seen["tile"] and seen["split"] == 0 and seen["tma"] == 0
+    _check_all(out, truth, eager, dtype, tol=_magnitude_tol(dtype, zmax / 1e-3),
+               vs_eager=("d_hidden", "d_weight", "d_bias"))
+
+
+def test_cublas_partials_are_the_split_kernels(monkeypatch):
+    """The vocabulary-parallel forward reads per-slice partials (m, s, u, z_y); under RLKERNELS_LINEAR_FWD=cublas
+    they come from cuBLAS logits and rlkernels.softmax's forward (_partials_cublas, so that the backward, which
+    recomputes with cuBLAS, sees the same logits): equal to the split kernel's to float32 rounding, z_y 0 for a
+    negative label (ignored, or vocab_parallel's "another rank's" -1), over several row chunks."""
+    monkeypatch.setattr(fl_module, "_CUBLAS_CHUNK_BYTES", 4 * 300 * 16)  # 16 rows a chunk
+    hidden, weight, b, labels, _, _ = _inputs(45, 40, 300, bias=True, seed=17)
+    labels[:3] = torch.tensor([-100, -1, 299])  # ignored, another rank's (vocab_parallel._OTHER_RANK), the last
+    h, w, bb = (x.to(torch.bfloat16) for x in (hidden, weight, b))
+    opt = fl_module.LinearLogprobsOptions(temperature=0.7, return_entropy=True, ignore_index=-100)
+    got = {}
+    for kernel in ("cublas", "split"):
+        monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, kernel)
+        got[kernel] = fl_module._partials_triton(h, w, labels, bb, opt)  # [4, N]
+    assert torch.all(got["cublas"][3, :2] == 0) and got["cublas"][3, 2] != 0
+    torch.testing.assert_close(got["cublas"], got["split"], rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_backward_carries_the_label_entries_in_float32(order, dtype):

@@ -1164,6 +1164,49 @@ def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, ke
     assert bool(ran) == (kernel_1 == "tma")  # the Hopper forward ran where asked (not _fwd_kernel in its place)
 
 
+@pytest.mark.parametrize("dtype, options, layout", [
+    (torch.bfloat16, dict(temperature=0.7, kl_coef=0.05, entropy_coef=0.01), "held"),
+    (torch.float16, dict(temperature=0.7, kl_coef=0.05, entropy_coef=0.01), "chunks"),
+    (torch.bfloat16, dict(ratio="sequence", temperature=1.3, kl_coef=0.05), "held"),
+    (torch.float32, dict(temperature=0.7), "chunks"),  # float32: "cublas" is not taken (_fwd_kernel, as "split")
+])
+def test_triton_row_cublas_kernel_1_matches_float64_truth(dtype, options, layout, monkeypatch):
+    """RLKERNELS_LINEAR_FWD=cublas, 16-bit inputs: kernel 1 is a cuBLAS GEMM writing the raw logits into the float32
+    tile (the CPU's float32 GEMM stands in here) and rlkernels.softmax's forward kernel reading it; kernel 2 reads
+    the raw tile and divides by T itself. Over several chunks, a last one shorter, both layouts: forward and
+    backward against the float64 truth (no worse than eager), with neither Triton GEMM kernel launched; float32
+    inputs keep _fwd_kernel."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv(fused_policy._fl.FWD_KERNEL_ENV, "cublas")
+    B, T, V = 3, 7, 1000
+    ratio = options.get("ratio", "token")
+    _triton_chunk_tokens(monkeypatch, 2 * T if ratio == "sequence" else 8, V, dtype, layout)
+    chunks = fused_policy._triton_chunks(B, T, V, ratio, dtype, layout == "held" and dtype != torch.float32)
+    sizes = [t1 - t0 for t0, t1 in chunks]
+    assert len(chunks) >= 2 and sizes[-1] < max(sizes), sizes
+    seen = {"cublas": 0, "split": 0, "tma": 0, "raw": set()}
+    fl = fused_policy._fl
+
+    def spy(key, fn):
+        def run(*args, **kwargs):
+            seen[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(fl, "_cublas_logits", spy("cublas", fl._cublas_logits))
+    monkeypatch.setattr(fl._fwd_kernel, "launch", spy("split", fl._fwd_kernel.launch))
+    monkeypatch.setattr(fl, "_launch_fwd_tma", spy("tma", fl._launch_fwd_tma))
+    tile = fl.launch_dz_from_tile
+    monkeypatch.setattr(fl, "launch_dz_from_tile",
+                        lambda *a, raw, **k: seen["raw"].add(raw) or tile(*a, raw=raw, **k))
+    x = _inputs(B, T, 16, V, seed=V, adv_per_seq=ratio == "sequence")
+    _check_fused_against_truth(x, options, 1.0, dtype, "triton")
+    if dtype == torch.float32:
+        assert seen["cublas"] == 0 and seen["split"] == len(chunks) and seen["raw"] == {False}
+    else:
+        assert seen["cublas"] == len(chunks) and seen["split"] == seen["tma"] == 0 and seen["raw"] == {True}
+
+
 def _default_op_args(x, h, w) -> tuple:
     """The custom op's arguments for ``x`` (:func:`_inputs`) with hidden ``h`` and weight ``w`` (both requiring
     grad), no bias or ref_logp, and the public defaults (token ratio, no KL, no entropy bonus)."""
@@ -1303,11 +1346,11 @@ def test_aot_compiles_every_config_without_spills(arch):
 
     configs = fused_policy.aot_configs()
     # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2; the upstream gradient's
-    # in-place scaling) + sm_90's Hopper kernel 1 for 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag
-    # sets of the logits kernel
-    assert len(configs) == 3 * (4 + 1 + 1) + 4 + 18
+    # in-place scaling) + kernel 2 reading a raw tile (after the "cublas" kernel 1) for 2 16-bit dtypes + sm_90's
+    # Hopper kernel 1 for 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
+    assert len(configs) == 3 * (4 + 1 + 1) + 2 + 4 + 18
     configs = [c for c in configs if arch in c.archs]
-    assert len(configs) == 12 + (4 if arch == 90 else 0) + 18
+    assert len(configs) == 12 + 2 + (4 if arch == 90 else 0) + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)

@@ -56,14 +56,15 @@ def _calls(B, T, H, V, w, g):
 
 def _gemm_kernels() -> dict:
     """The GEMM kernels by name: their token count is not specialized (fused_linear.UNSPECIALIZED_ROWS)."""
-    from rlkernels import fused_linear, fused_policy
+    from rlkernels import fused_linear
 
     kernels = (fused_linear._fwd_kernel, fused_linear._fwd_kernel_tma, fused_linear._dz_kernel,
-               fused_linear._dz_kernel_tma, fused_policy._dz_from_tile_kernel)
+               fused_linear._dz_kernel_tma, fused_linear._dz_from_tile_kernel)
     return {k.fn.__name__: k for k in kernels}
 
 
-@pytest.mark.parametrize("forward", ["split", "tma"])  # the linear heads' forward kernel (tma: sm_90's default)
+# the linear heads' forward kernel (tma: sm_90's default; cublas: cuBLAS GEMMs, the logprobs and tile kernels)
+@pytest.mark.parametrize("forward", ["split", "tma", "cublas"])
 @pytest.mark.parametrize("V", [1000, 1024])  # one model's vocabulary: a multiple of 16 or not
 def test_new_shapes_need_no_new_compiled_variant(V, forward, monkeypatch):
     from rlkernels import fused_linear
@@ -80,13 +81,20 @@ def test_new_shapes_need_no_new_compiled_variant(V, forward, monkeypatch):
                 "_whiten_partial_kernel", "_whiten_merge_kernel", "_whiten_apply_kernel"}
     if forward == "tma":  # the Hopper pair in place of _fwd_kernel and _dz_kernel
         expected = expected - {"_fwd_kernel", "_dz_kernel"} | {"_fwd_kernel_tma", "_dz_kernel_tma"}
+    if forward == "cublas":  # cuBLAS GEMMs; the logprobs forward and the tile dz kernel read their float32 tiles
+        expected = expected - {"_fwd_kernel", "_dz_kernel"}
     assert expected <= set(seen), f"kernels not launched: {sorted(expected - set(seen))}"
     varying = {}
     for kernel, keys in seen.items():
-        # the pointers' part of each key: their types and 16-byte alignment classes
-        pointers = {tuple(entry for entry in spec if str(entry[0]).startswith("*")) for spec, _options in keys}
-        if len(pointers) > 1:
-            varying[kernel] = sorted(pointers)
+        # the pointers' part of each key: their types and 16-byte alignment classes, per set of pointer types (a
+        # kernel may serve two dtypes: "cublas" runs the logprobs forward on its float32 tile besides the bf16
+        # logits of the logprobs op; each is one compiled variant)
+        by_types = {}
+        for spec, _options in keys:
+            pointers = tuple(entry for entry in spec if str(entry[0]).startswith("*"))
+            by_types.setdefault(tuple(entry[0] for entry in pointers), set()).add(pointers)
+        if any(len(classes) > 1 for classes in by_types.values()):
+            varying[kernel] = sorted(p for classes in by_types.values() for p in classes)
     assert not varying, varying
     # the GEMM kernels: no argument but their constexprs (tiles, flags: the call sites' own) varies across the
     # shapes (N = 1 included), so each compiles once per use; an optional argument is a descriptor or None (the
