@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -265,9 +266,21 @@ def _check_all_ignored(rank, P):
         assert (x == 0).all(), name
 
 
+def _check_cublas(rank, P):
+    """RLKERNELS_LINEAR_FWD=cublas, bf16, the Triton backend: each slice's partials from cuBLAS logits and the
+    softmax kernel (fused_linear._partials_cublas), the backward recomputing them the same way: forward and
+    gradients against the float64 truth."""
+    from rlkernels import fused_linear
+
+    with mock.patch.dict(os.environ, {fused_linear.FWD_KERNEL_ENV: "cublas"}):
+        _check_linear_logprobs(rank, P, torch.bfloat16, "triton")
+
+
 def _all_checks(rank, P, backends):
     for backend in backends:
         _check_linear_logprobs(rank, P, torch.float32, backend)
+    if "triton" in backends:
+        _check_cublas(rank, P)
     _check_linear_logprobs(rank, P, torch.float64, "torch")
     _check_linear_logprobs(rank, P, torch.bfloat16, "torch")  # 16-bit: d_hidden's all-reduce in bfloat16
     _check_policy_loss(rank, P)
