@@ -142,9 +142,11 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     ratio read as "GEMMs' worth of time"): kernel 1 over every chunk (GEMM 1, the row statistics, the float32
     ``[chunk, V]`` logits tile stored), kernel 2 over every chunk (``dz`` from the tile into the held ``[N, V]``),
     both again as ``RLKERNELS_LINEAR_FWD=cublas`` runs them (a cuBLAS GEMM writing the raw logits into the tile, then
-    rlkernels.softmax's forward kernel for the statistics; kernel 2 dividing the raw tile by T),
-    GEMM 2 once (``d_hidden``, float32 result), GEMM 3 once (``d_weight`` in its dtype, the label residuals inside
-    it). Where the whole op's time goes beyond its three GEMMs."""
+    rlkernels.softmax's forward kernel for the statistics; kernel 2 dividing the raw tile by T), and kernel 2 at
+    its candidate tiles (fused_linear._TILE_DZ_WIDE), GEMM 2 once (``d_hidden``, float32 result), GEMM 3 once
+    (``d_weight`` in its dtype, the label residuals inside it), and GEMM 3's pieces: plain, plain with cuBLAS's
+    16-bit split-K reductions off (as the op runs it), beta = 1 over a zeroed ``d_weight``, the residuals added
+    after a plain GEMM. Where the whole op's time goes beyond its three GEMMs."""
     from bench.bench_fused_linear import _against_one_gemm
     from rlkernels import fused_linear as fl
     from rlkernels import fused_policy as fp
@@ -209,13 +211,25 @@ def _phase_case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device
     def gemm_3_plain(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
         dz_all.T @ hidden  # [V, H] no residuals: the GEMM's own time
 
+    # where "label residuals inside" spends its time over the plain GEMM: the flags alone, beta = 1 alone
+    def gemm_3_plain_f32_reductions(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
+        with fl._float32_reductions(hidden.device):  # cuBLAS's 16-bit split-K reductions off, as the op runs it
+            dz_all.T @ hidden  # [V, H]
+
+    def gemm_3_beta_1(hidden, weight, labels, tile, stats, coef, dz_all, resid, *rest):
+        d_weight = torch.zeros(V, H, device=device, dtype=dtype)  # [V, H] (its memset timed with it)
+        d_weight.addmm_(dz_all.T, hidden)  # beta = 1: C read by the GEMM's epilogue
+
     providers = {"kernel 1 (GEMM 1, statistics, float32 tile)": kernel_1, "kernel 2 (dz from the tile)": kernel_2,
                  "kernel 1 cublas (cuBLAS GEMM 1 into the tile, statistics)": kernel_1_cublas,
                  "kernel 2 after cublas (dz from the raw tile)": kernel_2_raw,
+                 "kernel 2, 16x256 tiles on 4 warps": harness.with_attr(fl, "_TILE_DZ", fl._TILE_DZ_WIDE, kernel_2),
                  "GEMM 2 (d_hidden, one GEMM, float32 out)": gemm_2,
                  "GEMM 3 (d_weight, one GEMM, label residuals inside)": gemm_3_with(fl._gemm_with_label_residuals),
                  "GEMM 3, label residuals after": gemm_3_with(gemm_then_label_residuals),
-                 "GEMM 3 plain (no residuals)": gemm_3_plain}
+                 "GEMM 3 plain (no residuals)": gemm_3_plain,
+                 "GEMM 3 plain, float32 split-K reductions": gemm_3_plain_f32_reductions,
+                 "GEMM 3 plain, beta = 1 over a memset": gemm_3_beta_1}
     return _against_one_gemm("linear_policy_loss phases", N, H, V, dtype,
                              f" (held dz, {len(chunks)} chunks of {n_max})", make_inputs, providers)
 

@@ -273,6 +273,21 @@ def with_env(name: str, value: str, step: Callable) -> Callable:
     return run
 
 
+def with_attr(obj, name: str, value, step: Callable) -> Callable:
+    """``step`` with ``obj.name`` set to ``value`` for each call, then as it was: a provider that times one setting
+    of a module constant (a tile configuration the launcher reads at each call) without changing the others."""
+
+    def run(*args):
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        try:
+            return step(*args)
+        finally:
+            setattr(obj, name, old)
+
+    return run
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     old = torch.get_num_threads()

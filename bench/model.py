@@ -140,7 +140,7 @@ DZ_KERNELS = ("dz", "dz tma", "dz cublas")
 # forward, whose K blocks of 64 it repeats; after the cuBLAS forward, cuBLAS again into a float32 tile and the tile
 # dz kernel; the pointer dz kernel after the others)
 DZ_AFTER = {"split": "dz", "tma": "dz tma", "tma flat": "dz tma", "tma 2cta": "dz tma", "cublas": "dz cublas"}
-# the tile dz kernel's columns (rlkernels.fused_linear._TILE_DZ_BLOCK_V): the cuBLAS dz's chunks end on them
+# the tile dz kernel's columns (rlkernels.fused_linear._TILE_DZ.block_v): the cuBLAS dz's chunks end on them
 CUBLAS_DZ_BLOCK_V = 128
 
 

@@ -415,7 +415,8 @@ def _dz_store(z, rows, cols, row_ok, col_ok, y, valid, m_ptr, logs_ptr, ent_ptr,
     # The label's entry dominates a row of dz (g_logp (1 - p_y)); what rounding it to
     # 16 bits lost is kept in float32 and added back after the GEMMs (O(N·H) work).
     lost = dz_y - dz_y.to(dz_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_N]
-    has_y = (y >= v_first) & (y < v_first + BLOCK_V) & valid & row_ok
+    # the label is a column of this tile and of the chunk (a last tile reaching past V holds no label column there)
+    has_y = (y >= v_first) & (y < tl.minimum(v_first + BLOCK_V, V)) & valid & row_ok
     tl.store(resid_ptr + rows, lost, mask=has_y)
 
 
@@ -577,9 +578,27 @@ _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_ti
 # registers, 1 CTA per SM). Not measured: bench_fused_linear's "dz kernel tma" row measures it against _dz_kernel.
 _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.block_k, split_tiles=1, num_warps=4,
                                  num_stages=4, group_n=16, flatten=False, ctas_per_sm=2)
+@dataclass(frozen=True)
+class _ElementwiseTiles:
+    """A memory-bound kernel's ``[block_n, block_v]`` block, one per program, on ``num_warps`` warps."""
+
+    block_n: int
+    block_v: int
+    num_warps: int
+
+
 # _dz_from_tile_kernel (elementwise over a stored float32 tile, no GEMM): 32 x 128 on 8 warps (32 x 256 spilled
-# 40-112 B unaligned).
-_TILE_DZ_BLOCK_N, _TILE_DZ_BLOCK_V, _TILE_DZ_WARPS = 32, 128, 8
+# 40-112 B unaligned). With triton 3.6 (the GPU machines') its sm_90 build holds 232-236 registers: one CTA of 256
+# threads per SM, 16 KiB of the tile's loads in flight per SM, and linear_policy_loss's kernel 2 moved its 7.5 GB at
+# 3.0 TB/s on the H200 (2.5 ms; bench/results/NVIDIA_H200-2026-11-27.md), 71 % of the copy rate.
+_TILE_DZ = _ElementwiseTiles(block_n=32, block_v=128, num_warps=8)
+# The candidate, not the default until measured: 16 x 256 on 4 warps, 32 elements a thread (twice as many), 2 CTAs per
+# SM (214-225 registers with triton 3.6, 168-194 with 3.9, no spill on sm_80/sm_90): 32 KiB of loads in flight per
+# SM, about what Little's law asks of an H200 SM (4.8 TB/s / 132 SMs x ~0.8 us). Prediction, not a measurement:
+# kernel 2 ~2.0 ms instead of 2.5 (3.8 TB/s, the softmax kernels' rate there). The bench's "kernel 2, 16x256 tiles"
+# and "dz kernel cublas, 16x256 tiles" rows time it (8 x 256 on 4 warps: 5 CTAs, 40 KiB, but 8 B spilled with
+# triton 3.6's sm_90 raw-tile build; 8 x 128: 5-6 CTAs, 20-24 KiB).
+_TILE_DZ_WIDE = _ElementwiseTiles(block_n=16, block_v=256, num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -589,8 +608,8 @@ class _CublasTiles(_Tiles):
     ``block_v`` are that kernel's tiles; the chunks end on them and hold the float32 tile beside ``dz``."""
 
 
-_CUBLAS_DZ_TILES = _CublasTiles(block_n=_TILE_DZ_BLOCK_N, block_v=_TILE_DZ_BLOCK_V, block_k=0, split_tiles=1,
-                                num_warps=_TILE_DZ_WARPS, num_stages=1)
+_CUBLAS_DZ_TILES = _CublasTiles(block_n=_TILE_DZ.block_n, block_v=_TILE_DZ.block_v, block_k=0, split_tiles=1,
+                                num_warps=_TILE_DZ.num_warps, num_stages=1)
 _INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter (CPU): several items per program, tested
 # The backward's dz workspace ([N, vc] vocabulary outer, [chunk, V] tokens outer) stays under this. With d_hidden's
 # float32 [N, H] beside it, the backward's extra memory at N = 8192, H = 4096 is ~0.7 GiB (dz 512 MiB in 4-5 chunks
@@ -682,10 +701,11 @@ def dz_from_tile_configs(ty: str) -> list[KernelConfig]:
 
     configs = []
     for raw in (False, True) if ty != "fp32" else (False,):  # "cublas" takes 16-bit inputs only
-        consts = {"RAW": raw, "BLOCK_N": _TILE_DZ_BLOCK_N, "BLOCK_V": _TILE_DZ_BLOCK_V}
-        configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz_from_tile_signature(ty),
-                                                           **dict.fromkeys(consts, "constexpr")},
-                                    consts, _TILE_DZ_WARPS, 1))
+        for t in (_TILE_DZ, _TILE_DZ_WIDE):  # the default and the candidate the bench times
+            consts = {"RAW": raw, "BLOCK_N": t.block_n, "BLOCK_V": t.block_v}
+            configs.append(KernelConfig(_dz_from_tile_kernel, {**_dz_from_tile_signature(ty),
+                                                               **dict.fromkeys(consts, "constexpr")},
+                                        consts, t.num_warps, 1))
     return configs
 
 
@@ -1093,11 +1113,12 @@ def launch_dz_from_tile(z, labels, row_max, log_s, entropy, g_logp, g_ent, dz, r
     n, vc = z.shape
     if n == 0:
         return
-    f32 = lambda t: t.float().contiguous()  # noqa: E731  [n]
+    f32 = lambda x: x.float().contiguous()  # noqa: E731  [n]
+    t = _TILE_DZ
     _dz_from_tile_kernel.launch(
-        (cdiv(n, _TILE_DZ_BLOCK_N), cdiv(vc, _TILE_DZ_BLOCK_V)), z, labels, f32(row_max), f32(log_s), f32(entropy),
+        (cdiv(n, t.block_n), cdiv(vc, t.block_v)), z, labels, f32(row_max), f32(log_s), f32(entropy),
         f32(g_logp), f32(g_ent), dz, resid, n, vc, temperature, ignore_index, col0, RAW=raw,
-        BLOCK_N=_TILE_DZ_BLOCK_N, BLOCK_V=_TILE_DZ_BLOCK_V, num_warps=_TILE_DZ_WARPS, num_stages=1)
+        BLOCK_N=t.block_n, BLOCK_V=t.block_v, num_warps=t.num_warps, num_stages=1)
 
 
 def _launch_dz_tma(h, w, b, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, col0: int, items: int,

@@ -637,7 +637,7 @@ _logits_torch = _logits_with(_sm._torch_forward, _sm._torch_backward_into)
 # Tiles, the largest found to compile with no register spills (0 B local memory) on sm_80 and sm_90, aligned and
 # unaligned (tests/test_fused_policy.py::test_aot_compiles_every_config_without_spills, tests/test_aot_aligned.py).
 # Kernel 2 is elementwise over the stored tile (no GEMM): fused_linear's _dz_from_tile_kernel and its tiles
-# (_TILE_DZ_BLOCK_N...). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
+# (_TILE_DZ). Kernel 1 holds the float32 accumulator while it stores it: linear_logprobs' forward tiles
 # (128 x 128 x 32 on 16 warps for 16-bit, 64 x 64 x 16 for float32) spilled 88-272 B and 32 B with the store;
 # 64 x 128 x 32 on 8 warps fits for 16-bit, float32 below (its BLOCK_K need not match anything: the tile is
 # stored, never recomputed).

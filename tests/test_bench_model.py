@@ -85,7 +85,7 @@ def test_kernel_facts_are_the_launchers():
     assert model.KERNELS["tma 2cta"].ctas_per_sm == fl._TMA_TILES_2CTA.ctas_per_sm
     assert model.KERNELS["dz tma"].ctas_per_sm == fl._TMA_DZ_TILES.ctas_per_sm
     assert model.DZ_BUDGET_BYTES == fl._DZ_BUDGET_BYTES
-    assert model.CUBLAS_DZ_BLOCK_V == fl._CUBLAS_DZ_TILES.block_v == fl._TILE_DZ_BLOCK_V
+    assert model.CUBLAS_DZ_BLOCK_V == fl._CUBLAS_DZ_TILES.block_v == fl._TILE_DZ.block_v
 
 
 def test_cublas_dz_chunks_hold_the_float32_tile():

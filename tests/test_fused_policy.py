@@ -1207,6 +1207,41 @@ def test_triton_row_cublas_kernel_1_matches_float64_truth(dtype, options, layout
         assert seen["cublas"] == len(chunks) and seen["split"] == seen["tma"] == 0 and seen["raw"] == {True}
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_tile_kernel_candidate_tiles_give_the_same_bits(raw, monkeypatch):
+    """_dz_from_tile_kernel at the bench's candidate tiles (fused_linear._TILE_DZ_WIDE, 16 x 256 on 4 warps) writes
+    the same dz and label residuals, bit for bit, as at the default ones (each entry is formed from its own logit
+    and its row's values; the label's log p is the one entry of its row in a tile): the tile shape is free to be
+    picked by measurement. Rows and columns not multiples of either tile, labels in and out of the chunk's
+    columns, an ignored row."""
+    pytest.importorskip("triton")
+    fl = fused_policy._fl
+    g = torch.Generator().manual_seed(3)
+    n, vc, col0, T = 37, 300, 100, 0.8
+    z = torch.randn(n, vc, generator=g) * 3  # [n, vc] float32: raw logits, or logits / T
+    labels = torch.randint(0, 500, (n,), generator=g)  # [n] some in [col0, col0 + vc)
+    labels[0] = -100
+    zt = z / T if raw else z
+    row_max = zt.amax(1)  # [n] (of logits / T)
+    log_s = torch.logsumexp(zt - row_max[:, None], 1)  # [n]
+    p = torch.softmax(zt, 1)  # [n, vc]
+    entropy = -(p * torch.log_softmax(zt, 1)).sum(1)  # [n]
+    g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)  # [n] each
+    out = {}
+    for name in ("_TILE_DZ", "_TILE_DZ_WIDE"):
+        monkeypatch.setattr(fl, "_TILE_DZ", getattr(fl, name))
+        dz = torch.full((n, vc), float("nan"), dtype=torch.bfloat16)  # [n, vc]
+        resid = torch.zeros(n)  # [n]
+        fl.launch_dz_from_tile(z, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, T, -100, col0=col0,
+                               raw=raw)
+        out[name] = (dz, resid)
+    assert not out["_TILE_DZ"][0].isnan().any()
+    assert torch.equal(out["_TILE_DZ"][0], out["_TILE_DZ_WIDE"][0])
+    assert torch.equal(out["_TILE_DZ"][1], out["_TILE_DZ_WIDE"][1])
+    in_chunk = (labels >= col0) & (labels < col0 + vc)  # [n]
+    assert (out["_TILE_DZ"][1][in_chunk] != 0).any() and (out["_TILE_DZ"][1][~in_chunk] == 0).all()
+
+
 def _default_op_args(x, h, w) -> tuple:
     """The custom op's arguments for ``x`` (:func:`_inputs`) with hidden ``h`` and weight ``w`` (both requiring
     grad), no bias or ref_logp, and the public defaults (token ratio, no KL, no entropy bonus)."""
@@ -1345,12 +1380,13 @@ def test_aot_compiles_every_config_without_spills(arch):
     from rlkernels.testing.aot import compile_config
 
     configs = fused_policy.aot_configs()
-    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2; the upstream gradient's
-    # in-place scaling) + kernel 2 reading a raw tile (after the "cublas" kernel 1) for 2 16-bit dtypes + sm_90's
-    # Hopper kernel 1 for 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3 flag sets of the logits kernel
-    assert len(configs) == 3 * (4 + 1 + 1) + 2 + 4 + 18
+    # 3 dtypes x (kernel 1 with and without bias, for sm_80 and for sm_90; kernel 2 at its two tile shapes; the
+    # upstream gradient's in-place scaling) + kernel 2 reading a raw tile (after the "cublas" kernel 1) for 2 16-bit
+    # dtypes x 2 tile shapes + sm_90's Hopper kernel 1 for 2 16-bit dtypes x bias or not + 3 dtypes x 2 tiles x 3
+    # flag sets of the logits kernel
+    assert len(configs) == 3 * (4 + 2 + 1) + 4 + 4 + 18
     configs = [c for c in configs if arch in c.archs]
-    assert len(configs) == 12 + 2 + (4 if arch == 90 else 0) + 18
+    assert len(configs) == 15 + 4 + (4 if arch == 90 else 0) + 18
     spilled = []
     for config in configs:
         report = compile_config(config, arch)
