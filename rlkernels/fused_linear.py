@@ -578,6 +578,8 @@ _TMA_TILES_2CTA = _PersistentTiles(block_n=64, block_v=128, block_k=64, split_ti
 # registers, 1 CTA per SM). Not measured: bench_fused_linear's "dz kernel tma" row measures it against _dz_kernel.
 _TMA_DZ_TILES = _PersistentTiles(block_n=64, block_v=128, block_k=_TMA_TILES.block_k, split_tiles=1, num_warps=4,
                                  num_stages=4, group_n=16, flatten=False, ctas_per_sm=2)
+
+
 @dataclass(frozen=True)
 class _ElementwiseTiles:
     """A memory-bound kernel's ``[block_n, block_v]`` block, one per program, on ``num_warps`` warps."""

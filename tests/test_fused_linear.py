@@ -283,9 +283,7 @@ def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeyp
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
     seen = _record_backward_kernels(monkeypatch)
     hidden, weight, b, labels, g_logp, g_ent = _inputs(N, 40, V, bias=True, seed=5)
-    truth = _run(reference.linear_logprobs, *(x.clone().requires_grad_() for x in (hidden, weight, b)), labels,
-                 g_logp, g_ent, 0.9)
-    eager = _run(reference.linear_logprobs, *(_leaf(x, dtype) for x in (hidden, weight, b)), labels, g_logp, g_ent, 0.9)
+    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 0.9, dtype)
     with forced_backend("triton"):
         out = _run(linear_logprobs, *(_leaf(x, dtype) for x in (hidden, weight, b)), labels, g_logp, g_ent, 0.9)
     assert seen["split"] == 0 and seen["tma"] == 0
@@ -298,10 +296,7 @@ def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeyp
         want = [(min(rows, kept - r0), V, 0, True) for r0 in range(0, kept, rows)]
     assert len(want) >= 2 and seen["tile"] == want
     assert all(r * c * 6 <= max(budget, 6 * r * 128, 6 * 32 * c) for r, c, _, _ in want)
-    names = ["logp", "entropy", "d_hidden", "d_weight", "d_bias"]
-    for name, got, want_, e in zip(names, (out[0], out[1], *out[2]), (truth[0], truth[1], *truth[2]),
-                                   (eager[0], eager[1], *eager[2])):
-        assert_close_to_truth(got, want_, dtype, eager=e, name=name)
+    _check_all(out, truth, eager, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -1347,23 +1342,11 @@ def test_tma_dz_kernel_is_the_dz_kernel_bit_for_bit(dtype, col0, monkeypatch):
 
 def test_tma_dz_kernel_follows_the_hopper_forward(monkeypatch):
     """After the Hopper forward the backward runs ``_dz_kernel_tma`` (its tiles, the forward's K blocks); after
-    ``_fwd_kernel``, ``_dz_kernel``; the gradients of the first match the float64 truth (also
+    ``_fwd_kernel``, ``_dz_kernel``; after the cuBLAS forward, the cuBLAS tile backward; the gradients of the first match the float64 truth (also
     test_forward_kernels_match_float64_truth and the low-temperature test, which take this path)."""
     monkeypatch.setattr(fl_module, "_TMA_TILES", _SMALL_TMA_TILES)
     monkeypatch.setattr(fl_module, "_TMA_DZ_TILES", _SMALL_TMA_DZ_TILES)
-    calls = {"tma": 0, "pointer": 0}
-    original_tma, original_ptr = fl_module._launch_dz_tma, fl_module._dz_kernel.launch
-
-    def tma(*args, **kwargs):
-        calls["tma"] += 1
-        return original_tma(*args, **kwargs)
-
-    def ptr(*args, **kwargs):
-        calls["pointer"] += 1
-        return original_ptr(*args, **kwargs)
-
-    monkeypatch.setattr(fl_module, "_launch_dz_tma", tma)
-    monkeypatch.setattr(fl_module._dz_kernel, "launch", ptr)
+    seen = _record_backward_kernels(monkeypatch)
     h = torch.zeros(4, 64, dtype=torch.bfloat16)  # [N, H]
     w = torch.zeros(8, 64, dtype=torch.bfloat16)  # [V, H]
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
@@ -1371,6 +1354,9 @@ def test_tma_dz_kernel_follows_the_hopper_forward(monkeypatch):
     assert isinstance(t, fl_module._PersistentTiles) and t.block_k == _SMALL_TMA_TILES.block_k
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "split")
     assert fl_module._bwd_tiles(h, w) == fl_module._tiles(torch.bfloat16, backward=True)
+    monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")  # the cuBLAS tile backward (16-bit inputs only)
+    assert fl_module._bwd_tiles(h, w) is fl_module._CUBLAS_DZ_TILES
+    assert fl_module._bwd_tiles(h.float(), w.float()) == fl_module._tiles(torch.float32, backward=True)
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "tma")
     hidden, weight, b, labels, g_logp, g_ent = _inputs(37, 48, 300, bias=True, seed=3)
     truth = _run(reference.linear_logprobs, *(x.clone().requires_grad_() for x in (hidden, weight, b)), labels,
@@ -1380,7 +1366,7 @@ def test_tma_dz_kernel_follows_the_hopper_forward(monkeypatch):
     with forced_backend("triton"):
         out = _run(linear_logprobs, *(_leaf(x, torch.bfloat16) for x in (hidden, weight, b)), labels, g_logp, g_ent,
                    0.8)
-    assert calls == {"tma": 1, "pointer": 0}, calls
+    assert seen == {"tma": 1, "split": 0, "tile": []}, seen
     _check_all(out, truth, eager, torch.bfloat16)
 
 
