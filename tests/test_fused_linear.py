@@ -267,15 +267,29 @@ def _record_backward_kernels(monkeypatch) -> dict:
     return seen
 
 
+def _cublas_case(device, dtype, hidden, weight, b, labels, g_logp, g_ent, temperature):
+    """``(out, truth, eager)``: linear_logprobs on the Triton backend under RLKERNELS_LINEAR_FWD=cublas (set by the
+    caller) on ``device``, the float64 truth (CPU) and eager in ``dtype`` on ``device``."""
+    truth = _run(reference.linear_logprobs, *(x.clone().requires_grad_() for x in (hidden, weight, b)), labels,
+                 g_logp, g_ent, temperature)
+    labels, g_logp, g_ent = labels.to(device), g_logp.to(device), g_ent.to(device)
+    leaves = lambda: [_leaf(x, dtype, device=device) for x in (hidden, weight, b)]  # noqa: E731
+    eager = _run(reference.linear_logprobs, *leaves(), labels, g_logp, g_ent, temperature)
+    with forced_backend("triton"):
+        out = _run(linear_logprobs, *leaves(), labels, g_logp, g_ent, temperature)
+    return out, truth, eager
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeypatch):
+def test_cublas_backward_recomputes_the_logits_with_cublas(device, order, dtype, monkeypatch):
     """RLKERNELS_LINEAR_FWD=cublas, 16-bit inputs: the backward recomputes each chunk's logits with the forward's
-    cuBLAS GEMM into a float32 tile (here the CPU's float32 GEMM stands in) and _dz_from_tile_kernel turns the raw
+    cuBLAS GEMM into a float32 tile (on the CPU the float32 GEMM stands in) and _dz_from_tile_kernel turns the raw
     tile into dz (dividing by T itself) -- no _dz_kernel, no Hopper dz kernel. In both loop orders, over several
     chunks, each sized with the float32 tile counted (6 bytes per dz entry): forward and backward against the
     float64 truth and no worse than eager."""
-    if "triton" not in backends("cpu"):
+    if "triton" not in backends(device):
         pytest.skip("triton is not installed")
     N, V, _ = ORDERS[order]
     budget = 64 * 128 * 6
@@ -283,9 +297,7 @@ def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeyp
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
     seen = _record_backward_kernels(monkeypatch)
     hidden, weight, b, labels, g_logp, g_ent = _inputs(N, 40, V, bias=True, seed=5)
-    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 0.9, dtype)
-    with forced_backend("triton"):
-        out = _run(linear_logprobs, *(_leaf(x, dtype) for x in (hidden, weight, b)), labels, g_logp, g_ent, 0.9)
+    out, truth, eager = _cublas_case(device, dtype, hidden, weight, b, labels, g_logp, g_ent, 0.9)
     assert seen["split"] == 0 and seen["tma"] == 0
     kept = int((labels != -100).sum())  # the op hands the backend the kept rows only
     if order == "vocabulary":
@@ -299,20 +311,19 @@ def test_cublas_backward_recomputes_the_logits_with_cublas(order, dtype, monkeyp
     _check_all(out, truth, eager, dtype)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cublas_kernels_low_temperature_no_worse_than_eager(dtype, monkeypatch):
-    """RLKERNELS_LINEAR_FWD=cublas at T = 1e-3: the backward's logits come from the same GEMM as the forward's
-    (cuBLAS; the CPU's float32 GEMM under the interpreter) and the tile kernel divides them by T as the other dz
+def test_cublas_kernels_low_temperature_no_worse_than_eager(device, dtype, monkeypatch):
+    """RLKERNELS_LINEAR_FWD=cublas at T = 1e-3: the backward's logits come from the same kind of GEMM as the
+    forward's (cuBLAS, over other shapes -- a chunk of rows against the whole vocabulary, every row against a chunk
+    of it; the CPU's float32 GEMM under the interpreter) and the tile kernel divides them by T as the other dz
     kernels do, so the gradients are no worse than eager's (test_low_temperature_no_worse_than_eager)."""
-    if "triton" not in backends("cpu"):
+    if "triton" not in backends(device):
         pytest.skip("triton is not installed")
     monkeypatch.setenv(fl_module.FWD_KERNEL_ENV, "cublas")
     seen = _record_backward_kernels(monkeypatch)
     hidden, weight, b, labels, g_logp, g_ent, zmax = _large_logits_case(24, 64, 300, seed=61, scale=1.0)
-    truth, eager = _truth_and_eager(hidden, weight, b, labels, g_logp, g_ent, 1e-3, dtype)
-    with forced_backend("triton"):
-        out = _run(linear_logprobs, _leaf(hidden, dtype), _leaf(weight, dtype), _leaf(b, dtype), labels, g_logp, g_ent,
-                   1e-3)
+    out, truth, eager = _cublas_case(device, dtype, hidden, weight, b, labels, g_logp, g_ent, 1e-3)
     assert seen["tile"] and seen["split"] == 0 and seen["tma"] == 0
     _check_all(out, truth, eager, dtype, tol=_magnitude_tol(dtype, zmax / 1e-3),
                vs_eager=("d_hidden", "d_weight", "d_bias"))

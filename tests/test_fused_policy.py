@@ -1170,7 +1170,8 @@ def test_triton_row_last_chunk_shorter_over_several_vocabulary_splits(device, ke
     (torch.bfloat16, dict(ratio="sequence", temperature=1.3, kl_coef=0.05), "held"),
     (torch.float32, dict(temperature=0.7), "chunks"),  # float32: "cublas" is not taken (_fwd_kernel, as "split")
 ])
-def test_triton_row_cublas_kernel_1_matches_float64_truth(dtype, options, layout, monkeypatch):
+@pytest.mark.parametrize("device", devices())
+def test_triton_row_cublas_kernel_1_matches_float64_truth(device, dtype, options, layout, monkeypatch):
     """RLKERNELS_LINEAR_FWD=cublas, 16-bit inputs: kernel 1 is a cuBLAS GEMM writing the raw logits into the float32
     tile (the CPU's float32 GEMM stands in here) and rlkernels.softmax's forward kernel reading it; kernel 2 reads
     the raw tile and divides by T itself. Over several chunks, a last one shorter, both layouts: forward and
@@ -1199,7 +1200,7 @@ def test_triton_row_cublas_kernel_1_matches_float64_truth(dtype, options, layout
     tile = fl.launch_dz_from_tile
     monkeypatch.setattr(fl, "launch_dz_from_tile",
                         lambda *a, raw, **k: seen["raw"].add(raw) or tile(*a, raw=raw, **k))
-    x = _inputs(B, T, 16, V, seed=V, adv_per_seq=ratio == "sequence")
+    x = _inputs(B, T, 16, V, seed=V, adv_per_seq=ratio == "sequence", device=device)
     _check_fused_against_truth(x, options, 1.0, dtype, "triton")
     if dtype == torch.float32:
         assert seen["cublas"] == 0 and seen["split"] == len(chunks) and seen["raw"] == {False}
@@ -1207,8 +1208,9 @@ def test_triton_row_cublas_kernel_1_matches_float64_truth(dtype, options, layout
         assert seen["cublas"] == len(chunks) and seen["split"] == seen["tma"] == 0 and seen["raw"] == {True}
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("raw", [False, True])
-def test_tile_kernel_candidate_tiles_give_the_same_bits(raw, monkeypatch):
+def test_tile_kernel_candidate_tiles_give_the_same_bits(raw, device, monkeypatch):
     """_dz_from_tile_kernel at the bench's candidate tiles (fused_linear._TILE_DZ_WIDE, 16 x 256 on 4 warps) writes
     the same dz and label residuals, bit for bit, as at the default ones (each entry is formed from its own logit
     and its row's values; the label's log p is the one entry of its row in a tile): the tile shape is free to be
@@ -1227,14 +1229,17 @@ def test_tile_kernel_candidate_tiles_give_the_same_bits(raw, monkeypatch):
     p = torch.softmax(zt, 1)  # [n, vc]
     entropy = -(p * torch.log_softmax(zt, 1)).sum(1)  # [n]
     g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)  # [n] each
+    z, labels, row_max, log_s, entropy, g_logp, g_ent = (x.to(device) for x in (z, labels, row_max, log_s, entropy,
+                                                                                 g_logp, g_ent))
     out = {}
     for name in ("_TILE_DZ", "_TILE_DZ_WIDE"):
         monkeypatch.setattr(fl, "_TILE_DZ", getattr(fl, name))
-        dz = torch.full((n, vc), float("nan"), dtype=torch.bfloat16)  # [n, vc]
-        resid = torch.zeros(n)  # [n]
+        dz = torch.full((n, vc), float("nan"), dtype=torch.bfloat16, device=device)  # [n, vc]
+        resid = torch.zeros(n, device=device)  # [n]
         fl.launch_dz_from_tile(z, labels, row_max, log_s, entropy, g_logp, g_ent, dz, resid, T, -100, col0=col0,
                                raw=raw)
-        out[name] = (dz, resid)
+        out[name] = (dz.cpu(), resid.cpu())
+    labels = labels.cpu()
     assert not out["_TILE_DZ"][0].isnan().any()
     assert torch.equal(out["_TILE_DZ"][0], out["_TILE_DZ_WIDE"][0])
     assert torch.equal(out["_TILE_DZ"][1], out["_TILE_DZ_WIDE"][1])
