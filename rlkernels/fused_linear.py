@@ -820,10 +820,9 @@ def _tma_aot_configs() -> list[KernelConfig]:
 # linear_policy_loss's kernel 2, the same tile kernel, reached there: 7.5 GB in 2.5 ms): dz ~15.3 ms against
 # _dz_kernel_tma's 17.4; its 12 chunks (of 10880 columns, against 4 of 32768) read and write dh's float32 [N, H]
 # accumulator 8 more times (+2.1 GB, ~0.5 ms): fwd+bwd ~14.2 + 15.3 + 13.3 + 14.7 = 57.5 ms, 1.13x four GEMMs (50.9)
-# against tma's 60.5 (1.19x). The extra
-# memory stays in the contract's bound: the forward's 1 GiB chunk, the backward's dz plus its tile within
-# _DZ_BUDGET_BYTES. bench_fused_linear's "rlkernels fwd cublas", "backward (all phases), cublas" and "dz kernel
-# cublas" rows measure it; the default moves only on those numbers.
+# against tma's 60.5 (1.19x). The extra memory stays in the contract's bound: the forward's 1 GiB chunk, the
+# backward's dz plus its tile within _DZ_BUDGET_BYTES. bench_fused_linear's "rlkernels fwd cublas", "backward (all
+# phases), cublas" and "dz kernel cublas" rows measure it; the default moves only on those numbers.
 FWD_KERNEL_ENV = "RLKERNELS_LINEAR_FWD"
 FWD_KERNELS = ("split", "tma", "cublas")
 _CUBLAS_CHUNK_BYTES = 1 << 30  # the baseline's float32 [rows, V] logits chunk stays under this
