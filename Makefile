@@ -76,8 +76,11 @@ TOTAL_S    ?=
 # divided by the temperature after the GEMM, the tests part's k3 probe (bench/k3_accuracy.py), and (stop 43)
 # masked_whiten's fused cooperative kernel (its CUDA tests, memcheck, and the bench's csrc / csrc passes rows), and
 # (stop 44) logits_policy_loss's csrc cluster kernel (its CUDA test, memcheck case, the bench's `rlkernels cluster`
-# row) -- all in the first call (PART=profile PROFILE_ONLY="whiten csrc,logits cluster" puts both whitening paths
-# and the cluster kernel under ncu); the
+# row), and (stop 51) the linear heads' cuBLAS path (RLKERNELS_LINEAR_FWD=cublas: the rows "rlkernels fwd cublas",
+# "backward (all phases), cublas", "dz kernel cublas", "rlkernels kernel 1 cublas", the phases "kernel 1 cublas"
+# and "kernel 2 after cublas"), the tile kernel's candidate tiles ("..., 16x256 tiles on 4 warps") and GEMM 3's
+# pieces, with their CUDA tests (-k cublas, candidate_tiles) -- all in the first call (PART=profile
+# PROFILE_ONLY="whiten csrc,logits cluster" puts both whitening paths and the cluster kernel under ncu); the
 # trainer-step rows were not re-run there, and the learning run has no control on a GPU yet: the
 # second call PART=trainer TRAINER_ONLY=rows,control (the control: the 60-step run with lr 1e-30, ~45 s), and the
 # profile if the lease has time (PART=profile PROFILE_ONLY=linear_logprobs).
