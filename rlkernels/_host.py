@@ -253,11 +253,21 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
             return torch.autograd.Function.apply.__func__(cls, *args)
         return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))  # the C base's apply
 
+    public = overload._schema.name.split("::")[1].removesuffix("_fwd")  # the public function's name
+
+    def jvp(ctx, *tangents):
+        # forward-mode AD would need each op's derivative as a forward formula; torch's own message for a missing
+        # one ("You must implement the jvp function for custom autograd.Function") names no op
+        raise NotImplementedError(f"rlkernels.{public} does not support forward-mode AD (torch.autograd.forward_ad, "
+                                  "torch.func.jvp, jacfwd, hessian); use reverse mode (.backward(), "
+                                  "torch.autograd.grad), or rlkernels.reference's eager formulas")
+
     # generate_vmap_rule: under torch.vmap forward sees batched tensors, so `call` goes through the custom op, whose
     # fallback runs the body per sample (as vmap of the op did when torch.library carried its autograd)
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                    "setup_context": staticmethod(setup_context),
                                                    "backward": staticmethod(backward_every_input),
+                                                   "jvp": staticmethod(jvp),
                                                    "generate_vmap_rule": True, "apply": classmethod(apply)})
 
 

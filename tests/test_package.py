@@ -420,6 +420,23 @@ def test_torch_func_grad_raises_naming_the_op_and_the_way_out(case):
         vjp(torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("case", range(7))
+def test_forward_mode_ad_raises_naming_the_op(case):
+    """Forward-mode AD (dual tensors, torch.func.jvp) has no formula in the ops: it is refused in the name of the op
+    the user called (torch's own message named only "custom autograd.Function"), and reverse mode still works."""
+    import torch.autograd.forward_ad as fwad
+
+    name, make = _differentiable_calls()[case]
+    x = torch.rand(2, 3, generator=torch.Generator().manual_seed(7)).neg()  # [2, 3]
+    with pytest.raises(NotImplementedError, match=rf"rlkernels\.{name} does not support forward-mode AD"):
+        with fwad.dual_level():
+            make(fwad.make_dual(x, torch.ones_like(x)))
+    with pytest.raises(NotImplementedError, match=rf"rlkernels\.{name} does not support forward-mode AD"):
+        torch.func.jvp(make, (x,), (torch.ones_like(x),))
+    (g,) = torch.autograd.grad(make(x.requires_grad_()), x)
+    assert torch.isfinite(g).all()
+
+
 def _advantage_calls():
     """The public ops without a gradient, as ``(name, call)`` on small CPU inputs."""
     import rlkernels
