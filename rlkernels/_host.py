@@ -244,30 +244,32 @@ def autograd_function(name: str, op, setup_context, backward) -> type:
     # torch.library.opcheck's test_aot_dispatch_dynamic); the Function stays the eager path (its apply is cheaper)
     torch.library.register_autograd(overload._schema.name, backward_every_input, setup_context=setup_context)
 
+    public = overload._schema.name.split("::")[1].removesuffix("_fwd")  # the public function's name
+
     def apply(cls, *args):
         # torch.autograd.Function.apply binds the arguments to forward's signature with inspect on every call (for
         # the defaults of a forward that has any; 20 us of the 184 us of policy_loss's fwd+bwd host path on the CPU
         # machine, kernels stubbed). Every argument is given here, positionally: the base apply takes them as they
         # are. Traced by torch.compile, or inside a torch.func transform, Function.apply's own path.
-        if len(args) != n_inputs or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            return torch.autograd.Function.apply.__func__(cls, *args)
-        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))  # the C base's apply
-
-    public = overload._schema.name.split("::")[1].removesuffix("_fwd")  # the public function's name
-
-    def jvp(ctx, *tangents):
-        # forward-mode AD would need each op's derivative as a forward formula; torch's own message for a missing
-        # one ("You must implement the jvp function for custom autograd.Function") names no op
-        raise NotImplementedError(f"rlkernels.{public} does not support forward-mode AD (torch.autograd.forward_ad, "
-                                  "torch.func.jvp, jacfwd, hessian); use reverse mode (.backward(), "
-                                  "torch.autograd.grad), or rlkernels.reference's eager formulas")
+        try:
+            if len(args) != n_inputs or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+                return torch.autograd.Function.apply.__func__(cls, *args)
+            return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))  # the C base's apply
+        except NotImplementedError as e:
+            # forward-mode AD (dual tensors, torch.func.jvp) calls the Function's jvp, which the ops do not have:
+            # torch's message ("You must implement the jvp function for custom autograd.Function") names no op. Not
+            # a jvp that raises: dynamo refuses to trace a Function that defines one
+            if "jvp" not in str(e):
+                raise
+            raise NotImplementedError(f"rlkernels.{public} does not support forward-mode AD (torch.autograd."
+                                      "forward_ad, torch.func.jvp, jacfwd, hessian); use reverse mode (.backward(), "
+                                      "torch.autograd.grad), or rlkernels.reference's eager formulas") from e
 
     # generate_vmap_rule: under torch.vmap forward sees batched tensors, so `call` goes through the custom op, whose
     # fallback runs the body per sample (as vmap of the op did when torch.library carried its autograd)
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                    "setup_context": staticmethod(setup_context),
                                                    "backward": staticmethod(backward_every_input),
-                                                   "jvp": staticmethod(jvp),
                                                    "generate_vmap_rule": True, "apply": classmethod(apply)})
 
 
