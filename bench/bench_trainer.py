@@ -7,10 +7,12 @@ hold [N, V]). The model is a 2-layer Llama with a real-size vocabulary, so the
 LM head dominates, as it does in RL of small language models.
 
 Bound: compute. FLOPs ~= 6·N·H·V for the LM head (forward logits, gradient of
-hidden, gradient of weight) + 6·N·P for the backbone's P parameters, N = B·R
-response tokens. Bytes: the weight [V, H] read three times and its gradient
-written once, plus the backbone's parameters and gradients (the logits never
-have to reach memory).
+hidden, gradient of weight), N the scored response tokens (only they go through the
+head), + 6·B·(P + R)·M for the backbone's linear layers (M weights): every prompt
+and response token runs through them, forward and backward. The input embedding
+is a lookup, not a product: its V·H parameters do no FLOPs (nor do the norms'), and
+attention's scores are left out (a lower bound). Bytes: every parameter read once
+and its gradient written once (the logits never have to reach memory).
 """
 from __future__ import annotations
 
@@ -33,11 +35,12 @@ def _case(device, B, P, R, V, H, layers, dtype):
     from rlkernels.trainer.models import TokenLogprobs, ops_provider
 
     model = _model(V, H, layers, device).to(dtype)
-    backbone_params = sum(p.numel() for n, p in model.named_parameters() if "lm_head" not in n)
-    N = B * R
-    flops = 6 * N * H * V + 6 * N * backbone_params
+    # the backbone's matrix products: its nn.Linear weights (not the embedding, a lookup, nor the norms)
+    linear_params = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    N = B * R - (R - R // 2)  # scored response tokens: make_inputs masks the second half of response 0
+    flops = 6 * N * H * V + 6 * B * (P + R) * linear_params
     elt = torch.finfo(dtype).bits // 8
-    bytes_moved = 4 * V * H * elt + 2 * backbone_params * elt
+    bytes_moved = 2 * sum(p.numel() for p in model.parameters()) * elt  # read once, gradient written once
 
     def make_inputs():
         g = torch.Generator().manual_seed(1)
