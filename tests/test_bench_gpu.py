@@ -330,3 +330,16 @@ def test_a_new_lease_does_not_merge_into_an_earlier_leases_record(tmp_path):
     staged.parent.mkdir()
     staged.write_text(json.dumps({"git_commit": "this lease", "tests": {}}))
     assert gpu.starting_record(staged, committed, dry_run=False)["git_commit"] == "this lease"
+
+
+def test_markdown_speedup_column_names_the_baseline_not_eager():
+    """Each row's speedup is over its case's baseline, which is eager for some cases only (gae: the Python loop,
+    logits_policy_loss: the two-op path, the phase rows: one cuBLAS GEMM): a "vs eager" column showed eager itself
+    at 0.05x."""
+    record = _fake_record("2026-11-21", "NVIDIA H200")
+    row = dict(record["bench"]["rows"][0], op="logits_policy_loss fwd+bwd", provider="eager", speedup=0.05)
+    record["bench"]["rows"] = [row]
+    text = gpu.render_markdown(record)
+    header = next(line for line in text.splitlines() if line.startswith("| op |"))
+    assert "vs eager" not in header and "vs baseline" in header
+    assert "| logits_policy_loss fwd+bwd | N=8192 V=128256 bfloat16 | eager |" in text
