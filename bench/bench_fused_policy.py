@@ -121,11 +121,13 @@ def _case(N: int, H: int, V: int, dtype: torch.dtype, device: torch.device, only
             providers[f"rlkernels kernel 1 {name}"] = harness.with_env("RLKERNELS_LINEAR_FWD", name,
                                                                           providers["rlkernels"])
     providers.update(_peers(device))
+    left_out = [k for k in providers if only and k not in only]
     if only:  # a case that measures some providers only (its shape says which were left out)
         providers = {k: v for k, v in providers.items() if k in only}
     return Case(
         op="linear_policy_loss fwd+bwd",
-        shape=f"N={B * T} H={H} V={V} {str(dtype).removeprefix('torch.')}",
+        shape=f"N={B * T} H={H} V={V} {str(dtype).removeprefix('torch.')}"
+              + (f" (not run: {', '.join(left_out)})" if left_out else ""),
         bytes_moved=2 * (B * T * H + V * H) * itemsize,
         flops=3 * 2 * B * T * H * V,
         bound="compute",
