@@ -55,12 +55,27 @@ def resolve_only(only: str, modules: list[str]) -> list[str]:
             unknown.append(token)
         elif name not in wanted:
             wanted.append(name)
-    if unknown:
+    if unknown or not wanted:
         raise ValueError(
-            f"unknown benchmark(s) {unknown}; modules: {', '.join(modules)}; "
-            f"op names: {', '.join(sorted(table))}"
+            (f"unknown benchmark(s) {unknown}" if unknown else f"{only!r} names no benchmark")
+            + f"; modules: {', '.join(modules)}; op names: {', '.join(sorted(table))}"
         )
     return wanted
+
+
+def unwritable(path: Path) -> str:
+    """Why ``path`` cannot be written (its folder created, the file opened for appending), or "" when it can: checked
+    before measuring, so a bad ``--json`` fails in a second rather than after the whole run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        return error.strerror or repr(error)
+    return ""
 
 
 def main(argv=None) -> int:
@@ -81,7 +96,12 @@ def main(argv=None) -> int:
                         help="CPU: keep glibc's default malloc (a fresh mmap, page faults, per large tensor) instead "
                              "of reusing freed memory; timings then depend on the kernel's memory state")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: not a device this bench runs on (cpu or cuda)")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available (use --device cpu)")
     names = discover()
@@ -89,7 +109,9 @@ def main(argv=None) -> int:
         try:
             names = resolve_only(args.only, names)
         except ValueError as error:
-            parser.error(str(error))
+            parser.error(f"--only: {error}")
+    if args.json and unwritable(Path(args.json)):
+        parser.error(f"--json {args.json}: cannot write there ({unwritable(Path(args.json))})")
     if device.type == "cpu" and not args.os_malloc and harness.keep_freed_memory():
         print("CPU allocator: freed memory is reused (no page faults per call; --os-malloc to turn off)", flush=True)
     ceilings = harness.measure_ceilings(device, args.quick)
