@@ -948,6 +948,17 @@ def main(argv=None) -> int:
         parser.error("--budget-s and --total-s must be > 0 seconds")
     if args.pytest_workers is not None and args.pytest_workers < 0:
         parser.error(f"--pytest-workers must be >= 0, got {args.pytest_workers}")
+    try:  # before any part runs: a typo must not surface after minutes of device time
+        bench_modules(args.only)
+    except SystemExit as error:
+        parser.error(str(error))
+    out_dir = Path(args.out_dir or (ROOT / ("build/gpu-dry-run" if args.dry_run else "bench/results")))
+    try:  # the record is written after the first part: an unwritable folder would crash it after its work
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as error:
+        parser.error(f"--out-dir {out_dir}: cannot write there ({error.strerror or error!r})")
     call_deadline = None if args.total_s is None else time.monotonic() + args.total_s
     if args.dry_run:
         device = torch.device("cpu")
@@ -963,7 +974,6 @@ def main(argv=None) -> int:
         print(f"installed from {args.wheels}: {', '.join(installed)}", flush=True)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
     date = datetime.date.today().isoformat()
-    out_dir = Path(args.out_dir or (ROOT / ("build/gpu-dry-run" if args.dry_run else "bench/results")))
     path = results_path(out_dir, device_name, date)
     # a copy under build/ (ignored by git: a warm device machine keeps it between calls, where the working tree's
     # bench/results/ comes fresh from the caller's checkout) lets the parts of several calls merge into one record

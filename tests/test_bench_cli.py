@@ -42,3 +42,14 @@ def test_bench_json_unwritable(nothing_measured, tmp_path, capsys):
     fine = tmp_path / "new" / "rows.json"
     assert not cli.unwritable(fine) and not fine.exists()  # the check leaves nothing behind
 
+
+def test_gpu_only_unknown_before_any_part(nothing_measured, tmp_path, capsys):
+    err = _error(gpu.main, ["--dry-run", "--only", "nosuch", "--out-dir", str(tmp_path)], capsys)
+    assert "--only: unknown bench modules ['nosuch']" in err
+
+
+def test_gpu_out_dir_unwritable_before_any_part(nothing_measured, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "results"
+    err = _error(gpu.main, ["--dry-run", "--part", "bench", "--out-dir", str(out), "--wheels", str(tmp_path)], capsys)
+    assert f"--out-dir {out}: cannot write there" in err
