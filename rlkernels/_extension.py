@@ -14,7 +14,8 @@ A build that will compile (no library in the cache, or a source newer than it)
 first prints one line to stderr, since it takes ~40 s. If both fail (no
 compiler, no sources, a build error), :func:`load` returns
 None, warns once with the reason, and the ops fall back to Triton or PyTorch.
-``RLKERNELS_NO_EXT=1`` skips the extension altogether.
+``RLKERNELS_NO_EXT=1`` (or ``true``/``yes``/``on``) skips the extension altogether; ``0``/``false``/``no``/``off``
+or unset uses it, and any other value is refused by name. Read once, at the first load.
 """
 from __future__ import annotations
 
@@ -162,15 +163,32 @@ def _build() -> None:
     )
 
 
+NO_EXT_ENV = "RLKERNELS_NO_EXT"
+_NO_EXT_VALUES = {"1": True, "true": True, "yes": True, "on": True, "": False, "0": False, "false": False, "no": False,
+                  "off": False}
+
+
+def disabled_by_env() -> bool:
+    """Whether ``RLKERNELS_NO_EXT`` turns the extension off (case and blanks ignored). Any other value than the
+    usual boolean spellings is refused by name: ``RLKERNELS_NO_EXT=true`` used to be read as "not 1" and the
+    extension was built and used all the same."""
+    value = os.environ.get(NO_EXT_ENV, "").strip().lower()
+    if value not in _NO_EXT_VALUES:
+        raise ValueError(f"{NO_EXT_ENV} must be one of 1, true, yes, on (skip the extension) or 0, false, no, off "
+                         f"(use it), got {os.environ[NO_EXT_ENV]!r}")
+    return _NO_EXT_VALUES[value]
+
+
 def load():
     """``torch.ops.rlkernels_csrc`` when the extension is usable, else None (after one warning)."""
     if _state["tried"]:
         return _state["ops"]
+    disabled = disabled_by_env()  # a bad value raises here, before anything is decided or cached
     with _lock:
         if not _state["tried"]:
             try:
-                if os.environ.get("RLKERNELS_NO_EXT") == "1":
-                    raise ExtensionUnavailable("RLKERNELS_NO_EXT=1")
+                if disabled:
+                    raise ExtensionUnavailable(f"{NO_EXT_ENV}={os.environ[NO_EXT_ENV].strip()}")
                 _build()
                 ops = getattr(torch.ops, NAMESPACE)
                 ops.gae  # noqa: B018  (raises if the library registered nothing)

@@ -545,6 +545,37 @@ def test_ops_on_meta_tensors_give_meta_results_of_the_right_shapes():
     assert adv.is_meta and ret.is_meta and adv.shape == (B, T)
 
 
+@pytest.mark.parametrize("value,disabled", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                            ("0", False), ("false", False), ("Off", False), ("", False)])
+def test_no_ext_reads_the_usual_boolean_spellings(value, disabled, monkeypatch):
+    """RLKERNELS_NO_EXT=true (or yes/on, any case) skips the extension like =1: it used to be read as "not 1", and
+    the extension was built and used all the same; 0/false/no/off use it."""
+    from rlkernels import _extension
+
+    built = []
+    monkeypatch.setattr(_extension, "_build", lambda: built.append(True))
+    monkeypatch.setattr(_extension, "_state", {"tried": False, "ops": None, "error": None, "warned": True,
+                                               "announced": False})
+    monkeypatch.setenv("RLKERNELS_NO_EXT", value)
+    _extension.load()
+    assert bool(built) is not disabled
+    if disabled:
+        assert "RLKERNELS_NO_EXT" in _extension.error()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "disable", "-1"])
+def test_no_ext_refuses_other_values_naming_the_variable(value, monkeypatch):
+    from rlkernels import _extension
+
+    monkeypatch.setattr(_extension, "_build", lambda: pytest.fail("built with an unreadable RLKERNELS_NO_EXT"))
+    monkeypatch.setattr(_extension, "_state", {"tried": False, "ops": None, "error": None, "warned": True,
+                                               "announced": False})
+    monkeypatch.setenv("RLKERNELS_NO_EXT", value)
+    with pytest.raises(ValueError, match="RLKERNELS_NO_EXT"):
+        _extension.load()
+    assert not _extension._state["tried"]  # nothing cached: the next call reads the variable again
+
+
 def test_cuda_kernels_are_built_only_with_a_target_and_a_toolkit(tmp_path, monkeypatch):
     """A CUDA torch on a machine with no GPU (and no TORCH_CUDA_ARCH_LIST) builds the CPU kernels alone (torch's
     build would otherwise fail choosing a target, taking them down too; seen with torch 2.11+cu130 here), and so
