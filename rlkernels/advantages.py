@@ -823,12 +823,15 @@ def _gae_torch(rewards, values, mask, gamma, lam):
     if B * T == 0:
         return torch.zeros_like(r), torch.zeros_like(r)
     dev = r.device
+    # every buffer float32 by name: a caller's torch.set_default_dtype (bfloat16 carries, float64 steps) would
+    # otherwise reach the scan
+    f32 = {"dtype": torch.float32, "device": dev}
     pos = torch.arange(T, device=dev)
     # index of the next valid token strictly after t (T if none): V_next = v[that], 0 past the end
     idx = torch.where(valid, pos, torch.full_like(pos, T))  # [B, T]
     first_at_or_after = torch.flip(torch.cummin(torch.flip(idx, [1]), 1).values, [1])  # [B, T]
     nxt = torch.cat([first_at_or_after[:, 1:], torch.full((B, 1), T, device=dev, dtype=idx.dtype)], 1)  # [B, T]
-    v_pad = torch.cat([torch.where(valid, v, torch.zeros_like(v)), torch.zeros(B, 1, device=dev)], 1)  # [B, T + 1]
+    v_pad = torch.cat([torch.where(valid, v, torch.zeros_like(v)), torch.zeros(B, 1, **f32)], 1)  # [B, T + 1]
     v_next = v_pad.gather(1, nxt)  # [B, T]
     delta = torch.where(valid, r + gamma * v_next - v, torch.zeros_like(r))  # [B, T]
     C = _TORCH_CHUNK
@@ -838,15 +841,15 @@ def _gae_torch(rewards, values, mask, gamma, lam):
     w = torch.nn.functional.pad(valid.to(torch.float32), (0, pad)).view(B, nc, C)  # [B, nc, C]
     k = torch.flip(torch.cumsum(torch.flip(w, [2]), 2), [2])  # [B, nc, C]: valid tokens in [t, end of chunk)
     gl = torch.tensor(gamma * lam, dtype=torch.float32, device=dev)
-    f = torch.where(w > 0, gl, torch.ones((), device=dev))  # [B, nc, C]: γλ at a valid token, 1 at a masked one
+    f = torch.where(w > 0, gl, torch.ones((), **f32))  # [B, nc, C]: γλ at a valid token, 1 at a masked one
     local = torch.empty_like(d)  # [B, nc, C]: the state inside each chunk, as if nothing followed it
-    acc = torch.zeros(B, nc, device=dev)  # [B, nc]
+    acc = torch.zeros(B, nc, **f32)  # [B, nc]
     for t in range(C - 1, -1, -1):
         acc = torch.addcmul(d[:, :, t], f[:, :, t], acc)
         local[:, :, t] = acc
     decay = torch.pow(gl, k)  # [B, nc, C]
-    carry = torch.zeros(B, device=dev)  # [B]: S at the start of the chunk after
-    carries = torch.empty(B, nc, device=dev)  # [B, nc]
+    carry = torch.zeros(B, **f32)  # [B]: S at the start of the chunk after
+    carries = torch.empty(B, nc, **f32)  # [B, nc]
     for c in range(nc - 1, -1, -1):
         carries[:, c] = carry
         carry = local[:, c, 0] + decay[:, c, 0] * carry

@@ -611,6 +611,25 @@ def test_torch_compile_fullgraph(csrc_ops):
             torch.testing.assert_close(g, w, equal_nan=True)
 
 
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16, torch.float16])
+def test_gae_torch_ignores_the_default_dtype(default):
+    """A caller's torch.set_default_dtype does not reach the torch scan's buffers: under bfloat16 its chunk carries
+    were stored in bfloat16 (advantages off by ~1e-2), under float64 part of the scan ran in float64 (other bits)."""
+    gen = torch.Generator().manual_seed(31)
+    r, v, m = gae_inputs(3, 100, "gaps", "per-token", torch.float32, gen)  # [B, T] x3: several chunks of the scan
+    with forced_backend("torch"):
+        want = rlkernels.gae(r, v, m, gamma=0.99, lam=0.95)
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            got = rlkernels.gae(r, v, m, gamma=0.99, lam=0.95)
+        finally:
+            torch.set_default_dtype(saved)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        assert torch.equal(g, w)
+
+
 def test_fallback_without_extension(monkeypatch, csrc_ops):
     """With the extension unavailable the ops still work (torch on CPU) and warn exactly once."""
     saved = dict(_extension._state)
