@@ -67,10 +67,13 @@ def padded_index(cu_seqlens: torch.Tensor | list[int], total: int, name: str = "
     # (not max(..., default=0): once a compiled step's boundaries change, dynamo traces them as symbols and cannot
     # trace that keyword)
     S, Tmax = len(sizes), (max(sizes) if sizes else 0)
-    lengths = torch.tensor(sizes, dtype=torch.long)  # [S]
-    seq = torch.repeat_interleave(torch.arange(S), lengths, output_size=total)  # [total]: each token's sequence
-    starts = torch.tensor(bounds[:-1], dtype=torch.long)  # [S]
-    offset = torch.arange(total) - starts[seq]  # [total]: position inside its sequence
+    # built on the CPU by name, then moved: under a caller's torch.set_default_device("meta") (a model built on meta)
+    # the map would otherwise hold no data and the move fail
+    host = torch.device("cpu")
+    lengths = torch.tensor(sizes, dtype=torch.long, device=host)  # [S]
+    seq = torch.repeat_interleave(torch.arange(S, device=host), lengths, output_size=total)  # [total]: each token's sequence
+    starts = torch.tensor(bounds[:-1], dtype=torch.long, device=host)  # [S]
+    offset = torch.arange(total, device=host) - starts[seq]  # [total]: position inside its sequence
     where = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else (device or torch.device("cpu"))
     return (seq * Tmax + offset).to(where), S, Tmax  # [total]
 

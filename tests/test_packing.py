@@ -205,6 +205,24 @@ def test_index_maps_round_trip():
     assert flat.tolist() == [1, 2, 4, 5, 6, 7] and cu.tolist() == [0, 2, 6, 6]
 
 
+@pytest.mark.parametrize("boundaries", ["tensor", "list"])
+def test_packed_losses_ignore_a_meta_default_device(boundaries):
+    """torch.set_default_device("meta") (left on after building a model on meta) does not reach the index map of
+    CPU inputs: it was built on meta and the move to the inputs' device failed with "Cannot copy out of meta"."""
+    gen = torch.Generator().manual_seed(41)
+    logp, old, adv = (torch.randn(1, TOTAL, generator=gen) for _ in range(3))  # [1, total] x3
+    mask = torch.ones(1, TOTAL)  # [1, total]
+    cu = CU if boundaries == "tensor" else CU.tolist()
+    want = rlkernels.policy_loss(logp, old, adv, mask, cu_seqlens=cu, agg="seq-mean-token-mean")[0]
+    torch.set_default_device("meta")
+    try:
+        got = rlkernels.policy_loss(logp, old, adv, mask, cu_seqlens=cu, agg="seq-mean-token-mean")[0]
+        index, _, _ = packing.padded_index(cu, TOTAL)  # [total]
+    finally:
+        torch.set_default_device(None)
+    assert index.device.type == "cpu" and torch.equal(got, want)
+
+
 # ------------------------------------------------------------------ response_logprobs on a packed batch
 
 transformers = pytest.importorskip("transformers")
