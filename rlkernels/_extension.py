@@ -19,6 +19,7 @@ or unset uses it, and any other value is refused by name. Read once, at the firs
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -28,6 +29,11 @@ import threading
 import warnings
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no stale-lock recovery (below)
+    fcntl = None
 
 NAMESPACE = "rlkernels_csrc"
 # nvcc's optimisation flags for the CUDA kernels (setup.py's ahead-of-time build passes the same); the AOT budget
@@ -125,6 +131,27 @@ def _prebuilt() -> str | None:
     return found[0] if found else None
 
 
+@contextlib.contextmanager
+def _build_lock(directory: str):
+    """Holds an exclusive ``flock`` on ``directory``'s ``rlkernels.lock`` for the block, then removes torch's own
+    build lock (``directory/lock``, the file ``cpp_extension.load`` waits on while it exists) if one is there.
+    Every process of this package builds under the flock, so torch's lock found while holding it was left by a
+    build that died (SIGKILL, the OOM killer, a preempted job): torch would wait on it forever -- every later
+    process printed the build notice and hung. The kernel drops a dead process's flock, so the flock itself
+    never goes stale."""
+    if fcntl is None:
+        yield
+        return
+    with open(os.path.join(directory, f"{NAMESPACE}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits for a live build by another process, which then loads it
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> None:
     """Load the prebuilt library or JIT-build ``csrc/``; raises with the reason on failure."""
     prebuilt = _prebuilt()
@@ -151,16 +178,17 @@ def _build() -> None:
         # a silent ~40 s compile looks like a hang (a progress bar at 0 with an ETA of hours): say it once
         _state["announced"] = True
         print(BUILD_NOTICE, file=sys.stderr, flush=True)
-    cpp_extension.load(
-        name=NAMESPACE,
-        sources=sources,
-        extra_cflags=["-O3", *openmp_flags()] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
-        extra_ldflags=openmp_flags(),
-        extra_cuda_cflags=list(CUDA_FLAGS) if with_cuda else None,
-        build_directory=directory,
-        is_python_module=False,
-        verbose=os.environ.get("RLKERNELS_VERBOSE_BUILD") == "1",
-    )
+    with _build_lock(directory):
+        cpp_extension.load(
+            name=NAMESPACE,
+            sources=sources,
+            extra_cflags=["-O3", *openmp_flags()] + (["-DRLKERNELS_WITH_CUDA"] if with_cuda else []),
+            extra_ldflags=openmp_flags(),
+            extra_cuda_cflags=list(CUDA_FLAGS) if with_cuda else None,
+            build_directory=directory,
+            is_python_module=False,
+            verbose=os.environ.get("RLKERNELS_VERBOSE_BUILD") == "1",
+        )
 
 
 NO_EXT_ENV = "RLKERNELS_NO_EXT"

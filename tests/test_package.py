@@ -576,6 +576,29 @@ def test_no_ext_refuses_other_values_naming_the_variable(value, monkeypatch):
     assert not _extension._state["tried"]  # nothing cached: the next call reads the variable again
 
 
+def test_a_build_lock_left_by_a_dead_build_is_removed(tmp_path, monkeypatch):
+    """torch's cpp_extension waits for its build lock (``<build dir>/lock``) to disappear, forever: a build killed
+    midway (SIGKILL, the OOM killer) left it behind and every later process printed the build notice and hung.
+    Under the package's own flock a lock found there is stale, and is removed before torch looks."""
+    from torch.utils import cpp_extension
+
+    from rlkernels import _extension
+
+    monkeypatch.setenv("RLKERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(_extension, "_prebuilt", lambda: None)
+    stale = os.path.join(_extension.build_directory(), "lock")
+    open(stale, "w").close()
+    seen = []
+
+    def load(**kwargs):  # what torch does first: wait while the lock exists (here: record instead of hanging)
+        seen.append(os.path.exists(os.path.join(kwargs["build_directory"], "lock")))
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setitem(_extension._state, "announced", True)
+    _extension._build()
+    assert seen == [False]
+
+
 def test_cuda_kernels_are_built_only_with_a_target_and_a_toolkit(tmp_path, monkeypatch):
     """A CUDA torch on a machine with no GPU (and no TORCH_CUDA_ARCH_LIST) builds the CPU kernels alone (torch's
     build would otherwise fail choosing a target, taking them down too; seen with torch 2.11+cu130 here), and so
