@@ -63,7 +63,14 @@ class UnsupportedGRPOOption(ValueError):
 
 
 def check_supported(args, model=None, ref_model=None, *, aux_loss_enabled: bool = False) -> None:
-    """Raise :class:`UnsupportedGRPOOption` naming every option the fused loss cannot honour."""
+    """Raise :class:`UnsupportedGRPOOption` naming every option the fused loss cannot honour.
+
+    Args:
+        args: the trainer's ``GRPOConfig`` (``loss_type``, the clip ranges, ``delta`` and the refused options).
+        model, ref_model: the policy and the reference model, or None to skip them: a head that soft-caps or
+            scales its logits is refused, naming the config field (:func:`rlkernels.hf.lm_head`).
+        aux_loss_enabled: the model adds a Mixture-of-Experts router auxiliary loss, which is refused.
+    """
     problems = []
     if args.loss_type not in SUPPORTED_LOSS_TYPES:
         problems.append(
