@@ -1456,7 +1456,7 @@ _POLICY_DOC_ARGS = """
             :func:`rlkernels.linear_logprobs` (mask such tokens out as well unless a log-prob of 0 is meant).
         return_entropy: compute the entropy also when ``entropy_coef`` is 0, for logging only (the ``entropy``
             metric and ``token_entropy``, as ``policy_loss(..., entropy=ent)`` reports it; no gradient term): one
-            more reduction over the logits tile, no extra GEMM.
+            more reduction in the pass over the logits (over each logits tile of the linear head: no extra GEMM).
         cu_seqlens: ``[S + 1]`` boundaries of *packed* inputs, as in :func:`rlkernels.policy_loss`: the head input
             is ``[1, total, X]`` and the per-token tensors ``[1, total]`` (``advantages`` may be ``[S]``); the
             result is the op's on the padded ``[S, Tmax]`` view (every ``agg`` mode and ``ratio="sequence"`` act
