@@ -110,8 +110,9 @@ def main(argv=None) -> int:
             names = resolve_only(args.only, names)
         except ValueError as error:
             parser.error(f"--only: {error}")
-    if args.json and unwritable(Path(args.json)):
-        parser.error(f"--json {args.json}: cannot write there ({unwritable(Path(args.json))})")
+    why = unwritable(Path(args.json)) if args.json else ""
+    if why:
+        parser.error(f"--json {args.json}: cannot write there ({why})")
     if device.type == "cpu" and not args.os_malloc and harness.keep_freed_memory():
         print("CPU allocator: freed memory is reused (no page faults per call; --os-malloc to turn off)", flush=True)
     ceilings = harness.measure_ceilings(device, args.quick)

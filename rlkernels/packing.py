@@ -71,7 +71,8 @@ def padded_index(cu_seqlens: torch.Tensor | list[int], total: int, name: str = "
     # the map would otherwise hold no data and the move fail
     host = torch.device("cpu")
     lengths = torch.tensor(sizes, dtype=torch.long, device=host)  # [S]
-    seq = torch.repeat_interleave(torch.arange(S, device=host), lengths, output_size=total)  # [total]: each token's sequence
+    # [total]: each token's sequence
+    seq = torch.repeat_interleave(torch.arange(S, device=host), lengths, output_size=total)
     starts = torch.tensor(bounds[:-1], dtype=torch.long, device=host)  # [S]
     offset = torch.arange(total, device=host) - starts[seq]  # [total]: position inside its sequence
     where = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else (device or torch.device("cpu"))

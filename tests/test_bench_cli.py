@@ -38,7 +38,8 @@ def test_bench_only_naming_nothing(nothing_measured, capsys):
 def test_bench_json_unwritable(nothing_measured, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     out = tmp_path / "file" / "rows.json"  # under a regular file: no folder can be made there
-    assert f"--json {out}: cannot write there" in _error(cli.main, ["--quick", "--only", "gae", "--json", str(out)], capsys)
+    message = _error(cli.main, ["--quick", "--only", "gae", "--json", str(out)], capsys)
+    assert f"--json {out}: cannot write there" in message
     fine = tmp_path / "new" / "rows.json"
     assert not cli.unwritable(fine) and not fine.exists()  # the check leaves nothing behind
 
